@@ -1,0 +1,5 @@
+import sys
+
+from lockstep.cli import main
+
+sys.exit(main())
