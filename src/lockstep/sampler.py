@@ -1,0 +1,223 @@
+"""DistributedSampler: torch's index sharding, plus a position you can save and resume mid-epoch.
+
+For the same (dataset length, num_replicas, rank, shuffle, seed, drop_last, epoch) it
+yields exactly the indices of ``torch.utils.data.distributed.DistributedSampler``, so
+it is a drop-in. The one idea: a rank's indices are a pure function of those
+arguments, so a saved position is just (epoch, seed, how many of this rank's indices
+the training loop has consumed) — a few integers that ``torch.load(weights_only=True)``
+reads back — and resuming means skipping that many.
+
+Counting consumption honestly: a DataLoader with workers pulls indices from the
+sampler ``prefetch_factor * num_workers`` batches ahead of the loop body, so "how many
+indices were yielded" over-counts. Tell the sampler what the loop really consumed,
+either with ``advance(n)`` after each step or with ``state_dict(consumed=n)``; without
+either, the yielded count is used, which is exact only for ``num_workers=0``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sized
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+
+class DistributedSampler(Sampler[int]):
+    """Shards a dataset's indices across ranks, identically to torch's sampler, resumably.
+
+    Args:
+        dataset: anything with ``__len__``; only its length is read.
+        num_replicas: number of ranks sharing the data. Default: the size of ``group``
+            (or of the default process group). Passing it explicitly is preferred.
+        rank: this rank, in ``[0, num_replicas)``. Default: the rank in ``group``.
+        shuffle: shuffle with a generator seeded ``seed + epoch`` (same as torch).
+        seed: base seed; every rank must use the same one.
+        drop_last: drop the tail so every rank gets ``len // num_replicas`` indices.
+            When False (torch's default), the list is padded by repeating indices from
+            its start so that every rank gets ``ceil(len / num_replicas)``.
+        pad: keyword-only, lockstep's addition. ``pad=False`` (only with
+            ``drop_last=False``) gives rank r the indices ``perm[r::num_replicas]`` with no
+            padding, so across ranks every sample appears exactly once; ranks may then
+            differ by one in length. Use it for evaluation, where a padded duplicate would
+            be counted twice. Training keeps the default ``pad=True`` (equal steps on all
+            ranks, which DDP needs).
+        group: keyword-only process group to read defaults from.
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        *,
+        pad: bool = True,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not hasattr(dataset, "__len__"):
+            raise TypeError(f"DistributedSampler needs a dataset with __len__, got {type(dataset).__name__}")
+        if num_replicas is None or rank is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                missing = "num_replicas" if num_replicas is None else "rank"
+                raise RuntimeError(
+                    f"DistributedSampler: {missing} was not given and no process group is initialised; "
+                    "pass num_replicas= and rank= explicitly, or call lockstep.init() first"
+                )
+            if num_replicas is None:
+                num_replicas = dist.get_world_size(group)
+            if rank is None:
+                rank = dist.get_rank(group)
+        for name, value in (("num_replicas", num_replicas), ("rank", rank), ("seed", seed)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"DistributedSampler: {name} must be an int, got {value!r}")
+        if num_replicas < 1:
+            raise ValueError(f"DistributedSampler: num_replicas must be >= 1, got {num_replicas}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"DistributedSampler: rank {rank} is out of range for num_replicas {num_replicas} "
+                f"(valid ranks: 0..{num_replicas - 1})"
+            )
+        if not pad and drop_last:
+            raise ValueError("DistributedSampler: pad=False only applies with drop_last=False (nothing to pad)")
+        self.dataset = dataset
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.drop_last = bool(drop_last)
+        self.pad = bool(pad)
+        self.epoch = 0
+        self._start = 0  # position the next __iter__ starts from (set by load_state_dict)
+        self._yielded = 0  # indices handed out in this epoch, counted from position 0
+        self._advanced: int | None = None  # what advance() reported for this epoch, if used
+
+    # -- sizes -------------------------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        """Indices this rank gets per epoch (torch's attribute of the same name)."""
+        n, r = len(self.dataset), self.num_replicas
+        if self.drop_last:
+            return n // r  # the tail that does not fill a round is dropped
+        if not self.pad:
+            return len(range(self.rank, n, r))
+        return -(-n // r)  # ceil: short ranks are padded
+
+    @property
+    def total_size(self) -> int:
+        return self.num_samples * self.num_replicas if self.pad else len(self.dataset)
+
+    def __len__(self) -> int:
+        """How many indices the next ``__iter__`` yields: ``num_samples`` less a resumed position."""
+        return self.num_samples - self._start
+
+    # -- iteration ---------------------------------------------------------------------
+    def _order(self) -> list[int]:
+        n = len(self.dataset)
+        if not self.shuffle:
+            return list(range(n))
+        # Same generator, seed and call as torch's sampler: that is what makes the indices equal.
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(n, generator=g).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        order = self._order()
+        n = len(order)
+        start, self._start = self._start, 0  # a resumed position applies to one iteration only
+        self._yielded = start
+        self._advanced = None if start == 0 else start
+        # Position j of this rank is global position rank + j * num_replicas of the list
+        # padded by wrapping around (order[i % n]): exactly torch's padding, never built.
+        for j in range(start, self.num_samples):
+            self._yielded = j + 1  # counted as it is handed out: the generator pauses at the yield
+            yield order[(self.rank + j * self.num_replicas) % n]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's shuffle. Re-setting the epoch just loaded keeps the resumed position."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"DistributedSampler.set_epoch: epoch must be an int >= 0, got {epoch!r}")
+        if epoch != self.epoch:
+            self._start = 0
+            self._yielded = 0
+            self._advanced = None
+        self.epoch = epoch
+
+    # -- resumable state ---------------------------------------------------------------
+    def advance(self, n: int) -> None:
+        """Record that the training loop consumed ``n`` more indices of this epoch.
+
+        Call it once per step with the batch size (the Trainer does). Once used in an
+        epoch, ``state_dict()`` saves this count instead of the yielded one, which a
+        prefetching DataLoader runs ahead of.
+        """
+        if n < 0:
+            raise ValueError(f"DistributedSampler.advance: n must be >= 0, got {n}")
+        total = (self._advanced or 0) + n
+        if total > self.num_samples:
+            raise ValueError(
+                f"DistributedSampler.advance: {total} consumed exceeds the {self.num_samples} "
+                f"indices rank {self.rank} has in an epoch"
+            )
+        self._advanced = total
+
+    def state_dict(self, consumed: int | None = None) -> dict:
+        """Plain ints and bools: epoch, seed, consumed (this rank, this epoch) and the layout to check.
+
+        ``consumed`` overrides the count; otherwise ``advance()``'s total is used if it was
+        called this epoch, else the number of indices yielded.
+        """
+        if consumed is None:
+            consumed = self._advanced if self._advanced is not None else self._yielded
+        if not 0 <= consumed <= self.num_samples:
+            raise ValueError(
+                f"DistributedSampler.state_dict: consumed={consumed} is outside [0, {self.num_samples}] "
+                f"for rank {self.rank}"
+            )
+        return {
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "consumed": int(consumed),
+            "rank": self.rank,
+            "num_replicas": self.num_replicas,
+            "dataset_len": len(self.dataset),
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "pad": self.pad,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next ``__iter__`` yields exactly the indices not yet consumed.
+
+        Epoch and seed come from the state. The layout (num_replicas, dataset length,
+        shuffle, drop_last, pad) must match, because a different layout sends different
+        indices to each rank and the run could no longer continue exactly.
+        """
+        for key in ("epoch", "seed", "consumed"):
+            if key not in state:
+                raise KeyError(f"DistributedSampler.load_state_dict: state has no {key!r}")
+        current = {
+            "num_replicas": self.num_replicas,
+            "dataset_len": len(self.dataset),
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "pad": self.pad,
+        }
+        for key, mine in current.items():
+            if key in state and state[key] != mine:
+                raise ValueError(
+                    f"DistributedSampler.load_state_dict: saved {key}={state[key]!r} but this sampler has "
+                    f"{key}={mine!r}; an exact resume needs the same layout"
+                )
+        consumed = int(state["consumed"])
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+        if not 0 <= consumed <= self.num_samples:
+            raise ValueError(
+                f"DistributedSampler.load_state_dict: consumed={consumed} is outside [0, {self.num_samples}]"
+            )
+        self._start = consumed
+        self._yielded = consumed
+        self._advanced = None
