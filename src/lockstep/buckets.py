@@ -1,0 +1,79 @@
+"""Bucket assignment: which parameters share one flat buffer and one all-reduce.
+
+A gloo all-reduce costs ~0.5 ms however small, so gradients travel in buckets of up
+to ``bucket_cap_mb``. Buckets are filled in the order gradients are expected to be
+ready (reverse registration order at first, the observed order after one
+iteration), so the first bucket fills early in backward and its all-reduce overlaps
+the rest. The first bucket is small (1 MiB) so that communication starts as soon as
+possible. A bucket never mixes devices or dtypes: it is one flat tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+MIB = 1024 * 1024
+DEFAULT_FIRST_BUCKET_BYTES = 1 * MIB
+
+
+@dataclass
+class BucketPlan:
+    """One bucket's layout: parameter indices in buffer order, and where each starts."""
+
+    param_indices: list[int]
+    offsets: list[int] = field(default_factory=list)  # element offset of each parameter in the buffer
+    numel: int = 0
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def assign_buckets(
+    params: Sequence[torch.Tensor],
+    order: Sequence[int],
+    bucket_cap_bytes: int,
+    first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+    bucket_caps_bytes: Sequence[int] | None = None,
+) -> list[BucketPlan]:
+    """Group ``params`` (visited in ``order``, a permutation of their indices) into buckets.
+
+    Per (device, dtype) a bucket is closed before a parameter that would take it past
+    its cap, so no bucket exceeds its cap unless it holds a single larger parameter.
+    The first bucket of each (device, dtype) has cap ``first_bucket_bytes``, later ones
+    ``bucket_cap_bytes``; ``bucket_caps_bytes`` instead gives every bucket's cap in
+    turn (the last one repeats). Buckets are numbered by where their first parameter
+    falls in ``order``: bucket 0 is expected to be ready first.
+    """
+    if bucket_cap_bytes <= 0:
+        raise ValueError(f"bucket cap must be > 0 bytes, got {bucket_cap_bytes}")
+    if sorted(order) != list(range(len(params))):
+        raise ValueError(f"order must be a permutation of range({len(params)}), got {list(order)[:10]}...")
+    caps = list(bucket_caps_bytes) if bucket_caps_bytes else [min(first_bucket_bytes, bucket_cap_bytes), bucket_cap_bytes]
+    open_buckets: dict[tuple, tuple[BucketPlan, int, int]] = {}  # key -> (plan, nbytes, how many closed before)
+    closed: list[tuple[int, BucketPlan]] = []  # (position of first parameter in order, plan)
+    first_pos: dict[int, int] = {}
+    for pos, index in enumerate(order):
+        p = params[index]
+        key = (p.device, p.dtype)
+        nbytes = p.numel() * p.element_size()
+        plan, used, n_closed = open_buckets.get(key, (None, 0, 0))
+        cap = caps[min(n_closed, len(caps) - 1)]
+        if plan is not None and plan.param_indices and used + nbytes > cap:
+            closed.append((first_pos[id(plan)], plan))
+            plan, used, n_closed = None, 0, n_closed + 1
+        if plan is None:
+            plan = BucketPlan([], dtype=p.dtype, device=p.device)
+            first_pos[id(plan)] = pos
+        plan.offsets.append(plan.numel)
+        plan.param_indices.append(index)
+        plan.numel += p.numel()
+        open_buckets[key] = (plan, used + nbytes, n_closed)
+    closed.extend((first_pos[id(plan)], plan) for plan, _, _ in open_buckets.values() if plan.param_indices)
+    closed.sort(key=lambda item: item[0])
+    return [plan for _, plan in closed]

@@ -1,0 +1,197 @@
+"""DistributedDataParallel: the module wrapper, a drop-in for ``torch.nn.parallel.DistributedDataParallel``.
+
+Same constructor, same ``.module``, ``no_sync()`` and ``register_comm_hook``, same
+state_dict keys (``module.`` prefix). The wrapper itself does little: at
+construction it checks every rank built the same model and copies rank 0's state;
+each forward decides whether the coming backward is synchronised (not under
+``no_sync``, not without grad) and broadcasts buffers. The reducer
+(``lockstep.reducer``) does the gradient averaging during backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
+from lockstep.module_sync import broadcast_coalesced, syncable_buffers, verify_params_across_ranks
+from lockstep.reducer import Reducer
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+
+_NEXT_ISSUE = "not implemented yet (issue 3: full DDP semantics)"
+
+
+def _move_to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (list, tuple)):
+        moved = [_move_to(o, device) for o in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
+    if isinstance(obj, dict):
+        return type(obj)((k, _move_to(v, device)) for k, v in obj.items())
+    return obj
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism with bucketed all-reduce overlapped with backward.
+
+    Args (as torch's):
+        module: the model, already on its device; every rank must build the same one.
+        device_ids: ``[device]`` for a single-GPU module (inputs are moved there); None for CPU.
+        output_device: accepted for compatibility; outputs stay where the module puts them.
+        dim: accepted for compatibility (multi-device scatter is not supported, as in torch 2.x).
+        broadcast_buffers: broadcast rank 0's buffers before each synchronised forward (default True).
+        init_sync: check the model across ranks and broadcast rank 0's state at construction.
+        process_group: the group to average over (default: the default group).
+        bucket_cap_mb: bucket size in MiB (default 25); the first bucket is 1 MiB.
+        find_unused_parameters, static_graph: see issue 3.
+        check_reduction: deprecated in torch, ignored.
+        gradient_as_bucket_view: ``param.grad`` becomes a view into the bucket buffer, which saves
+            the copy back and one gradient's worth of memory. With ``zero_grad(set_to_none=True)``
+            (torch's default) the fresh gradient is copied in once per step; ``set_to_none=False``
+            keeps the view and avoids it.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: list | None = None,
+        output_device: Any = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+    ):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+            raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        for name, value, default in [
+            ("find_unused_parameters", find_unused_parameters, False),
+            ("static_graph", static_graph, False),
+            ("delay_all_reduce_named_params", delay_all_reduce_named_params, None),
+            ("param_to_hook_all_reduce", param_to_hook_all_reduce, None),
+            ("mixed_precision", mixed_precision, None),
+            ("device_mesh", device_mesh, None),
+            ("skip_all_reduce_unused_params", skip_all_reduce_unused_params, False),
+            ("bucket_cap_mb_list", bucket_cap_mb_list, None),
+            ("forward_sync_buffers", forward_sync_buffers, None),
+        ]:
+            if value is not default and value != default:
+                raise NotImplementedError(f"DistributedDataParallel: {name}={value!r} is {_NEXT_ISSUE}")
+        if process_group is None:
+            if not dist.is_initialized():
+                raise RuntimeError(
+                    "DistributedDataParallel: no process group: call lockstep.init() (or "
+                    "torch.distributed.init_process_group) first, or pass process_group="
+                )
+            process_group = dist.group.WORLD
+        devices = {p.device for p in module.parameters()}
+        if device_ids is not None:
+            if len(device_ids) != 1 or any(d.type == "cpu" for d in devices):
+                raise ValueError(
+                    "DistributedDataParallel: device_ids must be None for a CPU module and a one-element list "
+                    f"[device] for a single-GPU module; got device_ids={device_ids} for a module on {sorted(map(str, devices))}"
+                )
+            self.device = torch.device(device_ids[0]) if not isinstance(device_ids[0], int) else torch.device("cuda", device_ids[0])
+        self.module = module
+        self.device_ids = device_ids
+        self.output_device = output_device
+        self.dim = dim
+        self.broadcast_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
+        self.process_group = process_group
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.bucket_bytes_cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MIB)
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self._comm_hook_registered = False
+        self._buffers = syncable_buffers(module)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if init_sync:
+            verify_params_across_ranks(list(module.named_parameters()), process_group)
+            broadcast_coalesced(list(module.parameters()) + self._buffers, process_group)
+        self.reducer = (
+            Reducer(
+                [p for _, p in named],
+                [n for n, _ in named],
+                process_group,
+                bucket_cap_bytes=max(1, self.bucket_bytes_cap),
+                first_bucket_bytes=DEFAULT_FIRST_BUCKET_BYTES,
+                gradient_as_bucket_view=gradient_as_bucket_view,
+            )
+            if named
+            else None
+        )
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.device_ids is not None:
+            inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)
+        synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        # As torch: buffers and bucket rebuilds follow the synchronised forwards only (not no_sync, not eval).
+        self.require_forward_param_sync = synced
+        if synced:
+            if self.broadcast_buffers and self._buffers and dist.get_world_size(self.process_group) > 1:
+                broadcast_coalesced(self._buffers, self.process_group)  # one collective per dtype, each forward
+            if self.reducer is not None:
+                self.reducer.prepare_for_backward()
+        return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward of a forward outside it synchronises the total."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    # ----------------------------------------------------------- comm hooks
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` instead of the all-reduce average.
+
+        As in torch, the bucket buffer given to the hook holds the local gradients (not divided by
+        the world size) and one hook may be registered, before the first backward.
+        """
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+        if self._comm_hook_registered:
+            raise RuntimeError("register_comm_hook: a communication hook is already registered (one per model)")
+        if self.reducer is None:
+            raise RuntimeError("register_comm_hook: the module has no parameter that requires grad")
+        if self.reducer.num_syncs > 0:
+            raise RuntimeError("register_comm_hook must be called before the first backward")
+        self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
+        self._comm_hook_registered = True
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"DistributedDataParallel.join is {_NEXT_ISSUE}")
+
+    # ----------------------------------------------------------- diagnostics
+    def comm_stats(self) -> dict[str, float]:
+        """Time this rank spent waiting for all-reduces at the end of backward (not hidden by overlap)."""
+        if self.reducer is None:
+            return {"comm_wait_s": 0.0, "steps": 0}
+        return {"comm_wait_s": self.reducer.comm_wait_s, "steps": self.reducer.num_syncs}

@@ -1,0 +1,92 @@
+"""Making replicas start identical: check every rank built the same model, then copy rank 0's state.
+
+The check gathers each rank's (name, shape, dtype) list to every rank, so each rank
+finds the same first difference and raises the same error: no rank is left waiting
+in a collective the others skipped. The copy broadcasts flat per-dtype chunks, so a
+model with hundreds of tensors costs a few collectives, not hundreds.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # bounds the extra memory of the flat copy
+
+
+def _describe(shape: tuple, dtype: str) -> str:
+    return f"shape {tuple(shape)} dtype {dtype}"
+
+
+def verify_params_across_ranks(named_params: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup) -> None:
+    """Raise the same RuntimeError on every rank if the ranks' parameters differ in count, name, shape or dtype.
+
+    Costs one all_gather_object (a pickle per rank) at construction only.
+    """
+    mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in named_params]
+    world_size = dist.get_world_size(group)
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, mine, group=group)
+    reference = gathered[0]
+    for rank in range(1, world_size):
+        theirs = gathered[rank]
+        for i in range(max(len(reference), len(theirs))):
+            if i >= len(reference) or i >= len(theirs):
+                extra_rank, extra = (rank, theirs) if i >= len(reference) else (0, reference)
+                name = extra[i][0]
+                raise RuntimeError(
+                    "DistributedDataParallel: the model differs across ranks: rank 0 has "
+                    f"{len(reference)} parameters and rank {rank} has {len(theirs)}; the first unmatched one is "
+                    f"{name!r} on rank {extra_rank}. Every rank must construct the same model."
+                )
+            (name0, shape0, dtype0), (name_r, shape_r, dtype_r) = reference[i], theirs[i]
+            if (name0, shape0, dtype0) != (name_r, shape_r, dtype_r):
+                where = f"parameter {name0!r}" if name0 == name_r else f"parameter #{i} ({name0!r} on rank 0, {name_r!r} on rank {rank})"
+                raise RuntimeError(
+                    f"DistributedDataParallel: the model differs across ranks: {where} has "
+                    f"{_describe(shape0, dtype0)} on rank 0 but {_describe(shape_r, dtype_r)} on rank {rank}. "
+                    "Every rank must construct the same model."
+                )
+
+
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, src_group_rank: int = 0) -> None:
+    """Overwrite ``tensors`` on every rank with the source rank's values, a few flat collectives at a time.
+
+    Costs one flat copy per chunk of up to ``BROADCAST_CHUNK_BYTES`` (cat, broadcast, copy back).
+    """
+    src = dist.get_global_rank(group, src_group_rank)
+    by_key: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_key.setdefault((t.device, t.dtype), []).append(t)
+    for same_kind in by_key.values():
+        chunk: list[torch.Tensor] = []
+        nbytes = 0
+        for t in same_kind:
+            chunk.append(t)
+            nbytes += t.numel() * t.element_size()
+            if nbytes >= BROADCAST_CHUNK_BYTES:
+                _broadcast_flat(chunk, group, src)
+                chunk, nbytes = [], 0
+        if chunk:
+            _broadcast_flat(chunk, group, src)
+
+
+def _broadcast_flat(chunk: list[torch.Tensor], group: dist.ProcessGroup, src: int) -> None:
+    with torch.no_grad():
+        flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for t in chunk:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def syncable_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Buffers of floating or integer dtype (BatchNorm statistics, step counters); bool and complex stay local."""
+    return [
+        b
+        for b in module.buffers()
+        if b.dtype.is_floating_point or (not b.dtype.is_complex and b.dtype != torch.bool)
+    ]

@@ -1,0 +1,212 @@
+"""Process-group setup from whatever launched us: torchrun / ``lockstep launch``, SLURM's srun, or OpenMPI.
+
+Each launcher describes the job in its own environment variables. ``init()`` reads
+them into one ``LaunchEnv`` (rank, world size, local rank, master address and port),
+refuses missing or contradictory values with an error that names the variable and
+the launchers that set it, then starts ``torch.distributed`` with NCCL on a GPU and
+gloo otherwise.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lockstep.slurm import expand_nodelist, port_from_job_id
+
+_DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as the launcher described it."""
+
+    launcher: str  # "torchrun", "slurm", "openmpi" or "single"
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """What ``init()`` set up: returned to the caller, never read back from a global."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+
+def _int_var(env: dict, name: str, launcher_hint: str) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        raise RuntimeError(f"environment variable {name} is missing; it is set by {launcher_hint}")
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise RuntimeError(f"environment variable {name}={raw!r} is not an integer") from e
+
+
+_TORCHRUN_HINT = "torchrun / `lockstep launch` (torch.distributed.run)"
+_SLURM_HINT = "srun inside a SLURM allocation"
+_MPI_HINT = "OpenMPI's mpirun"
+
+
+def detect_launch_env(env: dict | None = None) -> LaunchEnv:
+    """Read the launcher's variables. Precedence: torchrun's RANK, then SLURM under srun, then OpenMPI.
+
+    A process started by none of them (no RANK, SLURM_PROCID or OMPI_COMM_WORLD_RANK)
+    is a single-process job: rank 0 of 1.
+    """
+    env = dict(os.environ if env is None else env)
+    if "RANK" in env or "WORLD_SIZE" in env:
+        rank = _int_var(env, "RANK", _TORCHRUN_HINT)
+        world_size = _int_var(env, "WORLD_SIZE", _TORCHRUN_HINT)
+        local_rank = _int_var(env, "LOCAL_RANK", _TORCHRUN_HINT) if "LOCAL_RANK" in env else rank
+        addr = env.get("MASTER_ADDR")
+        if not addr:
+            raise RuntimeError(f"environment variable MASTER_ADDR is missing; it is set by {_TORCHRUN_HINT}")
+        port = _int_var(env, "MASTER_PORT", _TORCHRUN_HINT)
+        launcher = "torchrun"
+    elif "SLURM_PROCID" in env and ("SLURM_NTASKS" in env or "SLURM_NPROCS" in env):
+        rank = _int_var(env, "SLURM_PROCID", _SLURM_HINT)
+        world_size = _int_var(env, "SLURM_NTASKS" if "SLURM_NTASKS" in env else "SLURM_NPROCS", _SLURM_HINT)
+        local_rank = _int_var(env, "SLURM_LOCALID", _SLURM_HINT)
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if env.get("MASTER_ADDR"):
+            addr = env["MASTER_ADDR"]
+        elif nodelist:
+            addr = expand_nodelist(nodelist)[0]
+        else:
+            raise RuntimeError(
+                f"environment variable SLURM_JOB_NODELIST is missing (needed for the master address); "
+                f"it is set by {_SLURM_HINT}, or set MASTER_ADDR"
+            )
+        if env.get("MASTER_PORT"):
+            port = _int_var(env, "MASTER_PORT", "the user")
+        elif env.get("SLURM_JOB_ID"):
+            port = port_from_job_id(env["SLURM_JOB_ID"])
+        else:
+            raise RuntimeError(f"neither MASTER_PORT nor SLURM_JOB_ID is set; SLURM_JOB_ID is set by {_SLURM_HINT}")
+        launcher = "slurm"
+    elif "OMPI_COMM_WORLD_RANK" in env:
+        rank = _int_var(env, "OMPI_COMM_WORLD_RANK", _MPI_HINT)
+        world_size = _int_var(env, "OMPI_COMM_WORLD_SIZE", _MPI_HINT)
+        local_rank = _int_var(env, "OMPI_COMM_WORLD_LOCAL_RANK", _MPI_HINT)
+        addr = env.get("MASTER_ADDR")
+        if not addr:
+            raise RuntimeError(
+                "environment variable MASTER_ADDR is missing; OpenMPI does not set it: pass "
+                "`-x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=<port>` to mpirun"
+            )
+        port = _int_var(env, "MASTER_PORT", "the user (`mpirun -x MASTER_PORT=...`)") if env.get("MASTER_PORT") else _DEFAULT_PORT
+        launcher = "openmpi"
+    else:
+        return LaunchEnv("single", 0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", _DEFAULT_PORT)))
+
+    if world_size < 1:
+        raise RuntimeError(f"world size must be >= 1, got {world_size} (from the {launcher} environment)")
+    if not 0 <= rank < world_size:
+        raise RuntimeError(f"rank {rank} is outside [0, world size {world_size}) (from the {launcher} environment)")
+    if local_rank < 0 or local_rank > rank:
+        raise RuntimeError(
+            f"local rank {local_rank} contradicts rank {rank}: a local rank is >= 0 and <= the global rank "
+            f"(from the {launcher} environment)"
+        )
+    if not 0 < port < 65536:
+        raise RuntimeError(f"master port {port} is outside 1..65535 (from the {launcher} environment)")
+    return LaunchEnv(launcher, rank, world_size, local_rank, addr, port)
+
+
+def _pick_backend(local_rank: int, backend: str | None) -> tuple[str, torch.device]:
+    has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    if backend is None:
+        backend = "nccl" if has_gpu else "gloo"
+    if backend == "nccl":
+        if not has_gpu:
+            raise RuntimeError("backend='nccl' needs a CUDA GPU, and this process sees none; use backend='gloo'")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        # Each rank must own its device before NCCL creates communicators, or all land on cuda:0.
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count()) if has_gpu else torch.device("cpu")
+        if has_gpu:
+            torch.cuda.set_device(device)
+    return backend, device
+
+
+def init(backend: str | None = None, timeout_s: float = 1800.0, env: dict | None = None) -> DistEnv:
+    """Start the default process group from the launcher's environment.
+
+    Args:
+        backend: "nccl" or "gloo"; None picks NCCL when this process has a GPU, gloo otherwise.
+        timeout_s: how long a collective may wait for the other ranks before it fails
+            (a failed or stuck rank then ends the job with an error, not a hang).
+        env: the environment to read (default ``os.environ``); for tests and wrappers.
+
+    Returns the ``DistEnv``. Calling it again once the group exists returns the same description.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    launch = detect_launch_env(env)
+    backend, device = _pick_backend(launch.local_rank, backend)
+    if not dist.is_initialized():
+        # init_process_group's env:// reads these; srun and mpirun do not set them.
+        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+        dist.init_process_group(
+            backend=backend,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,
+        )
+    else:
+        backend = dist.get_backend()
+    _configure_logging(dist.get_rank())
+    return DistEnv(dist.get_rank(), launch.local_rank, dist.get_world_size(), device, backend)
+
+
+def shutdown() -> None:
+    """Tear the default group down; safe to call when none exists (use it in ``finally``)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_main() -> bool:
+    """True on global rank 0, or when no group is running (a single process is its own main)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class _RankFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = dist.get_rank() if dist.is_initialized() else 0
+        return True
+
+
+def _configure_logging(rank: int) -> None:
+    root = logging.getLogger("lockstep")
+    if getattr(root, "_lockstep_configured", False):
+        return
+    handler = logging.StreamHandler()
+    handler.addFilter(_RankFilter())
+    handler.setFormatter(logging.Formatter("[rank%(rank)s] %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    # Rank 0 speaks at INFO; the others only warn, so a log reads as one job, not N copies.
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    root.propagate = False
+    root._lockstep_configured = True  # type: ignore[attr-defined]
+
+
+def get_logger(name: str = "lockstep") -> logging.Logger:
+    """A logger under ``lockstep`` whose records carry the rank; INFO on rank 0, WARNING elsewhere."""
+    _configure_logging(dist.get_rank() if dist.is_initialized() else 0)
+    return logging.getLogger(name if name.startswith("lockstep") else f"lockstep.{name}")
