@@ -7,6 +7,9 @@ expand them the same way to agree on the master address without talking.
 from __future__ import annotations
 
 import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 _BRACKET = re.compile(r"^(?P<prefix>[^\[\]]*)\[(?P<body>[^\[\]]+)\](?P<rest>.*)$")
 
@@ -70,3 +73,109 @@ def port_from_job_id(job_id: str | int, base_port: int = 20000, span: int = 2000
     except ValueError as e:
         raise ValueError(f"SLURM_JOB_ID={job_id!r} is not a number") from e
     return base_port + job % span
+
+
+@dataclass(frozen=True)
+class SlurmLaunchEnv:
+    """What ``lockstep launch`` takes from a SLURM allocation: one agent per node, all agreeing on a master."""
+
+    job_id: str
+    nnodes: int
+    node_rank: int
+    hosts: tuple[str, ...]
+    master_addr: str  # the first host of the expanded node list: every node derives it alike
+    master_port: int  # MASTER_PORT if set, else port_from_job_id(job_id)
+
+
+def _slurm_int(env: Mapping[str, str], name: str) -> int:
+    raw = env[name]
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from e
+
+
+def slurm_launch_env(env: Mapping[str, str]) -> SlurmLaunchEnv | None:
+    """Derive the node layout from SLURM's variables; None outside an allocation.
+
+    An allocation is recognised by SLURM_JOB_ID and SLURM_JOB_NODELIST (or the older
+    SLURM_NODELIST). The node count is SLURM_NNODES (or SLURM_JOB_NUM_NODES), falling
+    back to the length of the node list; the node rank is SLURM_NODEID, which srun
+    sets per node (0 in a batch script, which runs on the first node).
+    """
+    job_id = env.get("SLURM_JOB_ID")
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not job_id or not nodelist:
+        return None
+    hosts = tuple(expand_nodelist(nodelist))
+    if env.get("SLURM_NNODES"):
+        nnodes = _slurm_int(env, "SLURM_NNODES")
+    elif env.get("SLURM_JOB_NUM_NODES"):
+        nnodes = _slurm_int(env, "SLURM_JOB_NUM_NODES")
+    else:
+        nnodes = len(hosts)
+    if nnodes < 1:
+        raise ValueError(f"SLURM says the job has {nnodes} nodes (SLURM_NNODES); expected >= 1")
+    if nnodes > len(hosts):
+        raise ValueError(
+            f"SLURM_NNODES={nnodes} but the node list {nodelist!r} names only {len(hosts)} hosts"
+        )
+    node_rank = _slurm_int(env, "SLURM_NODEID") if env.get("SLURM_NODEID") else 0
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"SLURM_NODEID={node_rank} is outside [0, {nnodes}) nodes")
+    if env.get("MASTER_PORT"):
+        master_port = _slurm_int(env, "MASTER_PORT")
+    else:
+        master_port = port_from_job_id(job_id)
+    master_addr = env.get("MASTER_ADDR") or hosts[0]
+    return SlurmLaunchEnv(job_id, nnodes, node_rank, hosts, master_addr, master_port)
+
+
+def sbatch_script(
+    script_and_args: list[str],
+    nodes: int = 1,
+    gpus_per_node: int = 0,
+    nproc_per_node: int | None = None,
+    time: str = "01:00:00",
+    job_name: str = "lockstep",
+    max_restarts: int = 0,
+) -> str:
+    """A ready sbatch script: one task per node, each running ``lockstep launch`` under srun.
+
+    One agent per node (not one task per GPU) so the elastic agent can stop and
+    restart every worker on its node; the agents meet at the first node's address.
+    """
+    if nodes < 1:
+        raise ValueError(f"--nodes must be >= 1, got {nodes}")
+    if gpus_per_node < 0:
+        raise ValueError(f"--gpus-per-node must be >= 0, got {gpus_per_node}")
+    if not script_and_args:
+        raise ValueError("a script to run is required (lockstep slurm-script [options] script.py [args...])")
+    nproc = nproc_per_node if nproc_per_node is not None else (gpus_per_node or None)
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc-per-node must be >= 1, got {nproc}")
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+    ]
+    if gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
+    lines += [
+        f"#SBATCH --time={time}",
+        "#SBATCH --output=%x-%j.out",
+        "",
+        "set -euo pipefail",
+        "# One task per node: each runs one lockstep launch agent, which starts the node's workers.",
+        "# lockstep launch reads SLURM_JOB_NODELIST / SLURM_NNODES / SLURM_NODEID: the first node",
+        "# hosts the rendezvous; the port is MASTER_PORT if exported, else derived from the job id.",
+        "# export MASTER_PORT=29500",
+        "",
+    ]
+    launch = ["lockstep", "launch", f"--nproc-per-node {nproc if nproc is not None else 'auto'}"]
+    if max_restarts:
+        launch.append(f"--max-restarts {max_restarts}")
+    launch += [shlex.quote(a) for a in script_and_args]
+    lines.append("srun --ntasks-per-node=1 " + " ".join(launch))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,354 @@
+"""``lockstep launch``: run a script (or a function) on N worker processes per node with torch's elastic agent.
+
+We do not supervise processes ourselves: torch's ``LocalElasticAgent`` (via
+``elastic_launch``) starts the workers, sets RANK / WORLD_SIZE / LOCAL_RANK /
+MASTER_ADDR / MASTER_PORT, stops them all when one fails and restarts the group
+up to ``--max-restarts`` times. What we add is the part that makes that reliable
+and readable: restarts that really come back (see ``_agent_environment``), a single
+node bound to loopback by default, SLURM allocations understood without flags,
+rank-prefixed output, and one clear report naming the failed rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from lockstep.launch_output import RANK_PREFIX_TEMPLATE, LaunchError, RankLogsSpecs, failure_report
+from lockstep.slurm import sbatch_script, slurm_launch_env
+
+__all__ = ["LaunchError", "LaunchOptions", "cli_main", "launch_function", "parse_launch_args", "slurm_script_main"]
+
+_MULTI_NODE_DEFAULT_PORT = 29500
+_LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Where and how many workers this node's agent starts; validated on construction."""
+
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0  # which node hosts the rendezvous store (node 0); worker ranks are assigned by the rendezvous
+    master_addr: str = _LOOPBACK
+    master_port: int = 0  # 0: the OS picks a free port (single node only)
+    max_restarts: int = 0
+    log_rank: int | None = None  # show only this global rank's output; None shows every rank
+    run_id: str = ""  # the rendezvous id every node must share; "" picks one
+    rdzv_timeout_s: int = 900  # how long the agents wait for all nodes to join before failing
+    source: str = "flags"  # "flags", "slurm" or "single": where the node layout came from
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"--master-port must be in 1..65535, got {self.master_port}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("--master-port is required with --nnodes > 1: every node must dial the same port")
+        if not self.master_addr:
+            raise ValueError("--master-addr must not be empty")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        world_size = self.nnodes * self.nproc_per_node
+        if self.log_rank is not None and not 0 <= self.log_rank < world_size:
+            raise ValueError(f"--log-rank must be a global rank in [0, {world_size}), got {self.log_rank}")
+        if self.rdzv_timeout_s <= 0:
+            raise ValueError(f"rdzv_timeout_s must be > 0, got {self.rdzv_timeout_s}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+def default_nproc_per_node() -> int:
+    """``auto``: one worker per GPU when CUDA is available, otherwise 2 CPU workers."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() and torch.cuda.device_count() > 0 else 2
+
+
+def _parse_nproc(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--nproc-per-node must be an integer or 'auto', got {value!r}") from None
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lockstep launch",
+        description="Run SCRIPT on N processes per node with torch's elastic agent. Single node on loopback by "
+        "default; inside a SLURM allocation the node layout comes from SLURM.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=_parse_nproc, default="auto",
+                   help="workers on this node: an integer, or 'auto' = one per GPU, else 2 (default: auto)")
+    p.add_argument("--nnodes", type=int, default=None, help="number of nodes (default: 1, or SLURM's)")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=None,
+                   help="this node's index; node 0 hosts the rendezvous (default: 0, or SLURM_NODEID)")
+    p.add_argument("--master-addr", "--master_addr", default=None,
+                   help="address of node 0 (default: 127.0.0.1, or the first SLURM host)")
+    p.add_argument("--master-port", "--master_port", type=int, default=None,
+                   help="rendezvous port on node 0 (default: a free port on one node; 29500 or SLURM-derived otherwise)")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+                   help="restart the whole group up to K times after a worker fails (default: 0)")
+    p.add_argument("--log-rank", "--log_rank", type=int, default=None,
+                   help="show only this global rank's output (default: every rank, prefixed [rankN])")
+    p.add_argument("--run-id", "--run_id", default="", help="rendezvous id shared by all nodes (multi-node)")
+    p.add_argument("script", help="the Python script each worker runs")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    return p
+
+
+def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> tuple[LaunchOptions, str, list[str]]:
+    """Parse ``lockstep launch`` arguments into options, the script path and its arguments.
+
+    Explicit flags win; missing node-layout flags come from SLURM when SLURM_JOB_ID and
+    SLURM_JOB_NODELIST are set (``env`` defaults to ``os.environ``; tests pass their own).
+    Raises ValueError naming the bad flag or file.
+    """
+    env = os.environ if env is None else env
+    parser = _build_parser()
+    try:
+        ns = parser.parse_args(list(argv))
+    except SystemExit as e:  # argparse already printed the usage error
+        raise ValueError(f"invalid arguments to lockstep launch (argparse exit {e.code})") from None
+    if not os.path.isfile(ns.script):
+        raise ValueError(f"script {ns.script!r} not found (the SCRIPT argument of lockstep launch)")
+    nproc = default_nproc_per_node() if ns.nproc_per_node == "auto" else ns.nproc_per_node
+
+    slurm = slurm_launch_env(env)
+    layout_flags = (ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port)
+    if slurm is not None and slurm.nnodes > 1 and ns.nnodes in (None, slurm.nnodes):
+        options = LaunchOptions(
+            nproc_per_node=nproc,
+            nnodes=slurm.nnodes,
+            node_rank=slurm.node_rank if ns.node_rank is None else ns.node_rank,
+            master_addr=ns.master_addr or slurm.master_addr,
+            master_port=slurm.master_port if ns.master_port is None else ns.master_port,
+            max_restarts=ns.max_restarts,
+            log_rank=ns.log_rank,
+            run_id=ns.run_id or f"lockstep-slurm-{slurm.job_id}",
+            source="slurm",
+        )
+    else:
+        # One node (also a one-node SLURM job): loopback and a free port unless told otherwise.
+        nnodes = 1 if ns.nnodes is None else ns.nnodes
+        multi = nnodes > 1
+        default_port = _MULTI_NODE_DEFAULT_PORT if multi else 0
+        options = LaunchOptions(
+            nproc_per_node=nproc,
+            nnodes=nnodes,
+            node_rank=0 if ns.node_rank is None else ns.node_rank,
+            master_addr=ns.master_addr or _LOOPBACK,
+            master_port=default_port if ns.master_port is None else ns.master_port,
+            max_restarts=ns.max_restarts,
+            log_rank=ns.log_rank,
+            run_id=ns.run_id,
+            source="flags" if any(f is not None for f in layout_flags) else "single",
+        )
+    if options.nnodes > 1 and options.master_addr == _LOOPBACK:
+        raise ValueError("--master-addr is required with --nnodes > 1 (the address of node 0; not 127.0.0.1)")
+    return options, ns.script, list(ns.script_args)
+
+
+def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
+    from torch.distributed.launcher.api import LaunchConfig
+
+    single = options.nnodes == 1
+    return LaunchConfig(
+        min_nodes=options.nnodes,
+        max_nodes=options.nnodes,  # fixed size: the rendezvous closes as soon as every node joined
+        nproc_per_node=options.nproc_per_node,
+        run_id=options.run_id or f"lockstep-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",  # store-based rendezvous; needs no etcd
+        rdzv_endpoint=f"{options.master_addr}:{options.master_port}",
+        # is_host says who serves the rendezvous store: node 0, decided by flag rather
+        # than by torch's guess from hostnames, which fails behind NAT or aliases.
+        rdzv_configs={"is_host": single or options.node_rank == 0, "timeout": options.rdzv_timeout_s},
+        max_restarts=options.max_restarts,
+        monitor_interval=0.1,  # how often the agent polls its workers: bounds failure-detection latency
+        start_method="spawn",
+        log_line_prefix_template=RANK_PREFIX_TEMPLATE,
+        logs_specs=logs,
+        # On one node the workers' MASTER_ADDR is loopback; across nodes torch uses this host's FQDN.
+        local_addr=options.master_addr if single else None,
+        shutdown_timeout=15,  # SIGTERM, then SIGKILL after this long: a stuck worker cannot hold the launcher
+    )
+
+
+@contextlib.contextmanager
+def _agent_environment(options: LaunchOptions) -> Iterator[None]:
+    """Environment the agent and (inherited) its workers need; restored afterwards (launch_function runs in-process)."""
+    updates = {
+        # The fix that makes --max-restarts work (PyTorch issue #135712): by default the agent shares its
+        # rendezvous TCPStore with the workers, so a restarted group reads the dead attempt's gloo addresses
+        # from it and fails in connectFullMesh or hangs. With sharing off, every attempt's rank 0 serves a
+        # fresh store on a fresh port and no key survives a restart.
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        # Workers write to files that the agent tails; unbuffered output reaches the console line by line.
+        "PYTHONUNBUFFERED": "1",
+    }
+    if "OMP_NUM_THREADS" not in os.environ and options.nproc_per_node > 1:
+        # As torchrun does: N workers each starting one thread per core would oversubscribe the CPUs.
+        updates["OMP_NUM_THREADS"] = "1"
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+class _DropAgentFailureDump(logging.Filter):
+    """Drops the agent's own multi-line dump of a failure: our report says the same once, readably."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed (exitcode")
+
+
+@contextlib.contextmanager
+def _quiet_agent_failure_log() -> Iterator[None]:
+    api_logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    dump_filter = _DropAgentFailureDump()
+    api_logger.addFilter(dump_filter)
+    try:
+        yield
+    finally:
+        api_logger.removeFilter(dump_filter)
+
+
+def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence[Any] = ()) -> dict[int, Any]:
+    """Run ``entrypoint`` (a function, or an executable such as sys.executable) under torch's elastic agent.
+
+    Returns {global rank: return value} (None values for executables). Raises LaunchError
+    naming the first failed rank, its exit code and the tail of its stderr once the
+    restarts are used up.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    log_dir = tempfile.mkdtemp(prefix="lockstep_launch_")
+    logs = RankLogsSpecs(log_dir, log_rank=options.log_rank, max_restarts=options.max_restarts)
+    config = _launch_config(options, logs)
+    from torch.distributed.launcher.api import elastic_launch
+
+    with _agent_environment(options), _quiet_agent_failure_log():
+        try:
+            results = elastic_launch(config, entrypoint)(*args)
+        except ChildFailedError as e:
+            raise failure_report(e, logs, restarts_used=logs.restart_count) from None  # keeps log_dir for the user
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return dict(results or {})
+
+
+def launch_function(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    nproc_per_node: int = 2,
+    max_restarts: int = 0,
+    log_rank: int | None = None,
+) -> dict[int, Any]:
+    """Run ``fn(*args)`` on ``nproc_per_node`` local workers through torch's elastic agent.
+
+    Each worker has RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR (127.0.0.1) and MASTER_PORT
+    set, so ``lockstep.init()`` or ``init_process_group("gloo")`` works inside ``fn``.
+
+    Args:
+        fn: a module-level function (workers are spawned, so it is pickled by name).
+        args: positional arguments for ``fn``; must be picklable.
+        nproc_per_node: number of workers.
+        max_restarts: restart the whole group up to this many times after a failure.
+        log_rank: show only this rank's output; None prefixes every rank's lines with ``[rankN]:``.
+
+    Returns {rank: fn's return value}. Raises LaunchError (a RuntimeError) naming the failed rank.
+    """
+    qualname = getattr(fn, "__qualname__", "")
+    if not callable(fn) or "<locals>" in qualname or "<lambda>" in qualname or not getattr(fn, "__module__", None):
+        raise ValueError(
+            f"launch_function: fn={fn!r} must be a module-level function: workers are spawned and import it by name"
+        )
+    options = LaunchOptions(nproc_per_node=nproc_per_node, max_restarts=max_restarts, log_rank=log_rank, source="single")
+    return run_agent(options, fn, tuple(args))
+
+
+def _exit_code(error: LaunchError) -> int:
+    if error.exitcode < 0:
+        return 128 + (-error.exitcode)  # a shell's convention for "killed by signal N"
+    return error.exitcode if 0 < error.exitcode < 256 else 1
+
+
+def cli_main(argv: Sequence[str]) -> int:
+    """``lockstep launch ...``: returns 0 when every worker succeeded, non-zero otherwise."""
+    try:
+        options, script, script_args = parse_launch_args(argv)
+    except ValueError as e:
+        print(f"lockstep launch: error: {e}", file=sys.stderr)
+        return 2
+    if options.nnodes > 1:
+        print(
+            f"lockstep launch: node {options.node_rank} of {options.nnodes} ({options.source}), "
+            f"{options.nproc_per_node} workers here; rendezvous at {options.master_addr}:{options.master_port}",
+            file=sys.stderr,
+            flush=True,
+        )
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        # -u: unbuffered, so a worker's last lines are in its log file even if it is killed.
+        run_agent(options, sys.executable, ["-u", script, *script_args])
+    except LaunchError as e:
+        sys.stderr.write(str(e) + "\n")
+        sys.stderr.flush()
+        return _exit_code(e)
+    except SignalException as e:
+        print(f"lockstep launch: stopped by {e.sigval.name}; the workers were stopped", file=sys.stderr)
+        return 128 + int(e.sigval)
+    return 0
+
+
+def slurm_script_main(argv: Sequence[str]) -> int:
+    """``lockstep slurm-script ...``: print an sbatch script that runs ``lockstep launch`` on every node."""
+    p = argparse.ArgumentParser(prog="lockstep slurm-script", description=sbatch_script.__doc__, allow_abbrev=False)
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default: 1)")
+    p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node to request (default: 0)")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="workers per node (default: --gpus-per-node, or auto)")
+    p.add_argument("--time", default="01:00:00", help="wall-clock limit (default: 01:00:00)")
+    p.add_argument("--job-name", default="lockstep", help="job name (default: lockstep)")
+    p.add_argument("--max-restarts", type=int, default=0, help="passed to lockstep launch (default: 0)")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    ns = p.parse_args(list(argv))
+    try:
+        text = sbatch_script(
+            [ns.script, *ns.script_args],
+            nodes=ns.nodes,
+            gpus_per_node=ns.gpus_per_node,
+            nproc_per_node=ns.nproc_per_node,
+            time=ns.time,
+            job_name=ns.job_name,
+            max_restarts=ns.max_restarts,
+        )
+    except ValueError as e:
+        print(f"lockstep slurm-script: error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text)
+    return 0
