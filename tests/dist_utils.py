@@ -8,6 +8,7 @@ assert on the returned per-rank results.
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -46,7 +47,10 @@ def _child(fn, rank, world_size, port, args, result_queue, backend, timeout_s, i
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
         result = fn(rank, world_size, *args)
-        result_queue.put((rank, "ok", result))
+        # Plain bytes: a queued tensor would travel as shared memory that dies with this process.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        result_queue.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # report everything, KeyboardInterrupt included
         result_queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -119,7 +123,9 @@ def run_ranks(
     if errors:
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
         raise AssertionError(f"ranks {sorted(errors)} raised:\n{text}")
-    return [results[r][1] for r in range(world_size)]
+    import torch
+
+    return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(world_size)]
 
 
 def _summary(results: dict) -> str:

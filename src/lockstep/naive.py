@@ -1,0 +1,67 @@
+"""The naive reducer: after backward, one blocking all-reduce per parameter. No buckets, no overlap.
+
+It is the reference the real reducer is tested against and the baseline the
+benchmarks measure: each parameter costs a full collective (~0.5 ms on gloo however
+small), and nothing starts before backward ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep.module_sync import broadcast_coalesced
+
+
+class NaiveDistributedDataParallel(nn.Module):
+    """Wrap ``module``; every synchronised backward ends with ``all_reduce(grad) / world_size`` per parameter.
+
+    Rank 0's parameters and buffers are broadcast at construction, as in DDP. ``no_sync()``
+    accumulates locally; buffers are not synchronised after construction.
+    """
+
+    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"NaiveDistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.process_group)
+        self.require_backward_grad_sync = True
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._expect = False
+        self._queued = False
+        broadcast_coalesced(list(module.parameters()) + list(module.buffers()), self.process_group)
+        # Any hook will do to learn that backward is running; the work happens in the end-of-backward callback.
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._expect = torch.is_grad_enabled() and self.require_backward_grad_sync
+        return self.module(*inputs, **kwargs)
+
+    def _on_grad(self, _param: torch.Tensor) -> None:
+        if self._expect and not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._all_reduce_grads)
+            self._queued = True
+
+    def _all_reduce_grads(self) -> None:
+        self._queued = False
+        self._expect = False
+        for p in self._params:
+            if p.grad is None:
+                raise RuntimeError("NaiveDistributedDataParallel: a parameter received no gradient")
+            dist.all_reduce(p.grad, group=self.process_group)  # blocking: one collective per parameter
+            p.grad.div_(self.world_size)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
