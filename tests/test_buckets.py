@@ -1,0 +1,59 @@
+"""Bucket assignment: reverse order, small first bucket, caps respected, dtype separation."""
+
+import pytest
+import torch
+
+from lockstep.buckets import MIB, assign_buckets
+
+
+def _params(*numels, dtype=torch.float32):
+    return [torch.zeros(n, dtype=dtype) for n in numels]
+
+
+def test_reverse_order_and_first_bucket():
+    # 10 tensors of 0.5 MiB (fp32: 131072 elements) in registration order.
+    params = _params(*[131072] * 10)
+    plans = assign_buckets(params, list(reversed(range(10))), bucket_cap_bytes=2 * MIB, first_bucket_bytes=1 * MIB)
+    layout = [p.param_indices for p in plans]
+    assert layout == [[9, 8], [7, 6, 5, 4], [3, 2, 1, 0]]
+    assert plans[0].nbytes == 1 * MIB
+    assert [p.offsets for p in plans] == [[0, 131072], [0, 131072, 262144, 393216], [0, 131072, 262144, 393216]]
+
+
+@pytest.mark.parametrize("cap_mb", [0.001, 0.3, 1, 3])
+def test_cap_respected(cap_mb):
+    torch.manual_seed(0)
+    numels = torch.randint(1, 200_000, (40,)).tolist()
+    params = _params(*numels)
+    cap = int(cap_mb * MIB)
+    plans = assign_buckets(params, list(reversed(range(40))), bucket_cap_bytes=cap, first_bucket_bytes=min(cap, MIB))
+    flat = [i for p in plans for i in p.param_indices]
+    assert flat == list(reversed(range(40)))  # every parameter once, reverse order
+    for plan in plans:
+        assert plan.nbytes <= cap or len(plan.param_indices) == 1
+    # Closing is greedy: a bucket was closed only because the next parameter did not fit.
+    for plan, nxt in zip(plans, plans[1:]):
+        limit = min(cap, MIB) if plan is plans[0] else cap
+        assert plan.nbytes + params[nxt.param_indices[0]].numel() * 4 > limit
+
+
+def test_observed_order_is_followed():
+    params = _params(10, 20, 30, 40)
+    order = [1, 3, 0, 2]
+    plans = assign_buckets(params, order, bucket_cap_bytes=1)  # every parameter alone
+    assert [p.param_indices for p in plans] == [[1], [3], [0], [2]]
+
+
+def test_dtypes_never_share_a_bucket():
+    params = _params(10, 10) + _params(10, 10, dtype=torch.bfloat16)
+    plans = assign_buckets(params, [3, 2, 1, 0], bucket_cap_bytes=MIB)
+    assert sorted(p.param_indices for p in plans) == [[1, 0], [3, 2]]
+    assert {p.dtype for p in plans} == {torch.float32, torch.bfloat16}
+    assert plans[0].dtype == torch.bfloat16  # bucket order follows the first parameter's position
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="bucket cap"):
+        assign_buckets(_params(1), [0], bucket_cap_bytes=0)
+    with pytest.raises(ValueError, match="permutation"):
+        assign_buckets(_params(1, 2), [0, 0], bucket_cap_bytes=10)
