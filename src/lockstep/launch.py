@@ -119,16 +119,12 @@ def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None)
 
     Explicit flags win; missing node-layout flags come from SLURM when SLURM_JOB_ID and
     SLURM_JOB_NODELIST are set (``env`` defaults to ``os.environ``; tests pass their own).
-    Raises ValueError naming the bad flag or file.
+    Raises ValueError naming the bad flag or file (SystemExit from argparse for --help
+    or a malformed flag).
     """
     env = os.environ if env is None else env
     parser = _build_parser()
-    try:
-        ns = parser.parse_args(list(argv))
-    except SystemExit as e:  # argparse already printed the usage error
-        raise ValueError(f"invalid arguments to lockstep launch (argparse exit {e.code})") from None
-    if not os.path.isfile(ns.script):
-        raise ValueError(f"script {ns.script!r} not found (the SCRIPT argument of lockstep launch)")
+    ns = parser.parse_args(list(argv))  # SystemExit on --help or a malformed flag: argparse printed why
     nproc = default_nproc_per_node() if ns.nproc_per_node == "auto" else ns.nproc_per_node
 
     slurm = slurm_launch_env(env)
@@ -163,6 +159,8 @@ def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None)
         )
     if options.nnodes > 1 and options.master_addr == _LOOPBACK:
         raise ValueError("--master-addr is required with --nnodes > 1 (the address of node 0; not 127.0.0.1)")
+    if not os.path.isfile(ns.script):
+        raise ValueError(f"script {ns.script!r} not found (the SCRIPT argument of lockstep launch)")
     return options, ns.script, list(ns.script_args)
 
 
@@ -299,6 +297,8 @@ def cli_main(argv: Sequence[str]) -> int:
     """``lockstep launch ...``: returns 0 when every worker succeeded, non-zero otherwise."""
     try:
         options, script, script_args = parse_launch_args(argv)
+    except SystemExit as e:  # --help, or argparse already printed the usage error
+        return int(e.code or 0)
     except ValueError as e:
         print(f"lockstep launch: error: {e}", file=sys.stderr)
         return 2

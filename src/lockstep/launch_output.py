@@ -104,7 +104,9 @@ def failure_report(
     stderr_path = None
     if logs.last_dest is not None:
         stderr_path = logs.last_dest.stderrs.get(failure.local_rank) or None
-    lines = _tail(stderr_path, tail_lines)
+    # torch's own excepthook already prefixes a worker's traceback with "[rankN]: " once the group exists.
+    own_prefix = f"[rank{rank}]: "
+    lines = [line.removeprefix(own_prefix) for line in _tail(stderr_path, tail_lines)]
     if not any(line.strip() for line in lines):
         lines = _error_file_traceback(failure)[-tail_lines:]
     header = (

@@ -151,6 +151,8 @@ def sbatch_script(
         raise ValueError(f"--gpus-per-node must be >= 0, got {gpus_per_node}")
     if not script_and_args:
         raise ValueError("a script to run is required (lockstep slurm-script [options] script.py [args...])")
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
     nproc = nproc_per_node if nproc_per_node is not None else (gpus_per_node or None)
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {nproc}")

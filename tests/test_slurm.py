@@ -1,0 +1,103 @@
+"""SLURM variables -> node layout, and the sbatch script: pure functions, no processes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from lockstep.launch import parse_launch_args, slurm_script_main
+from lockstep.slurm import expand_nodelist, port_from_job_id, sbatch_script, slurm_launch_env
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "launch_scripts", "allreduce.py")
+
+
+def test_expand_nodelist_brackets_ranges_padding_and_plain_hosts():
+    assert expand_nodelist("node[01-03,07],login") == ["node01", "node02", "node03", "node07", "login"]
+    assert expand_nodelist("gpu[8-10]") == ["gpu8", "gpu9", "gpu10"]
+    assert expand_nodelist("a[1-2]-ib[3,5]") == ["a1-ib3", "a1-ib5", "a2-ib3", "a2-ib5"]
+    assert expand_nodelist("single") == ["single"]
+    for bad in ("node[3-1]", "node[01-03", "node]", "node[x]", ""):
+        with pytest.raises(ValueError, match="node list"):
+            expand_nodelist(bad)
+
+
+def test_slurm_launch_env_derives_layout_from_bracketed_list():
+    env = {"SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "gpu[07-09,12]", "SLURM_NNODES": "4", "SLURM_NODEID": "2"}
+    s = slurm_launch_env(env)
+    assert s.hosts == ("gpu07", "gpu08", "gpu09", "gpu12")
+    assert (s.nnodes, s.node_rank, s.master_addr) == (4, 2, "gpu07")
+    assert s.master_port == port_from_job_id("123456") == 20000 + 123456 % 20000
+    # every node computes the same master and port from the same job variables
+    other = slurm_launch_env({**env, "SLURM_NODEID": "0"})
+    assert (other.master_addr, other.master_port) == (s.master_addr, s.master_port)
+
+
+def test_slurm_launch_env_fallbacks_and_overrides():
+    base = {"SLURM_JOB_ID": "77", "SLURM_NODELIST": "n[1-3]"}  # older variable name, no node count
+    s = slurm_launch_env(base)
+    assert (s.nnodes, s.node_rank, s.master_addr) == (3, 0, "n1")
+    s = slurm_launch_env({**base, "SLURM_JOB_NUM_NODES": "2", "MASTER_PORT": "31000", "MASTER_ADDR": "n3-ib"})
+    assert (s.nnodes, s.master_port, s.master_addr) == (2, 31000, "n3-ib")
+    assert slurm_launch_env({"SLURM_JOB_ID": "1"}) is None  # no node list: not an allocation
+    assert slurm_launch_env({"SLURM_JOB_NODELIST": "n1"}) is None
+    with pytest.raises(ValueError, match="SLURM_NODEID"):
+        slurm_launch_env({**base, "SLURM_NODEID": "3"})
+    with pytest.raises(ValueError, match="SLURM_NNODES"):
+        slurm_launch_env({**base, "SLURM_NNODES": "5"})
+    with pytest.raises(ValueError, match="SLURM_NNODES"):
+        slurm_launch_env({**base, "SLURM_NNODES": "two"})
+
+
+def test_parse_launch_args_takes_layout_from_slurm_and_flags_win():
+    env = {"SLURM_JOB_ID": "900", "SLURM_JOB_NODELIST": "node[001-002]", "SLURM_NNODES": "2", "SLURM_NODEID": "1"}
+    opts, script, args = parse_launch_args(["--nproc-per-node", "4", SCRIPT, "--lr", "0.1"], env=env)
+    assert (opts.nnodes, opts.node_rank, opts.master_addr, opts.master_port) == (2, 1, "node001", 20900)
+    assert (opts.source, opts.world_size, opts.run_id) == ("slurm", 8, "lockstep-slurm-900")
+    assert (script, args) == (SCRIPT, ["--lr", "0.1"])
+    opts, _, _ = parse_launch_args(["--nproc-per-node", "1", "--master-port", "29999", SCRIPT], env=env)
+    assert opts.master_port == 29999
+    # a one-node allocation runs like a plain single node: loopback and an OS-chosen port
+    one = {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "node7", "SLURM_NNODES": "1", "SLURM_NODEID": "0"}
+    opts, _, _ = parse_launch_args(["--nproc-per-node", "2", SCRIPT], env=one)
+    assert (opts.nnodes, opts.master_addr, opts.master_port, opts.source) == (1, "127.0.0.1", 0, "single")
+
+
+def test_parse_launch_args_rejects_bad_input_naming_the_flag():
+    cases = [
+        (["--nproc-per-node", "0", SCRIPT], "--nproc-per-node"),
+        (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", SCRIPT], "--node-rank"),
+        (["--nnodes", "2", SCRIPT], "--master-addr"),
+        (["--max-restarts", "-1", SCRIPT], "--max-restarts"),
+        (["--nproc-per-node", "2", "--log-rank", "2", SCRIPT], "--log-rank"),
+        (["--master-port", "70000", SCRIPT], "--master-port"),
+        (["--nproc-per-node", "2", "no_such_script.py"], "no_such_script.py"),
+    ]
+    for argv, needle in cases:
+        with pytest.raises(ValueError, match=needle):
+            parse_launch_args(argv, env={})
+    with pytest.raises(SystemExit):
+        parse_launch_args(["--nproc-per-node", "many", SCRIPT], env={})
+
+
+def test_sbatch_script_runs_one_launch_agent_per_node(capsys):
+    text = sbatch_script(["train.py", "--epochs", "3", "--name", "a b"], nodes=4, gpus_per_node=8, time="02:00:00",
+                         job_name="big", max_restarts=2)
+    lines = text.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    for expected in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+                     "#SBATCH --time=02:00:00", "#SBATCH --job-name=big"):
+        assert expected in lines
+    assert lines[-1] == ("srun --ntasks-per-node=1 lockstep launch --nproc-per-node 8 --max-restarts 2 "
+                         "train.py --epochs 3 --name 'a b'")
+    cpu = sbatch_script(["t.py"], nodes=2)
+    assert not any("gpus-per-node" in line for line in cpu.splitlines())
+    assert cpu.splitlines()[-1] == "srun --ntasks-per-node=1 lockstep launch --nproc-per-node auto t.py"
+    with pytest.raises(ValueError, match="--nodes"):
+        sbatch_script(["t.py"], nodes=0)
+    # the CLI prints the same script
+    assert slurm_script_main(["--nodes", "4", "--gpus-per-node", "8", "--time", "02:00:00", "--job-name", "big",
+                              "--max-restarts", "2", "train.py", "--epochs", "3", "--name", "a b"]) == 0
+    assert capsys.readouterr().out == text
+    assert slurm_script_main(["--nodes", "0", "t.py"]) == 2
+    assert "--nodes must be >= 1" in capsys.readouterr().err
