@@ -126,11 +126,11 @@ class DistributedDataParallel(nn.Module):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._comm_hook_registered = False
-        self._buffers = syncable_buffers(module)
+        self._sync_buffers = syncable_buffers(module)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if init_sync:
             verify_params_across_ranks(list(module.named_parameters()), process_group)
-            broadcast_coalesced(list(module.parameters()) + self._buffers, process_group)
+            broadcast_coalesced(list(module.parameters()) + self._sync_buffers, process_group)
         self.reducer = (
             Reducer(
                 [p for _, p in named],
@@ -152,8 +152,8 @@ class DistributedDataParallel(nn.Module):
         # As torch: buffers and bucket rebuilds follow the synchronised forwards only (not no_sync, not eval).
         self.require_forward_param_sync = synced
         if synced:
-            if self.broadcast_buffers and self._buffers and dist.get_world_size(self.process_group) > 1:
-                broadcast_coalesced(self._buffers, self.process_group)  # one collective per dtype, each forward
+            if self.broadcast_buffers and self._sync_buffers and dist.get_world_size(self.process_group) > 1:
+                broadcast_coalesced(self._sync_buffers, self.process_group)  # one collective per dtype, each forward
             if self.reducer is not None:
                 self.reducer.prepare_for_backward()
         return self.module(*inputs, **kwargs)

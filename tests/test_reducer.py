@@ -1,0 +1,181 @@
+"""Reducer behaviour seen from outside: overlap, rebuild from the observed order, bad input, compatibility."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_utils import run_ranks
+
+
+class Reordered(nn.Module):
+    """Registered in the opposite order to use: reverse registration order is the wrong guess."""
+
+    def __init__(self):
+        super().__init__()
+        self.late = nn.Linear(16, 4)
+        self.early = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.late(torch.relu(self.early(x)))
+
+
+def _big_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def _step(model, x, y):
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+
+
+def _overlap(rank, world_size):
+    import lockstep
+
+    model = lockstep.DistributedDataParallel(_big_mlp())
+    model.reducer.events = []
+    x, y = torch.randn(4, 256), torch.randint(0, 10, (4,))
+    per_iteration = []
+    for _ in range(2):
+        model.reducer.events.clear()
+        _step(model, x, y)
+        per_iteration.append(list(model.reducer.events))
+    return per_iteration, model.reducer.bucket_layout(), model.comm_stats()
+
+
+def _rebuild(rank, world_size):
+    import lockstep
+
+    torch.manual_seed(0)
+    ours = lockstep.DistributedDataParallel(Reordered(), bucket_cap_mb=1e-6)  # one parameter per bucket
+    torch.manual_seed(0)
+    theirs = nn.parallel.DistributedDataParallel(Reordered(), bucket_cap_mb=1e-6)
+    initial = ours.reducer.bucket_layout()
+    ours.reducer.events = []
+    opt_a = torch.optim.SGD(ours.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(theirs.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    layouts = []
+    for _ in range(3):
+        x, y = torch.randn(5, 8, generator=gen), torch.randint(0, 4, (5,), generator=gen)
+        for model, opt in ((ours, opt_a), (theirs, opt_b)):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        layouts.append(ours.reducer.bucket_layout())
+    first_order = [i for kind, i in ours.reducer.events if kind == "ready"][:4]
+    diff = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
+    return initial, first_order, layouts, ours.reducer.buckets_rebuilt, diff
+
+
+def _bad_input(rank, world_size):
+    import lockstep
+
+    errors = {}
+
+    def capture(name, build):
+        try:
+            build()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001 - we record the type and text
+            errors[name] = (type(e).__name__, str(e))
+
+    capture("shape", lambda: lockstep.DistributedDataParallel(nn.Sequential(nn.Linear(8, 4 if rank == 0 else 5))))
+    capture("count", lambda: lockstep.DistributedDataParallel(
+        nn.Sequential(nn.Linear(8, 4), *([nn.Linear(4, 4)] if rank == 1 else []))))
+    capture("dtype", lambda: lockstep.DistributedDataParallel(
+        nn.Sequential(nn.Linear(8, 4)).to(torch.float64 if rank == 1 else torch.float32)))
+    capture("cap0", lambda: lockstep.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=0))
+    capture("cap_neg", lambda: lockstep.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=-1))
+    capture("not_module", lambda: lockstep.DistributedDataParallel(lambda x: x))
+    capture("cpu_device_ids", lambda: lockstep.DistributedDataParallel(nn.Linear(2, 2), device_ids=[0]))
+    # After all these failures the group still works: nobody was left inside a collective.
+    t = torch.ones(1)
+    torch.distributed.all_reduce(t)
+    return errors, t.item()
+
+
+def _compat(rank, world_size):
+    import lockstep
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    ours = lockstep.DistributedDataParallel(module)
+    theirs = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    frozen = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    frozen[0].weight.requires_grad_(False)
+    frozen_ddp = lockstep.DistributedDataParallel(frozen)
+    frozen_ddp(torch.randn(3, 4)).sum().backward()
+    return {
+        "keys": (list(ours.state_dict()), list(theirs.state_dict())),
+        "module_is": ours.module is module,
+        "frozen_bucketed": sorted(i for b in frozen_ddp.reducer.bucket_layout() for i in b),
+        "frozen_grad_none": frozen[0].weight.grad is None,
+        "reload": ours.load_state_dict(theirs.state_dict()) is not None,
+    }
+
+
+def _all_cases(rank, world_size):
+    return {"overlap": _overlap(rank, world_size), "rebuild": _rebuild(rank, world_size),
+            "bad": _bad_input(rank, world_size), "compat": _compat(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_all_cases, 2, timeout_s=180)
+
+
+def test_overlap_a_bucket_launches_before_the_last_gradient(results):
+    for rank in range(2):
+        iterations, layout, stats = results[rank]["overlap"]
+        assert len(layout) >= 2
+        for events in iterations:
+            last_ready = max(i for i, e in enumerate(events) if e[0] == "ready")
+            first_launch = min(i for i, e in enumerate(events) if e[0] == "launch")
+            assert first_launch < last_ready, events
+            # Buckets launch in index order on every rank.
+            assert [e[1] for e in events if e[0] == "launch"] == list(range(len(layout)))
+        assert stats["steps"] == 2 and stats["comm_wait_s"] >= 0.0
+
+
+def test_rebuild_follows_observed_order(results):
+    for rank in range(2):
+        initial, first_order, layouts, rebuilt, diff = results[rank]["rebuild"]
+        assert initial == [[3], [2], [1], [0]]  # reverse registration: early.bias, early.weight, late.bias, late.weight
+        assert rebuilt
+        # Rank 0's observed order is the layout on every rank.
+        assert layouts[1] == [[i] for i in results[0]["rebuild"][1]]
+        assert layouts[1] != initial and layouts[2] == layouts[1]
+        assert diff == 0.0
+
+
+def test_mismatched_models_raise_on_every_rank(results):
+    for rank in range(2):
+        errors, group_still_works = results[rank]["bad"]
+        assert group_still_works == 2.0
+        kind, text = errors["shape"]
+        assert kind == "RuntimeError"
+        assert "parameter '0.weight' has shape (4, 8) dtype torch.float32 on rank 0 but shape (5, 8)" in text
+        assert "on rank 1" in text
+        kind, text = errors["count"]
+        assert "rank 0 has 2 parameters and rank 1 has 4" in text and "'1.weight' on rank 1" in text
+        kind, text = errors["dtype"]
+        assert "'0.weight'" in text and "torch.float64 on rank 1" in text
+
+
+def test_bad_arguments(results):
+    errors, _ = results[0]["bad"]
+    assert errors["cap0"][0] == "ValueError" and "bucket_cap_mb must be > 0, got 0" in errors["cap0"][1]
+    assert errors["cap_neg"][0] == "ValueError"
+    assert errors["not_module"][0] == "TypeError" and "torch.nn.Module" in errors["not_module"][1]
+    assert errors["cpu_device_ids"][0] == "ValueError" and "device_ids must be None for a CPU module" in errors["cpu_device_ids"][1]
+
+
+def test_state_dict_and_module_compatible_with_torch(results):
+    compat = results[0]["compat"]
+    ours, theirs = compat["keys"]
+    assert ours == theirs and ours[0] == "module.0.weight"
+    assert compat["module_is"] and compat["reload"]
+    assert compat["frozen_bucketed"] == [0, 1, 2]  # 4 parameters, the frozen weight left out
+    assert compat["frozen_grad_none"]
