@@ -1,0 +1,71 @@
+"""Tree all-reduce by recursive doubling: latency-optimal for small buffers.
+
+In round k every rank swaps its whole partial sum with the rank whose index
+differs in bit k and adds it, so after log2(N) rounds every rank holds the total:
+a butterfly, which is a binomial-tree reduce and a binomial-tree broadcast fused
+into one pass (Thakur, Rabenseifner & Gropp, "Optimization of collective
+communication operations in MPICH", 2005). It pays log2(N) latencies where the ring
+pays 2(N-1), but moves the whole buffer every round, so the ring wins once the
+buffer is large (see ``lockstep plan`` and ``lockstep bench allreduce``).
+
+A world size that is not a power of two is folded first: with p the largest power
+of two <= N, rank p+i hands its buffer to rank i, the first p ranks run the
+butterfly, and rank i hands the result back (two extra rounds). Floating-point
+addition is commutative, so both partners of a swap compute bit-identical sums and
+every rank ends with exactly the same bits, which DDP's replicas rely on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lockstep.collectives.peers import Peers, segments, wait_all
+from lockstep.collectives.ring import DEFAULT_SEGMENT_NBYTES
+
+
+def tree_all_reduce(
+    flat: torch.Tensor, peers: Peers, segment_nbytes: int = DEFAULT_SEGMENT_NBYTES
+) -> None:
+    """Sum ``flat`` (1-D, contiguous) in place across the ranks of ``peers``."""
+    n, r = peers.world_size, peers.rank
+    if n == 1 or flat.numel() == 0:
+        return
+    segment_numel = max(1, segment_nbytes // flat.element_size())
+    pieces = segments(0, flat.numel(), segment_numel)
+    stride = len(pieces)
+    p = 1 << (n.bit_length() - 1)  # largest power of two <= n
+    extra = n - p
+    recv_buf = flat.new_empty(flat.numel())
+    fold_in_tag, fold_out_tag = 0, 1  # the butterfly rounds use tags from 2 * stride on
+
+    if r >= p:  # folded rank: contribute, then wait for the answer
+        partner = r - p
+        wait_all([peers.isend(flat[a:b], partner, fold_in_tag * stride + k) for k, (a, b) in enumerate(pieces)])
+        wait_all([peers.irecv(flat[a:b], partner, fold_out_tag * stride + k) for k, (a, b) in enumerate(pieces)])
+        return
+    if r < extra:
+        _exchange_add(flat, recv_buf, pieces, peers, r + p, fold_in_tag * stride, send=False)
+
+    mask, round_index = 1, 2
+    while mask < p:
+        _exchange_add(flat, recv_buf, pieces, peers, r ^ mask, round_index * stride, send=True)
+        mask <<= 1
+        round_index += 1
+
+    if r < extra:
+        wait_all([peers.isend(flat[a:b], r + p, fold_out_tag * stride + k) for k, (a, b) in enumerate(pieces)])
+
+
+def _exchange_add(flat, recv_buf, pieces, peers: Peers, partner: int, tag0: int, send: bool) -> None:
+    """Add the partner's buffer into ``flat`` (sending ours to it at the same time if ``send``).
+
+    Segment k is added as soon as it lands, overlapping the transfer of k+1; a
+    segment of ``flat`` is only overwritten after our own send of it completed.
+    """
+    sends = [peers.isend(flat[a:b], partner, tag0 + k) for k, (a, b) in enumerate(pieces)] if send else []
+    recvs = [peers.irecv(recv_buf[a:b], partner, tag0 + k) for k, (a, b) in enumerate(pieces)]
+    for k, (a, b) in enumerate(pieces):
+        recvs[k].wait()
+        if send:
+            sends[k].wait()
+        flat[a:b].add_(recv_buf[a:b])

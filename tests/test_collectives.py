@@ -1,0 +1,174 @@
+"""Ring and tree all-reduce against gloo's own, on 2, 3 and 4 real ranks.
+
+One spawned group per world size runs every case (sizes, dtypes, segmentations,
+sub-groups, bad input) and returns compact results; the test functions assert on
+them. The reference for floats is the exact float64 sum of every rank's input
+(each rank regenerates all inputs from their seeds), so a result is checked
+against arithmetic, not only against another implementation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_ranks
+from lockstep.collectives import Peers, all_reduce, chunk_bounds, ring_all_reduce, tree_all_reduce
+
+SIZES = [0, 1, 2, 3, 7, 1001, 70_000]
+DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.int32]
+ALGOS = ["ring", "tree"]
+
+
+def _input(rank: int, numel: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10_000 * rank + numel + 7 * salt)
+    if dtype.is_floating_point:
+        return (torch.randn(numel, generator=g, dtype=torch.float64) * 3).to(dtype)
+    return torch.randint(-1_000_000, 1_000_000, (numel,), generator=g, dtype=dtype)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _check(t, rank, world_size, numel, dtype, native, salt=0):
+    """(max error vs the exact float64 sum, max |x - native|, tolerance, digest)."""
+    exact = sum(_input(r, numel, dtype, salt).double() for r in range(world_size))
+    if numel == 0:
+        return (0.0, 0.0, 0.0, _digest(t))
+    err = (t.double().view(-1) - exact).abs().max().item()
+    vs_native = (t.double() - native.double()).abs().max().item()
+    if dtype.is_floating_point:
+        # Each partial sum rounds once: at most (N-1) roundings of |sum of |x||.
+        magnitude = sum(_input(r, numel, dtype, salt).double().abs() for r in range(world_size)).max().item()
+        tol = (world_size - 1) * torch.finfo(dtype).eps * magnitude
+    else:
+        tol = 0.0
+    return (err, vs_native, tol, _digest(t))
+
+
+def _cases(rank: int, world_size: int):
+    out = {}
+    for algo in ALGOS:
+        for dtype in DTYPES:
+            for numel in SIZES:
+                x = _input(rank, numel, dtype)
+                native = x.clone()
+                dist.all_reduce(native)
+                returned = all_reduce(x, algorithm=algo)
+                assert returned is x, "all_reduce must work in place and return its argument"
+                out[(algo, str(dtype), numel)] = _check(x, rank, world_size, numel, dtype, native)
+        # A 2-D tensor keeps its shape; tiny segments force many tagged messages per chunk.
+        x = _input(rank, 1001, torch.float32, salt=1).view(7, 143)
+        native = x.clone()
+        dist.all_reduce(native)
+        all_reduce(x, algorithm=algo)
+        out[(algo, "2d", 1001)] = _check(x.view(-1), rank, world_size, 1001, torch.float32, native.view(-1), salt=1)
+        x = _input(rank, 1001, torch.float32, salt=2)
+        native = x.clone()
+        dist.all_reduce(native)
+        fn = ring_all_reduce if algo == "ring" else tree_all_reduce
+        fn(x, Peers.of(), segment_nbytes=40)
+        out[(algo, "segmented", 1001)] = _check(x, rank, world_size, 1001, torch.float32, native, salt=2)
+    # native through our entry point too
+    x = _input(rank, 1001, torch.int64)
+    all_reduce(x, algorithm="native")
+    out[("native", "int64", 1001)] = _check(x, rank, world_size, 1001, torch.int64, x)
+
+    errors = {}
+    for name, call in {
+        "algorithm": lambda: all_reduce(torch.ones(4), algorithm="butterfly"),
+        "contiguous": lambda: all_reduce(torch.ones(4, 4).t(), algorithm="ring"),
+        "bool": lambda: all_reduce(torch.ones(4, dtype=torch.bool), algorithm="tree"),
+        "type": lambda: all_reduce([1.0, 2.0], algorithm="ring"),
+    }.items():
+        try:
+            call()
+            errors[name] = None
+        except (ValueError, TypeError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+
+    sub = {}
+    if world_size == 4:
+        # Two disjoint pairs, {0, 2} and {1, 3}: group ranks differ from global ranks,
+        # so a wrong translation sends to the wrong peer and the sums come out wrong.
+        evens, odds = dist.new_group([0, 2]), dist.new_group([1, 3])
+        mine = evens if rank % 2 == 0 else odds
+        members = [0, 2] if rank % 2 == 0 else [1, 3]
+        outsider = odds if rank % 2 == 0 else evens
+        for algo in [*ALGOS, "native"]:
+            x = _input(rank, 1001, torch.int64)
+            all_reduce(x, algorithm=algo, group=mine)
+            expected = sum(_input(r, 1001, torch.int64) for r in members)
+            sub[algo] = torch.equal(x, expected)
+        try:
+            all_reduce(torch.ones(3), algorithm="ring", group=outsider)
+            sub["outsider"] = None
+        except ValueError as e:
+            sub["outsider"] = str(e)
+    return out, errors, sub
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}ranks")
+def group_results(request):
+    world_size = request.param
+    return world_size, run_ranks(_cases, world_size=world_size, timeout_s=240)
+
+
+def test_sum_matches_exact_and_native(group_results):
+    world_size, results = group_results
+    for key, (err, vs_native, tol, _) in results[0][0].items():
+        _, dtype, numel = key
+        assert err <= tol, f"{key} on {world_size} ranks: error {err} > tolerance {tol}"
+        if dtype.startswith("torch.int") or key[0] == "native":
+            assert err == 0 and vs_native == 0, f"{key}: integer sums must be exact"
+        elif world_size == 2:
+            # Two addends round once whichever way round they are added: bit-equal to gloo.
+            assert vs_native == 0, f"{key} on 2 ranks differs from gloo's sum by {vs_native}"
+        else:
+            assert vs_native <= 2 * tol, f"{key}: {vs_native} from gloo's sum"
+
+
+def test_every_rank_ends_with_the_same_bits(group_results):
+    world_size, results = group_results
+    for key in results[0][0]:
+        digests = {rank_results[0][key][3] for rank_results in results}
+        assert len(digests) == 1, f"{key}: ranks disagree ({world_size} ranks)"
+
+
+def test_bad_input_is_rejected_by_name(group_results):
+    _, results = group_results
+    errors = results[0][1]
+    assert "algorithm='butterfly'" in errors["algorithm"] and "'ring'" in errors["algorithm"]
+    assert "contiguous" in errors["contiguous"]
+    assert "torch.bool" in errors["bool"]
+    assert errors["type"].startswith("TypeError") and "torch.Tensor" in errors["type"]
+
+
+def test_subgroups_use_group_ranks(group_results):
+    world_size, results = group_results
+    if world_size != 4:
+        pytest.skip("sub-groups are exercised on 4 ranks")
+    for rank_results in results:
+        sub = rank_results[2]
+        assert sub["ring"] and sub["tree"] and sub["native"]
+        assert "not a member" in sub["outsider"]
+
+
+def test_without_process_group_the_error_says_so():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="process group"):
+        all_reduce(torch.ones(3), algorithm="ring")
+
+
+def test_chunk_bounds_cover_the_buffer_once():
+    for numel in [0, 1, 3, 7, 8, 1001]:
+        for parts in range(1, 9):
+            bounds = chunk_bounds(numel, parts)
+            assert len(bounds) == parts and bounds[0][0] == 0 and bounds[-1][1] == numel
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            sizes = [hi - lo for lo, hi in bounds]
+            assert max(sizes) - min(sizes) <= 1
