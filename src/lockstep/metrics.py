@@ -1,0 +1,80 @@
+"""What the Trainer reports: JSON-lines metrics from rank 0, and how much of a step is spent communicating.
+
+Two ways to get the communication share. If the DDP wrapper keeps its own account
+(``ddp.comm_stats()`` -> ``{"comm_wait_s", "steps"}``: time the end of backward spent
+waiting for all-reduces), the share is that wait over the measured step time. Otherwise
+``measure_exposed_comm`` times the same micro-batch's forward+backward with and without
+gradient synchronisation (``no_sync``) and reports the difference: the communication
+that computation did not hide. It costs a few extra steps' worth of compute at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+class MetricsLog:
+    """Appends one JSON object per line; a no-op on every rank but the writer.
+
+    Appending (not truncating) keeps the lines of an interrupted run when it resumes;
+    each record carries its ``step`` so a reader can tell repeats apart.
+    """
+
+    def __init__(self, path: str | os.PathLike | None, enabled: bool):
+        self.path = Path(path) if path is not None else None
+        self._file = None
+        if enabled and self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+            self._file.flush()  # a crash loses at most the line being written
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def measure_exposed_comm(
+    ddp: torch.nn.Module, run_micro_batch: Callable[[], torch.Tensor], reps: int = 5
+) -> dict:
+    """Time forward+backward of one micro-batch synced and under ``no_sync``; return the exposed share.
+
+    Every rank must call this the same number of times (the synced backward is a
+    collective). Gradients are zeroed afterwards; the optimizer is never stepped, so the
+    parameters are unchanged.
+    """
+    synced, local = [], []
+    for _ in range(reps + 1):  # the first pair warms up allocators and is discarded
+        t0 = time.perf_counter()
+        with ddp.no_sync():
+            run_micro_batch().backward()
+        t1 = time.perf_counter()
+        run_micro_batch().backward()
+        t2 = time.perf_counter()
+        local.append(t1 - t0)
+        synced.append(t2 - t1)
+    ddp.zero_grad(set_to_none=True)
+    synced_s, local_s = statistics.median(synced[1:]), statistics.median(local[1:])
+    exposed_s = max(0.0, synced_s - local_s)
+    return {
+        "method": "synced minus no_sync forward+backward, median of %d" % reps,
+        "synced_step_s": synced_s,
+        "local_step_s": local_s,
+        "comm_share": exposed_s / synced_s if synced_s > 0 else 0.0,
+    }

@@ -1,0 +1,341 @@
+"""Trainer: the DDP training loop, written once, with exact evaluation and exact resume.
+
+It wraps a model in lockstep's DistributedDataParallel, shards the data with
+DistributedSampler, accumulates gradients under ``no_sync``, and checkpoints through
+``lockstep.checkpoint``. The one idea: everything that decides what happens next —
+parameters, optimizer and scheduler state, step, each rank's sampler position and RNG
+states — goes into the checkpoint, and nothing else draws randomness (every DataLoader
+has its own generator), so a resumed run repeats an uninterrupted one bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from lockstep import checkpoint as ckpt
+from lockstep.metrics import MetricsLog, measure_exposed_comm
+from lockstep.sampler import DistributedSampler
+
+try:  # lockstep's own reducer; torch's DDP has the same API and stands in until it lands
+    from lockstep.ddp import DistributedDataParallel
+except ImportError:  # pragma: no cover - only before src/lockstep/ddp.py exists
+    from torch.nn.parallel import DistributedDataParallel
+
+_AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class TrainerConfig:
+    """How to train. Sizes are per rank; the global batch is batch_size * grad_accum_steps * world_size."""
+
+    epochs: int = 1  # passes over the training set
+    batch_size: int = 32  # samples per micro-batch, per rank
+    grad_accum_steps: int = 1  # micro-batches per optimizer step; all but the last run under no_sync
+    eval_batch_size: int | None = None  # defaults to batch_size
+    grad_clip_norm: float | None = None  # clip the all-reduced gradient's total norm to this
+    autocast_dtype: str | None = None  # "bfloat16": autocast forward and loss (CPU and CUDA)
+    warmup_steps: int = 0  # linear warm-up of the learning rate over this many optimizer steps
+    lr_scale_base_batch: int | None = None  # linear-scaling rule: lr *= global batch / this (Goyal et al. 2017)
+    seed: int = 0  # the samplers' shuffle seed (the same on every rank)
+    checkpoint_dir: str | None = None  # where ckpt-<step>.pt files go; None: no checkpoints
+    save_every_steps: int | None = None  # checkpoint every N optimizer steps (and always at the end)
+    keep_last: int = 3  # checkpoints kept; older ones are deleted
+    resume: bool = False  # continue from the newest checkpoint in checkpoint_dir, if there is one
+    metrics_path: str | None = None  # JSON lines written by global rank 0
+    log_every_steps: int = 10  # a metrics line every N steps
+    progress: bool = True  # a tqdm bar on global rank 0
+    num_workers: int = 0  # DataLoader workers per rank
+    max_steps: int | None = None  # stop after this many optimizer steps in total (resumed ones included)
+
+    def __post_init__(self):
+        positive = ["epochs", "batch_size", "grad_accum_steps", "keep_last", "log_every_steps"]
+        optional_positive = ["eval_batch_size", "save_every_steps", "lr_scale_base_batch", "max_steps"]
+        for name in positive + optional_positive:
+            value = getattr(self, name)
+            if value is None and name in optional_positive:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainerConfig.{name} must be an int >= 1, got {value!r}")
+        for name in ("warmup_steps", "num_workers", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"TrainerConfig.{name} must be an int >= 0, got {value!r}")
+        if self.grad_clip_norm is not None and not (
+            isinstance(self.grad_clip_norm, (int, float)) and self.grad_clip_norm > 0
+        ):
+            raise ValueError(f"TrainerConfig.grad_clip_norm must be a number > 0, got {self.grad_clip_norm!r}")
+        if self.autocast_dtype is not None and self.autocast_dtype not in _AUTOCAST_DTYPES:
+            raise ValueError(
+                f"TrainerConfig.autocast_dtype must be None or one of {sorted(_AUTOCAST_DTYPES)}, "
+                f"got {self.autocast_dtype!r} (float16 would need a GradScaler, which the Trainer does not run)"
+            )
+        for name in ("resume", "save_every_steps"):
+            if getattr(self, name) and self.checkpoint_dir is None:
+                raise ValueError(f"TrainerConfig.{name} needs TrainerConfig.checkpoint_dir to be set")
+
+
+class Trainer:
+    """Trains ``model`` on ``train_data`` (items ``(inputs, targets)``) on every rank of ``group``.
+
+    Args:
+        model: the plain module; it is moved to ``device`` and wrapped in DDP (``self.ddp``).
+        optimizer: built on ``model.parameters()``.
+        loss_fn: ``loss_fn(outputs, targets) -> scalar`` averaged over the batch.
+        train_data, eval_data: map-style datasets. Evaluation counts every sample once.
+        config: a TrainerConfig.
+        scheduler: stepped after every optimizer step; not allowed together with the
+            config's warm-up / linear scaling, which install their own.
+        group: the process group (default: the default group). Files are written by global rank 0.
+        on_step_end: called with the Trainer after every optimizer step (and any checkpoint).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
+                 train_data: Dataset, eval_data: Dataset | None = None, config: TrainerConfig | None = None, *,
+                 scheduler=None, group: dist.ProcessGroup | None = None, device: torch.device | None = None,
+                 on_step_end: Callable[["Trainer"], None] | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("Trainer needs an initialised process group: call lockstep.init() first")
+        self.config = cfg = config if config is not None else TrainerConfig()
+        if not isinstance(cfg, TrainerConfig):
+            raise TypeError(f"Trainer: config must be a TrainerConfig, got {type(cfg).__name__}")
+        self.group, self.rank, self.world_size = group, dist.get_rank(group), dist.get_world_size(group)
+        self.is_writer = dist.get_rank() == 0  # global rank 0, whatever the group
+        if device is None:
+            cuda = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.device = torch.device(device)
+        model.to(self.device)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group)
+        self.model, self.optimizer, self.loss_fn, self.on_step_end = model, optimizer, loss_fn, on_step_end
+        self.train_data, self.eval_data = train_data, eval_data
+        self.sampler = DistributedSampler(train_data, self.world_size, self.rank, shuffle=True, seed=cfg.seed)
+        self.global_batch = cfg.batch_size * cfg.grad_accum_steps * self.world_size
+        if cfg.warmup_steps or cfg.lr_scale_base_batch:
+            if scheduler is not None:
+                raise ValueError("Trainer: pass either scheduler= or TrainerConfig.warmup_steps/lr_scale_base_batch, not both")
+            scale = self.global_batch / cfg.lr_scale_base_batch if cfg.lr_scale_base_batch else 1.0
+            warmup = cfg.warmup_steps
+            # lr(step) = base_lr * scale * min(1, (step + 1) / (warmup + 1)): a linear ramp to the scaled lr
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: scale * min(1.0, (s + 1) / (warmup + 1)))
+        self.scheduler = scheduler
+        self.step, self.epoch, self.batches_done = 0, 0, 0  # batches_done: micro-batches consumed this epoch
+        self._loss_sum, self._loss_count = 0.0, 0  # this rank's training loss this epoch (kept in checkpoints)
+        self._train_time_s, self._samples_seen = 0.0, 0
+        self.history: list[dict] = []
+        self.last_checkpoint, self._saved_step, self.resumed_from = None, None, None
+        self.metrics = MetricsLog(cfg.metrics_path, enabled=self.is_writer)
+
+    # -- data ------------------------------------------------------------------------------
+    def _loader(self, data, sampler, batch_size: int, epoch: int) -> DataLoader:
+        # Its own generator: otherwise each iter(loader) draws a worker seed from torch's global
+        # RNG, and a resumed run (one fewer iter() before the checkpoint) would drift from it.
+        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + epoch)
+        return DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=self.config.num_workers,
+                          generator=generator, pin_memory=self.device.type == "cuda")
+
+    def _autocast(self):
+        if self.config.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=_AUTOCAST_DTYPES[self.config.autocast_dtype])
+
+    # -- training --------------------------------------------------------------------------
+    def fit(self) -> dict:
+        """Train (resuming first if configured), evaluate each epoch, checkpoint; return a summary."""
+        cfg = self.config
+        if cfg.resume:
+            self.load_latest()
+        try:
+            while self.epoch < cfg.epochs and not self._stopped():
+                if not self._train_epoch():
+                    break  # stopped mid-epoch by max_steps: no epoch summary
+                self._end_epoch()
+            if cfg.checkpoint_dir and self._saved_step != self.step:
+                self.save_checkpoint()
+        finally:
+            self.metrics.close()
+        return self.summary()
+
+    def _stopped(self) -> bool:
+        return self.config.max_steps is not None and self.step >= self.config.max_steps
+
+    def _train_epoch(self) -> bool:
+        """One pass over this rank's shard, from the resumed position; False if max_steps cut it short."""
+        cfg, accum = self.config, self.config.grad_accum_steps
+        self.sampler.set_epoch(self.epoch)
+        loader = self._loader(self.train_data, self.sampler, cfg.batch_size, self.epoch)
+        n_batches = self.batches_done + len(loader)
+        self.ddp.train()
+        bar = self._progress_bar(n_batches)
+        t_group = time.perf_counter()
+        for i, (inputs, targets) in enumerate(loader, start=self.batches_done):
+            group_start = i - i % accum  # resumed positions are always at a group boundary
+            group_size = min(accum, n_batches - group_start)  # a short last group is averaged over its size
+            sync = i + 1 == group_start + group_size
+            inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+            # forward too must run under no_sync: DDP decides at forward time whether backward syncs
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                with self._autocast():
+                    loss = self.loss_fn(self.ddp(inputs), targets)
+                (loss / group_size).backward()
+            loss_value = loss.item()  # one host sync per micro-batch (free on CPU) for the bar and the epoch mean
+            self._loss_sum += loss_value * len(targets)
+            self._loss_count += len(targets)
+            self.batches_done = i + 1
+            self.sampler.advance(len(targets))  # what was consumed, not what the loader prefetched
+            if not sync:
+                continue
+            if cfg.grad_clip_norm is not None:  # the gradient is already averaged: every rank clips alike
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.step += 1
+            now = time.perf_counter()
+            step_s, t_group = now - t_group, now
+            self._train_time_s += step_s
+            self._samples_seen += group_size * cfg.batch_size * self.world_size
+            self._after_step(loss_value, bar)
+            t_group = time.perf_counter()  # logging and checkpoints are not step time
+            if self._stopped() and self.batches_done < n_batches:
+                bar.close()
+                return False
+        bar.close()
+        return True
+
+    def _after_step(self, loss_value: float, bar) -> None:
+        cfg = self.config
+        samples_per_s = self._samples_seen / self._train_time_s if self._train_time_s else 0.0
+        bar.set_postfix(loss=f"{loss_value:.4f}", samples_per_s=f"{samples_per_s:.0f}", refresh=False)
+        bar.update(1)
+        if self.step % cfg.log_every_steps == 0:
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.metrics.write({"event": "train", "step": self.step, "epoch": self.epoch, "loss": loss_value,
+                                "lr": lr, "samples_per_s": samples_per_s})
+        if cfg.save_every_steps and self.step % cfg.save_every_steps == 0:
+            self.save_checkpoint()
+        if self.on_step_end is not None:
+            self.on_step_end(self)
+
+    def _progress_bar(self, n_batches: int):
+        from tqdm.auto import tqdm
+
+        accum = self.config.grad_accum_steps
+        return tqdm(total=math.ceil(n_batches / accum), initial=self.batches_done // accum,
+                    desc=f"epoch {self.epoch}", disable=not (self.is_writer and self.config.progress), leave=False)
+
+    def _end_epoch(self) -> None:
+        totals = torch.tensor([self._loss_sum, float(self._loss_count)], dtype=torch.float64)
+        dist.all_reduce(totals, group=self.group)  # one collective per epoch
+        record = {"event": "epoch", "epoch": self.epoch, "step": self.step,
+                  "train_loss": (totals[0] / totals[1]).item() if totals[1] else float("nan"),
+                  "samples_per_s": self._samples_seen / self._train_time_s if self._train_time_s else 0.0}
+        if self.eval_data is not None:
+            record.update(self.evaluate())
+        self.history.append(record)
+        self.metrics.write(record)
+        self.epoch, self.batches_done = self.epoch + 1, 0
+        self._loss_sum, self._loss_count = 0.0, 0
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Loss (and accuracy for class-index targets) over the eval set, each sample counted once.
+
+        Runs the plain module (no DDP forward, so no collective per batch: ranks may hold one
+        sample more or less) and all-reduces [loss sum, correct, count, classified] at the end.
+        """
+        sampler = DistributedSampler(self.eval_data, self.world_size, self.rank, shuffle=False, pad=False)
+        batch_size = self.config.eval_batch_size or self.config.batch_size
+        was_training = self.model.training
+        self.model.eval()
+        sums = torch.zeros(4, dtype=torch.float64)
+        for inputs, targets in self._loader(self.eval_data, sampler, batch_size, epoch=0):
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            with self._autocast():
+                outputs = self.model(inputs)
+                loss = self.loss_fn(outputs, targets)
+            sums[0] += loss.double().item() * len(targets)
+            sums[2] += len(targets)
+            if outputs.ndim == 2 and targets.ndim == 1 and not targets.is_floating_point():
+                sums[1] += (outputs.argmax(dim=1) == targets).sum().item()
+                sums[3] += len(targets)
+        self.model.train(was_training)
+        dist.all_reduce(sums, group=self.group)
+        loss_sum, correct, count, classified = sums.tolist()
+        result = {"eval_loss": loss_sum / count if count else float("nan"), "eval_samples": int(count)}
+        if classified and classified == count:
+            result["eval_accuracy"] = correct / count
+        return result
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save_checkpoint(self):
+        """Gather every rank's sampler position and RNG states; global rank 0 writes atomically."""
+        mine = {"sampler": self.sampler.state_dict(), "rng": ckpt.capture_rng_state(),
+                "loss_sum": self._loss_sum, "loss_count": self._loss_count}
+        gathered = [None] * self.world_size if self.is_writer else None
+        dist.gather_object(mine, gathered, dst=0, group=self.group)  # pickled in memory between our ranks only
+        self._saved_step = self.step
+        if not self.is_writer:
+            return None
+        payload = {"format": ckpt.FORMAT, "step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,
+                   "world_size": self.world_size, "model": self.model.state_dict(),
+                   "optimizer": self.optimizer.state_dict(),
+                   "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                   "ranks": gathered}
+        path = ckpt.save_atomic(payload, ckpt.checkpoint_path(self.config.checkpoint_dir, self.step))
+        ckpt.prune_checkpoints(self.config.checkpoint_dir, self.config.keep_last)
+        self.last_checkpoint = path
+        return path
+
+    def load_latest(self):
+        """Load the newest checkpoint (rank 0 picks it, so every rank loads the same one); None if there is none."""
+        choice = [str(ckpt.latest_checkpoint(self.config.checkpoint_dir) or "") if self.is_writer else None]
+        dist.broadcast_object_list(choice, src=0, group=self.group)
+        if not choice[0]:
+            return None
+        payload = ckpt.load_checkpoint(choice[0])
+        if payload["world_size"] != self.world_size:
+            raise ValueError(f"checkpoint {choice[0]} was written by {payload['world_size']} ranks; this run has "
+                             f"{self.world_size}, and an exact resume needs the same number")
+        self.model.load_state_dict(payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        if (payload["scheduler"] is None) != (self.scheduler is None):
+            raise ValueError(f"checkpoint {choice[0]} and this Trainer disagree on having an lr scheduler")
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(payload["scheduler"])
+        self.step, self.epoch, self.batches_done = payload["step"], payload["epoch"], payload["batches_done"]
+        self._saved_step = self.step
+        mine = payload["ranks"][self.rank]
+        self.sampler.load_state_dict(mine["sampler"])
+        self._loss_sum, self._loss_count = mine["loss_sum"], mine["loss_count"]
+        ckpt.restore_rng_state(mine["rng"])  # last: nothing after this may draw randomness
+        self.last_checkpoint = self.resumed_from = choice[0]
+        return choice[0]
+
+    # -- reporting -------------------------------------------------------------------------
+    def comm_report(self) -> dict:
+        """Share of step time spent in communication: the DDP's own account when it keeps one, else measured."""
+        stats = getattr(self.ddp, "comm_stats", None)
+        if callable(stats) and self._train_time_s > 0:
+            wait_s = float(stats()["comm_wait_s"])
+            return {"method": "ddp.comm_stats() all-reduce wait / step time", "comm_share": wait_s / self._train_time_s}
+        # a fresh sampler: iterating the training one would disturb its saved position
+        sampler = DistributedSampler(self.train_data, self.world_size, self.rank, seed=self.config.seed)
+        inputs, targets = next(iter(self._loader(self.train_data, sampler, self.config.batch_size, 0)))
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        return measure_exposed_comm(self.ddp, lambda: self.loss_fn(self.ddp(inputs), targets))
+
+    def summary(self) -> dict:
+        last = self.history[-1] if self.history else {}
+        return {"steps": self.step, "epochs": self.epoch, "history": self.history,
+                "samples_per_s": self._samples_seen / self._train_time_s if self._train_time_s else 0.0,
+                "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None, **last}

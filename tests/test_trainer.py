@@ -1,0 +1,243 @@
+"""Trainer on 2 real gloo ranks: exact resume after a crash, exact evaluation, accumulation, lr rules, rank-0 files.
+
+One spawned group runs every scenario (``_scenarios``); the tests assert on what it returned.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from dist_utils import run_ranks
+from lockstep import Trainer, TrainerConfig
+from lockstep.checkpoint import list_checkpoints, load_checkpoint
+from lockstep.metrics import read_metrics
+
+N_TRAIN, N_EVAL = 150, 37  # neither divides evenly over 2 ranks x 8: padding and a short last batch
+
+
+def _data(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long() + (x[:, 2] > 1).long()  # 3 classes
+    return TensorDataset(x, y)
+
+
+def _model(init_seed: int, dropout: float = 0.2) -> nn.Module:
+    # a different seed on each rank: DDP's start-up broadcast must align the parameters, and each
+    # rank's RNG (dropout) is then its own, which checkpoints have to keep per rank
+    torch.manual_seed(init_seed + 1000 * int(os.environ.get("RANK", "0")))
+    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 3))
+
+
+class Crash(Exception):
+    pass
+
+
+def _crash_at(step: int):
+    def hook(trainer):
+        if trainer.step == step:
+            raise Crash(f"simulated crash after step {step}")
+
+    return hook
+
+
+def _train(directory, init_seed=1, crash_at=None, resume=False, **overrides):
+    """Train the standard setup; returns (trainer, summary or None if it crashed)."""
+    model = _model(init_seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    settings = dict(epochs=3, batch_size=8, grad_accum_steps=2, grad_clip_norm=1.0, warmup_steps=4, seed=3,
+                    checkpoint_dir=str(directory), save_every_steps=3, keep_last=2, progress=False,
+                    metrics_path=os.path.join(directory, "metrics.jsonl"), log_every_steps=1, resume=resume)
+    settings.update(overrides)
+    trainer = Trainer(model, optimizer, nn.functional.cross_entropy, _data(N_TRAIN, 0), _data(N_EVAL, 1),
+                      TrainerConfig(**settings), on_step_end=_crash_at(crash_at) if crash_at else None)
+    try:
+        return trainer, trainer.fit()
+    except Crash:
+        return trainer, None
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _audit_writes(directory, log):
+    """Record this process's opens-for-writing and renames under ``directory`` (Python's audit hooks)."""
+    directory = os.path.realpath(directory)
+
+    def hook(event, args):
+        if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+            mode = args[1] if len(args) > 1 and isinstance(args[1], str) else ""
+            flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+            writing = any(c in mode for c in "wax+") or flags & (os.O_WRONLY | os.O_RDWR)
+            if writing and os.path.realpath(os.fsdecode(args[0])).startswith(directory):
+                log.append(("open", os.fsdecode(args[0])))
+        elif event in ("os.rename", "os.remove") and os.path.realpath(os.fsdecode(args[0])).startswith(directory):
+            log.append((event, os.fsdecode(args[0])))
+
+    sys.addaudithook(hook)
+
+
+def _scenarios(rank, world_size, root):
+    out = {}
+    # 1. uninterrupted reference (dir a); its writes on this rank are audited
+    writes = []
+    _audit_writes(os.path.join(root, "a"), writes)
+    trainer_a, summary_a = _train(os.path.join(root, "a"))
+    out["a_params"] = _params(trainer_a.model)
+    out["a_summary"] = summary_a
+    out["writes"] = writes
+    # 2. crash after step 7 (newest checkpoint: step 6, mid-epoch), then resume from a fresh, differently
+    #    initialised model in the same processes (the RNG has moved on since the checkpoint)
+    crashed, none = _train(os.path.join(root, "b"), crash_at=7)
+    assert none is None and crashed.step == 7
+    resumed_b, summary_b = _train(os.path.join(root, "b"), init_seed=99, resume=True)
+    out["b_params"] = _params(resumed_b.model)
+    out["b_resumed_from"] = str(resumed_b.resumed_from)
+    out["b_summary"] = summary_b
+    # 3. checkpoint exactly at an epoch's last step (5 steps per epoch), crash in the next epoch
+    _train(os.path.join(root, "c"), crash_at=8, save_every_steps=5)
+    resumed_c, _ = _train(os.path.join(root, "c"), init_seed=98, resume=True, save_every_steps=5)
+    out["c_params"] = _params(resumed_c.model)
+    # 4. stop early with max_steps, then continue with the full budget
+    _train(os.path.join(root, "d"), max_steps=4, save_every_steps=None)
+    resumed_d, _ = _train(os.path.join(root, "d"), init_seed=97, resume=True, save_every_steps=None)
+    out["d_params"] = _params(resumed_d.model)
+    # 5. exact evaluation, against a single-process pass over the whole eval set
+    ev = resumed_b.evaluate()
+    x, y = _data(N_EVAL, 1).tensors
+    resumed_b.model.eval()
+    with torch.no_grad():
+        logits = resumed_b.model(x)
+    out["eval"] = ev
+    out["eval_ref"] = {"eval_loss": nn.functional.cross_entropy(logits, y).item(),
+                       "eval_accuracy": (logits.argmax(1) == y).sum().item() / N_EVAL}
+    # 6. accumulation: 2 micro-batches of 4 under no_sync vs 1 batch of 8 (no dropout, no clipping)
+    finals = []
+    for bs, accum in ((8, 1), (4, 2)):
+        model = _model(5, dropout=0.0)
+        t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
+                    _data(64, 2), None, TrainerConfig(epochs=2, batch_size=bs, grad_accum_steps=accum, progress=False))
+        t.fit()
+        finals.append(_params(model))
+    out["accum"] = finals
+    # 7. linear scaling (global batch 16 over base 8: x2) with 3 warm-up steps, and bf16 autocast
+    model = _model(6)
+    lrs = []
+    t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), nn.functional.cross_entropy,
+                _data(64, 2), _data(N_EVAL, 1),
+                TrainerConfig(epochs=1, batch_size=8, lr_scale_base_batch=8, warmup_steps=3, progress=False,
+                              autocast_dtype="bfloat16"),
+                on_step_end=lambda tr: lrs.append(tr.optimizer.param_groups[0]["lr"]))
+    out["bf16_summary"] = t.fit()
+    out["lrs"] = lrs
+    out["comm"] = t.comm_report()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("trainer"))
+    return root, run_ranks(_scenarios, world_size=2, args=(root,), timeout_s=150)
+
+
+def _equal(xs, ys):
+    return len(xs) == len(ys) and all(torch.equal(x, y) for x, y in zip(xs, ys))
+
+
+def test_resume_after_crash_is_bit_identical(results):
+    root, out = results
+    for rank in range(2):
+        assert out[rank]["b_resumed_from"].endswith("ckpt-000000006.pt")
+        assert _equal(out[rank]["a_params"], out[rank]["b_params"]), f"rank {rank}: mid-epoch resume diverged"
+        assert _equal(out[rank]["a_params"], out[rank]["c_params"]), f"rank {rank}: epoch-end resume diverged"
+        assert _equal(out[rank]["a_params"], out[rank]["d_params"]), f"rank {rank}: max_steps resume diverged"
+    assert _equal(out[0]["a_params"], out[1]["a_params"])  # DDP kept the ranks together
+    assert out[0]["a_summary"]["steps"] == 15 and out[0]["b_summary"]["steps"] == 15
+    # the resumed run's epoch summaries match the uninterrupted ones, loss means included
+    a_epochs = {r["epoch"]: r for r in read_metrics(os.path.join(root, "a", "metrics.jsonl")) if r["event"] == "epoch"}
+    b_epochs = {r["epoch"]: r for r in read_metrics(os.path.join(root, "b", "metrics.jsonl")) if r["event"] == "epoch"}
+    for epoch in (1, 2):
+        for key in ("train_loss", "eval_loss", "eval_accuracy", "eval_samples"):
+            assert a_epochs[epoch][key] == b_epochs[epoch][key], (epoch, key)
+
+
+def test_checkpoints_keep_last_k_and_load_weights_only(results):
+    root, out = results
+    steps = [step for step, _ in list_checkpoints(os.path.join(root, "a"))]
+    assert steps == [12, 15]  # every 3 steps, the last 2 kept
+    assert not [n for n in os.listdir(os.path.join(root, "a")) if ".tmp" in n]
+    payload = load_checkpoint(os.path.join(root, "a", "ckpt-000000015.pt"))
+    assert payload["step"] == 15 and payload["world_size"] == 2
+    assert [r["sampler"]["rank"] for r in payload["ranks"]] == [0, 1]
+    # each rank's RNG is its own: dropout draws differ between ranks
+    assert not torch.equal(payload["ranks"][0]["rng"]["torch"], payload["ranks"][1]["rng"]["torch"])
+    final = [t for t in payload["model"].values()]
+    assert _equal(final, out[0]["a_params"])
+
+
+def test_only_global_rank_0_writes_files(results):
+    _, out = results
+    kinds = {kind for kind, _ in out[0]["writes"]}
+    assert {"open", "os.rename", "os.remove"} <= kinds  # checkpoints, metrics, renames, pruning: all seen
+    assert out[1]["writes"] == []
+
+
+def test_evaluation_counts_every_sample_once(results):
+    _, out = results
+    for rank in range(2):
+        ev, ref = out[rank]["eval"], out[rank]["eval_ref"]
+        assert ev["eval_samples"] == N_EVAL
+        assert ev["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-6)
+        assert ev["eval_accuracy"] == pytest.approx(ref["eval_accuracy"], abs=1e-12)
+        assert out[rank]["a_summary"]["eval_samples"] == N_EVAL
+
+
+def test_gradient_accumulation_matches_the_full_batch(results):
+    _, out = results
+    full, accumulated = out[0]["accum"]
+    for a, b in zip(full, accumulated):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not _equal(full, [p.detach() for p in _model(5, dropout=0.0).parameters()])  # it did train
+
+
+def test_linear_scaling_warmup_and_bf16(results):
+    _, out = results
+    # lr(step) = 0.01 * 2 * min(1, (step + 1) / 4), read after each step's scheduler.step()
+    expected = [0.02 * min(1.0, (s + 1) / 4) for s in range(1, 5)]
+    assert out[0]["lrs"] == pytest.approx(expected)
+    summary = out[0]["bf16_summary"]
+    assert summary["steps"] == 4 and summary["eval_samples"] == N_EVAL
+    assert summary["train_loss"] == summary["train_loss"]  # not NaN
+    assert 0.0 <= out[0]["comm"]["comm_share"] <= 1.0
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"TrainerConfig.batch_size must be an int >= 1, got 0"):
+        TrainerConfig(batch_size=0)
+    with pytest.raises(ValueError, match=r"TrainerConfig.grad_accum_steps must be an int >= 1"):
+        TrainerConfig(grad_accum_steps=1.5)
+    with pytest.raises(ValueError, match=r"TrainerConfig.warmup_steps must be an int >= 0, got -1"):
+        TrainerConfig(warmup_steps=-1)
+    with pytest.raises(ValueError, match=r"TrainerConfig.grad_clip_norm must be a number > 0"):
+        TrainerConfig(grad_clip_norm=0.0)
+    with pytest.raises(ValueError, match=r"TrainerConfig.autocast_dtype must be None or one of"):
+        TrainerConfig(autocast_dtype="float16")
+    with pytest.raises(ValueError, match=r"TrainerConfig.resume needs TrainerConfig.checkpoint_dir"):
+        TrainerConfig(resume=True)
+    with pytest.raises(ValueError, match=r"TrainerConfig.save_every_steps needs TrainerConfig.checkpoint_dir"):
+        TrainerConfig(save_every_steps=10)
+    with pytest.raises(ValueError, match=r"TrainerConfig.keep_last must be an int >= 1, got 0"):
+        TrainerConfig(keep_last=0)
+
+
+def test_trainer_without_process_group_says_so():
+    model = _model(0)
+    with pytest.raises(RuntimeError, match=r"needs an initialised process group: call lockstep.init\(\)"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, _data(8, 0))
