@@ -95,12 +95,15 @@ class Trainer:
             config's warm-up / linear scaling, which install their own.
         group: the process group (default: the default group). Files are written by global rank 0.
         on_step_end: called with the Trainer after every optimizer step (and any checkpoint).
+        on_epoch_end: called with the Trainer and the epoch's record (train loss, eval metrics)
+            on every rank after each epoch's evaluation.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
                  train_data: Dataset, eval_data: Dataset | None = None, config: TrainerConfig | None = None, *,
                  scheduler=None, group: dist.ProcessGroup | None = None, device: torch.device | None = None,
-                 on_step_end: Callable[["Trainer"], None] | None = None):
+                 on_step_end: Callable[["Trainer"], None] | None = None,
+                 on_epoch_end: Callable[["Trainer", dict], None] | None = None):
         if not dist.is_initialized():
             raise RuntimeError("Trainer needs an initialised process group: call lockstep.init() first")
         self.config = cfg = config if config is not None else TrainerConfig()
@@ -115,7 +118,8 @@ class Trainer:
         model.to(self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group)
-        self.model, self.optimizer, self.loss_fn, self.on_step_end = model, optimizer, loss_fn, on_step_end
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.on_step_end, self.on_epoch_end = on_step_end, on_epoch_end
         self.train_data, self.eval_data = train_data, eval_data
         self.sampler = DistributedSampler(train_data, self.world_size, self.rank, shuffle=True, seed=cfg.seed)
         self.global_batch = cfg.batch_size * cfg.grad_accum_steps * self.world_size
@@ -243,6 +247,8 @@ class Trainer:
             record.update(self.evaluate())
         self.history.append(record)
         self.metrics.write(record)
+        if self.on_epoch_end is not None:
+            self.on_epoch_end(self, record)
         self.epoch, self.batches_done = self.epoch + 1, 0
         self._loss_sum, self._loss_count = 0.0, 0
 

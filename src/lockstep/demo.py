@@ -1,0 +1,140 @@
+"""``lockstep demo``: a small CNN learns scikit-learn's handwritten digits with DDP on 2 CPU processes.
+
+The workers are started by ``lockstep.launch.launch_function`` (torch's elastic agent),
+each joins the gloo group with ``lockstep.init()`` and trains with ``lockstep.Trainer``.
+Rank 0 prints one line per epoch; the parent process then draws the loss and accuracy
+curves from ``metrics.jsonl`` and prints ``test accuracy 0.97`` as its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+
+class DigitsCNN(nn.Module):
+    """Two 3x3 convolutions, one 2x2 pooling, two linear layers: ~40k parameters for 8x8 images."""
+
+    def __init__(self, n_classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2),  # 8x8 -> 4x4
+        )
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Dropout(0.2),
+                                  nn.Linear(64, n_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def _print_epoch(trainer, record: dict) -> None:
+    if trainer.is_writer:
+        print(f"epoch {record['epoch'] + 1:>2}  train loss {record['train_loss']:.4f}  "
+              f"test loss {record['eval_loss']:.4f}  test accuracy {record['eval_accuracy']:.4f}  "
+              f"samples/s {record['samples_per_s']:.0f}", flush=True)
+
+
+def train_worker(out_dir: str, epochs: int, batch_size: int, lr: float, seed: int) -> dict:
+    """One rank of the demo (module-level: the launcher's workers import it by name)."""
+    import lockstep
+    from lockstep.data import digits_datasets
+
+    torch.set_num_threads(1)  # ranks share the machine's cores; more threads per rank only contend
+    env = lockstep.init(backend="gloo")
+    try:
+        torch.manual_seed(seed)
+        train_data, test_data = digits_datasets(seed=seed)
+        model = DigitsCNN()
+        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+        config = lockstep.TrainerConfig(
+            epochs=epochs, batch_size=batch_size, seed=seed, checkpoint_dir=out_dir, keep_last=1,
+            metrics_path=os.path.join(out_dir, "metrics.jsonl"), log_every_steps=5,
+            progress=sys.stderr.isatty(),  # a bar is noise in a log file or a test
+        )
+        trainer = lockstep.Trainer(model, optimizer, nn.functional.cross_entropy, train_data, test_data, config,
+                                   device=torch.device("cpu"), on_epoch_end=_print_epoch)
+        summary = trainer.fit()
+        comm = trainer.comm_report()
+        if env.rank == 0:
+            print(f"{env.world_size} ranks, {summary['samples_per_s']:.0f} samples/s; "
+                  f"share of step time spent in communication: {100 * comm['comm_share']:.1f}% ({comm['method']})",
+                  flush=True)
+        return {"summary": summary, "comm": comm, "world_size": env.world_size}
+    finally:
+        lockstep.shutdown()
+
+
+def plot_curves(metrics_path: Path, png_path: Path) -> None:
+    """Training loss and test accuracy per epoch, side by side (matplotlib's Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lockstep.metrics import read_metrics
+
+    epochs = {r["epoch"]: r for r in read_metrics(metrics_path) if r.get("event") == "epoch"}  # last wins
+    xs = [e + 1 for e in sorted(epochs)]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax_loss.plot(xs, [epochs[e]["train_loss"] for e in sorted(epochs)], marker="o", label="train")
+    ax_loss.plot(xs, [epochs[e]["eval_loss"] for e in sorted(epochs)], marker="o", label="test")
+    ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
+    ax_loss.legend()
+    ax_acc.plot(xs, [epochs[e]["eval_accuracy"] for e in sorted(epochs)], marker="o", color="tab:green")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="test accuracy", ylim=(0, 1))
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lockstep demo", description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", type=int, default=2, help="processes (ranks) to train on (default 2)")
+    p.add_argument("--epochs", type=int, default=12, help="passes over the training set (default 12)")
+    p.add_argument("--out", default=None, help="output directory (default runs/<timestamp>)")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per step per rank (default 32)")
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
+    p.add_argument("--seed", type=int, default=0)
+    ns = p.parse_args(list(argv))
+    for name in ("nproc", "epochs", "batch_size"):
+        if getattr(ns, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    if not ns.lr > 0:
+        p.error(f"--lr must be > 0, got {ns.lr}")
+    return ns
+
+
+def cli_main(argv: Sequence[str]) -> int:
+    """Run the demo; returns 0 on success (the last line printed is ``test accuracy 0.97``)."""
+    try:
+        ns = _parse(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    from lockstep.launch import LaunchError, launch_function
+
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(ns.out) if ns.out else Path("runs") / stamp
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"lockstep demo: CNN on scikit-learn digits, {ns.nproc} CPU processes, {ns.epochs} epochs -> {out_dir}",
+          flush=True)
+    try:
+        results = launch_function(train_worker, args=(str(out_dir.resolve()), ns.epochs, ns.batch_size, ns.lr, ns.seed),
+                                  nproc_per_node=ns.nproc, log_rank=0)
+    except LaunchError as e:
+        print(f"lockstep demo: training failed: {e}", file=sys.stderr)
+        return 1
+    result = results[0]
+    png = out_dir / "curves.png"
+    plot_curves(out_dir / "metrics.jsonl", png)
+    print(f"wrote {out_dir / 'metrics.jsonl'}, {result['summary']['last_checkpoint']}, {png}")
+    print(f"test accuracy {result['summary']['eval_accuracy']:.2f}")
+    return 0
