@@ -12,10 +12,13 @@ Each chunk travels in segments, and a segment is forwarded as soon as it is adde
 rather than when the whole chunk is: the add of segment k overlaps the transfer of
 segment k+1, and the next step's send starts before this step's receive ends
 (pipelining, as NCCL does). The all-gather receives straight into the caller's
-tensor, so the only copy is the receive buffer of the reduce-scatter.
+tensor, so the only copy is through the few segment-sized receive buffers of the
+reduce-scatter.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 
@@ -25,6 +28,8 @@ from lockstep.collectives.peers import Peers, chunk_bounds, segments, wait_all
 # round of bookkeeping, tens of microseconds) stays below ~5% at loopback speeds,
 # small enough that a 4 MiB chunk is still cut into a pipeline of four.
 DEFAULT_SEGMENT_NBYTES = 1 << 20
+# Receive buffers in flight per rank: enough to keep the link busy while one is added.
+RECV_DEPTH = 4
 
 
 def ring_all_reduce(
@@ -43,33 +48,38 @@ def ring_all_reduce(
     max_chunk = bounds[0][1] - bounds[0][0]
 
     # --- reduce-scatter: step s sends chunk (r-s) and adds chunk (r-s-1) ---
-    # Two receive buffers so step s+1's receives can be posted while step s is
-    # still being added (one suffices for N == 2, which has a single step).
-    recv_bufs = [flat.new_empty(max_chunk) for _ in range(min(2, n - 1))]
+    # Receives land in a small pool of segment buffers rather than a chunk-sized
+    # one: memory stays at RECV_DEPTH segments whatever the tensor size, the
+    # buffers stay cache-hot, and no large allocation page-faults on every call.
+    # Segment i is received into pool[i % depth]; its buffer is re-posted for
+    # segment i + depth as soon as segment i has been added.
+    items = [
+        (step, k, a, b)
+        for step in range(n - 1)
+        for k, (a, b) in enumerate(chunk_segments[(r - step - 1) % n])
+    ]
     sends_by_step: list[list] = [[] for _ in range(2 * n - 2)]
-
-    def post_rs_recvs(step: int) -> list:
-        lo, _ = bounds[(r - step - 1) % n]
-        buf = recv_bufs[step % len(recv_bufs)]
-        posted = []
-        for k, (a, b) in enumerate(chunk_segments[(r - step - 1) % n]):
-            piece = buf[a - lo : b - lo]
-            posted.append((peers.irecv(piece, left, step * stride + k), flat[a:b], piece))
-        return posted
-
     for k, (a, b) in enumerate(chunk_segments[r]):
         sends_by_step[0].append(peers.isend(flat[a:b], right, k))
-    recvs = post_rs_recvs(0)
-    for step in range(n - 1):
-        next_recvs = post_rs_recvs(step + 1) if step + 1 < n - 1 else []
-        for k, (work, dst, src) in enumerate(recvs):
-            work.wait()
-            dst.add_(src)
-            # The chunk just reduced is the one sent at step+1; on the last
-            # reduce-scatter step it is this rank's finished chunk, which the
-            # all-gather's first step sends. Either way it can go now.
-            sends_by_step[step + 1].append(peers.isend(dst, right, (step + 1) * stride + k))
-        recvs = next_recvs
+    depth = min(RECV_DEPTH, len(items))
+    pool = [flat.new_empty(min(segment_numel, max_chunk)) for _ in range(depth)]
+    posted = deque()
+
+    def post(i: int) -> None:
+        step, k, a, b = items[i]
+        posted.append(peers.irecv(pool[i % depth][: b - a], left, step * stride + k))
+
+    for i in range(depth):
+        post(i)
+    for i, (step, k, a, b) in enumerate(items):
+        posted.popleft().wait()
+        flat[a:b].add_(pool[i % depth][: b - a])
+        if i + depth < len(items):
+            post(i + depth)
+        # The segment just reduced is sent on the next step; after the last
+        # reduce-scatter step it is this rank's finished chunk, which the
+        # all-gather's first step sends. Either way it can go now.
+        sends_by_step[step + 1].append(peers.isend(flat[a:b], right, (step + 1) * stride + k))
 
     # --- all-gather: step s receives chunk (r-s) straight into `flat` ---
     # Those chunks were sent during the reduce-scatter (steps 0..N-3); the left

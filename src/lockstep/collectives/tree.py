@@ -17,10 +17,12 @@ every rank ends with exactly the same bits, which DDP's replicas rely on.
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from lockstep.collectives.peers import Peers, segments, wait_all
-from lockstep.collectives.ring import DEFAULT_SEGMENT_NBYTES
+from lockstep.collectives.ring import DEFAULT_SEGMENT_NBYTES, RECV_DEPTH
 
 
 def tree_all_reduce(
@@ -35,7 +37,9 @@ def tree_all_reduce(
     stride = len(pieces)
     p = 1 << (n.bit_length() - 1)  # largest power of two <= n
     extra = n - p
-    recv_buf = flat.new_empty(flat.numel())
+    depth = min(RECV_DEPTH, len(pieces))
+    # A few segment-sized receive buffers, reused round after round (see ring.py).
+    pool = [flat.new_empty(min(segment_numel, flat.numel())) for _ in range(depth)]
     fold_in_tag, fold_out_tag = 0, 1  # the butterfly rounds use tags from 2 * stride on
 
     if r >= p:  # folded rank: contribute, then wait for the answer
@@ -44,11 +48,11 @@ def tree_all_reduce(
         wait_all([peers.irecv(flat[a:b], partner, fold_out_tag * stride + k) for k, (a, b) in enumerate(pieces)])
         return
     if r < extra:
-        _exchange_add(flat, recv_buf, pieces, peers, r + p, fold_in_tag * stride, send=False)
+        _exchange_add(flat, pool, pieces, peers, r + p, fold_in_tag * stride, send=False)
 
     mask, round_index = 1, 2
     while mask < p:
-        _exchange_add(flat, recv_buf, pieces, peers, r ^ mask, round_index * stride, send=True)
+        _exchange_add(flat, pool, pieces, peers, r ^ mask, round_index * stride, send=True)
         mask <<= 1
         round_index += 1
 
@@ -56,16 +60,24 @@ def tree_all_reduce(
         wait_all([peers.isend(flat[a:b], r + p, fold_out_tag * stride + k) for k, (a, b) in enumerate(pieces)])
 
 
-def _exchange_add(flat, recv_buf, pieces, peers: Peers, partner: int, tag0: int, send: bool) -> None:
+def _exchange_add(flat, pool, pieces, peers: Peers, partner: int, tag0: int, send: bool) -> None:
     """Add the partner's buffer into ``flat`` (sending ours to it at the same time if ``send``).
 
     Segment k is added as soon as it lands, overlapping the transfer of k+1; a
     segment of ``flat`` is only overwritten after our own send of it completed.
     """
     sends = [peers.isend(flat[a:b], partner, tag0 + k) for k, (a, b) in enumerate(pieces)] if send else []
-    recvs = [peers.irecv(recv_buf[a:b], partner, tag0 + k) for k, (a, b) in enumerate(pieces)]
+    depth = len(pool)
+
+    def post(k: int):
+        a, b = pieces[k]
+        return peers.irecv(pool[k % depth][: b - a], partner, tag0 + k)
+
+    recvs = deque(post(k) for k in range(depth))
     for k, (a, b) in enumerate(pieces):
-        recvs[k].wait()
+        recvs.popleft().wait()
         if send:
             sends[k].wait()
-        flat[a:b].add_(recv_buf[a:b])
+        flat[a:b].add_(pool[k % depth][: b - a])
+        if k + depth < len(pieces):
+            recvs.append(post(k + depth))

@@ -1,0 +1,243 @@
+"""``lockstep bench allreduce``: time every all-reduce algorithm side by side.
+
+The command spawns its own ranks (gloo on 127.0.0.1, one thread each), and for
+every buffer size runs the algorithms round-robin within each iteration, so the
+machine's load drifts over all of them alike and their ratio is fair even on a
+shared box. An iteration's time is the slowest rank's (a collective is done when
+its last rank is), and a size's time is the median over iterations. From those it
+prints algorithm and bus bandwidth (NCCL-tests' definitions), fits the alpha-beta
+model of each algorithm (``lockstep.costmodel``), reports ring / native bus
+bandwidth at >= 4 MiB, and writes JSON, markdown and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from lockstep.costmodel import ALGORITHMS, bus_bandwidth_gb_s, fit_link
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+RATIO_MIN_NBYTES = 4 << 20
+
+
+def parse_size(text: str) -> int:
+    """'4KiB', '256MiB', '1048576' -> bytes."""
+    t = text.strip().lower()
+    digits = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(digits) :]
+    if unit not in _UNITS or not digits:
+        raise argparse.ArgumentTypeError(f"size {text!r}: expected a number with an optional KiB/MiB/GiB unit")
+    return int(float(digits) * _UNITS[unit])
+
+
+def human(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def sizes_between(min_nbytes: int, max_nbytes: int, factor: int) -> list[int]:
+    sizes, n = [], min_nbytes
+    while n <= max_nbytes:
+        sizes.append(n)
+        n *= factor
+    return sizes
+
+
+def _worker(rank, world_size, port, cfg, queue):
+    """One rank: time every (size, algorithm); rank 0 puts the results on ``queue``."""
+    import torch
+    import torch.distributed as dist
+
+    from lockstep.collectives import all_reduce
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=cfg["timeout_s"]),
+        )
+        dtype = getattr(torch, cfg["dtype"])
+        algos, rows = cfg["algorithms"], []
+        for nbytes in cfg["sizes"]:
+            numel = max(1, nbytes // torch.empty((), dtype=dtype).element_size())
+            buf = torch.empty(numel, dtype=dtype)
+            for algo in algos:  # warm-up that also checks the answer: sum of (rank+1) over ranks
+                buf.fill_(rank + 1)
+                all_reduce(buf, algorithm=algo)
+                if not bool((buf == world_size * (world_size + 1) // 2).all()):
+                    raise RuntimeError(f"{algo} all-reduce of {nbytes} bytes gave a wrong sum on rank {rank}")
+            buf.zero_()  # 0 + 0 stays 0: repeated sums never overflow or go subnormal
+            probe = torch.tensor([_timed(all_reduce, buf, a, dist) for a in algos], dtype=torch.float64)
+            dist.all_reduce(probe, op=dist.ReduceOp.MAX)  # every rank derives the same iteration count
+            iters = int(max(cfg["min_iters"], min(cfg["iters"], cfg["budget_s"] / max(probe.sum().item(), 1e-9))))
+            times = torch.zeros(iters, len(algos), dtype=torch.float64)
+            for i in range(iters):
+                for j in range(len(algos)):
+                    k = (i + j) % len(algos)  # rotate who goes first: no algorithm always follows another
+                    times[i, k] = _timed(all_reduce, buf, algos[k], dist)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            for k, algo in enumerate(algos):
+                rows.append({"algorithm": algo, "nbytes": numel * buf.element_size(), "iters": iters,
+                             "median_s": statistics.median(times[:, k].tolist()), "min_s": times[:, k].min().item()})
+            del buf
+        if rank == 0:
+            queue.put(("ok", rows))
+    except BaseException as e:  # the parent reports it; a silent death would look like a hang
+        queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _timed(all_reduce, buf, algo, dist) -> float:
+    dist.barrier()  # start together: otherwise we time the previous call's stragglers
+    t0 = time.perf_counter()
+    all_reduce(buf, algorithm=algo)
+    return time.perf_counter() - t0
+
+
+def run(sizes, algorithms=ALGORITHMS, world_size=2, iters=20, min_iters=3, budget_s=6.0, dtype="float32", timeout_s=600.0):
+    """Spawn ``world_size`` gloo ranks on this host and return the timing rows."""
+    import multiprocessing as mp
+    import queue as queue_mod
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = dict(sizes=list(sizes), algorithms=list(algorithms), iters=iters, min_iters=min_iters,
+               budget_s=budget_s, dtype=dtype, timeout_s=timeout_s)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, cfg, q)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                status, payload = q.get(timeout=1.0)
+                break
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"bench ranks {dead or 'all'} died or timed out after {timeout_s:.0f} s")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if status != "ok":
+        raise RuntimeError(payload)
+    for row in payload:
+        row["algbw_gb_s"] = row["nbytes"] / row["median_s"] / 1e9
+        row["busbw_gb_s"] = bus_bandwidth_gb_s(row["nbytes"], world_size, row["median_s"])
+    return payload
+
+
+def summarise(rows, world_size: int) -> dict:
+    """Alpha-beta fit per algorithm and the ring / native bus bandwidth ratio at >= 4 MiB."""
+    algos = sorted({r["algorithm"] for r in rows}, key=list(ALGORITHMS).index)
+    fits = {}
+    for algo in algos:
+        mine = [r for r in rows if r["algorithm"] == algo]
+        try:
+            link = fit_link([r["nbytes"] for r in mine], [r["median_s"] for r in mine], world_size, algo, name=algo)
+            fits[algo] = {"alpha_us": link.alpha_s * 1e6, "bandwidth_gb_s": link.bandwidth_gb_s}
+        except ValueError as e:
+            fits[algo] = {"error": str(e)}
+    ratios = {}
+    by_key = {(r["algorithm"], r["nbytes"]): r for r in rows}
+    for (algo, nbytes), r in sorted(by_key.items(), key=lambda kv: kv[0][1]):
+        native = by_key.get(("native", nbytes))
+        if algo == "ring" and native and nbytes >= RATIO_MIN_NBYTES:
+            ratios[nbytes] = r["busbw_gb_s"] / native["busbw_gb_s"]
+    return {"fits": fits, "ring_over_native_busbw": ratios,
+            "ring_over_native_median": statistics.median(ratios.values()) if ratios else None}
+
+
+def format_report(rows, summary, world_size: int) -> str:
+    lines = [f"all-reduce on {world_size} gloo ranks (127.0.0.1), median of the slowest rank per iteration", "",
+             "| size | algorithm | iters | median ms | algbw GB/s | busbw GB/s |", "|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {human(r['nbytes'])} | {r['algorithm']} | {r['iters']} | {r['median_s'] * 1e3:.3f} "
+                     f"| {r['algbw_gb_s']:.3f} | {r['busbw_gb_s']:.3f} |")
+    lines += ["", "alpha-beta fit (t = steps*alpha + bytes_factor*n/B; see lockstep.costmodel):"]
+    for algo, fit in summary["fits"].items():
+        lines.append(f"- {algo}: " + (fit["error"] if "error" in fit else
+                     f"alpha = {fit['alpha_us']:.1f} us, B = 1/beta = {fit['bandwidth_gb_s']:.3f} GB/s"))
+    if summary["ring_over_native_busbw"]:
+        per = ", ".join(f"{human(n)}: {v:.2f}" for n, v in summary["ring_over_native_busbw"].items())
+        lines += ["", f"ring / native bus bandwidth at >= 4 MiB: {per}; median {summary['ring_over_native_median']:.2f} (target >= 0.8)"]
+    return "\n".join(lines)
+
+
+def plot(rows, path: Path, world_size: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for algo in sorted({r["algorithm"] for r in rows}, key=list(ALGORITHMS).index):
+        mine = [r for r in rows if r["algorithm"] == algo]
+        ax.plot([r["nbytes"] for r in mine], [r["busbw_gb_s"] for r in mine], marker="o", label=algo)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("buffer size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(f"all-reduce bus bandwidth, {world_size} gloo ranks on 127.0.0.1")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cli_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lockstep bench", description="lockstep benchmarks")
+    sub = parser.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("allreduce", help="time native, ring and tree all-reduce on local gloo ranks")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn (default 2)")
+    p.add_argument("--min-size", type=parse_size, default=4 << 10, help="smallest buffer (default 4KiB)")
+    p.add_argument("--max-size", type=parse_size, default=256 << 20, help="largest buffer (default 256MiB)")
+    p.add_argument("--factor", type=int, default=4, help="size step factor (default 4)")
+    p.add_argument("--iters", type=int, default=20, help="most timed iterations per size (default 20)")
+    p.add_argument("--budget-s", type=float, default=6.0, help="time budget per size; fewer iters for big sizes (min 3)")
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated subset of native,ring,tree")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--out", default="benchmarks/results", help="directory for JSON, markdown and PNG ('' for none)")
+    args = parser.parse_args(argv)
+    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    bad = [a for a in algorithms if a not in ALGORITHMS]
+    if bad or not algorithms:
+        parser.error(f"--algorithms: {bad or algorithms} not in {list(ALGORITHMS)}")
+    if not 2 <= args.nproc <= 64:
+        parser.error(f"--nproc must be between 2 and 64, got {args.nproc}")
+    if args.factor < 2 or args.min_size < 1 or args.max_size < args.min_size or args.iters < 1:
+        parser.error("need --factor >= 2, --iters >= 1 and 1 <= --min-size <= --max-size")
+    sizes = sizes_between(args.min_size, args.max_size, args.factor)
+    rows = run(sizes, algorithms, args.nproc, iters=args.iters, min_iters=min(3, args.iters),
+               budget_s=args.budget_s, dtype=args.dtype)
+    summary = summarise(rows, args.nproc)
+    report = format_report(rows, summary, args.nproc)
+    print(report)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = out / f"allreduce_{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d_%H%M%S}_n{args.nproc}"
+        meta = {"world_size": args.nproc, "dtype": args.dtype, "backend": "gloo", "host_cpus": os.cpu_count(),
+                "python": sys.version.split()[0], "argv": argv}
+        stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=1))
+        stem.with_suffix(".md").write_text(f"# all-reduce benchmark\n\n`lockstep bench {' '.join(argv)}`\n\n{report}\n")
+        plot(rows, stem.with_suffix(".png"), args.nproc)
+        print(f"\nwrote {stem}.json, .md, .png")
+    return 0
