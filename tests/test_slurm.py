@@ -101,3 +101,41 @@ def test_sbatch_script_runs_one_launch_agent_per_node(capsys):
     assert capsys.readouterr().out == text
     assert slurm_script_main(["--nodes", "0", "t.py"]) == 2
     assert "--nodes must be >= 1" in capsys.readouterr().err
+
+
+def test_two_slurm_nodes_rendezvous_and_restart_together(tmp_path):
+    """Two agents on this machine posing as two SLURM nodes: layout from SLURM variables alone.
+
+    Rank 1 fails once; both agents must restart the group together and finish.
+    """
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("SLURM_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    base.update(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost,localhost", SLURM_NNODES="2", MASTER_PORT=str(port))
+    flaky = os.path.join(os.path.dirname(__file__), "launch_scripts", "flaky.py")
+    cmd = [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "1", "--max-restarts", "1",
+           flaky, str(tmp_path / "failures"), "1"]
+    agents = [subprocess.Popen(cmd, env={**base, "SLURM_NODEID": str(node)}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    try:
+        outputs = [a.communicate(timeout=90) for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    for node, (agent, (out, err)) in enumerate(zip(agents, outputs)):
+        assert agent.returncode == 0, err[-3000:]
+        assert f"lockstep launch: node {node} of 2 (slurm), 1 workers here; rendezvous at localhost:{port}" in err
+        assert "restarting the workers (restart 1 of 1)" in err
+    stdout = outputs[0][0] + outputs[1][0]
+    # world size 2 across the two agents: each global rank ran on exactly one of them, twice (attempts 0 and 1)
+    for rank in (0, 1):
+        assert sum(f"[rank{rank}]: attempt restart=" in out for out, _ in outputs) == 1
+        assert f"[rank{rank}]: attempt restart=0 rank={rank} sum=3" in stdout
+        assert f"[rank{rank}]: completed rank={rank} after restart=1" in stdout
+    assert (tmp_path / "failures").read_text() == "1"

@@ -1,0 +1,170 @@
+"""``lockstep launch`` end to end: real agents, real worker processes, real gloo.
+
+Each test runs the launcher as a subprocess with a timeout, so a hang fails the
+test instead of stalling the suite. Worker scripts live in tests/launch_scripts/.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lockstep.launch import LaunchError, launch_function
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = os.path.join(HERE, "launch_scripts")
+
+# Variables that would make the launcher think it runs inside another launcher or a SLURM job.
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("SLURM_")}
+    env.update(extra)
+    return env
+
+
+def run_launch(args: list[str], timeout_s: float = 60.0, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "lockstep", "launch", *args],
+        capture_output=True, text=True, timeout=timeout_s, env=env or clean_env(), cwd=HERE,
+    )
+    return proc, time.monotonic() - start
+
+
+def script(name: str) -> str:
+    return os.path.join(SCRIPTS, name)
+
+
+# ---------------------------------------------------------------- success, prefixes, --log-rank
+
+
+def test_two_ranks_allreduce_end_to_end_with_rank_prefixes():
+    proc, _ = run_launch(["--nproc-per-node", "2", script("allreduce.py"), "--flag", "x"])
+    assert proc.returncode == 0, proc.stderr
+    for rank in (0, 1):
+        # the prefix names the rank that actually printed the line: it is not just a counter
+        assert (f"[rank{rank}]: allreduce rank={rank} world=2 local_rank={rank} master=127.0.0.1 sum=3 "
+                f"args=['--flag', 'x']") in proc.stdout.splitlines()
+        assert f"[rank{rank}]: stderr line from rank {rank}" in proc.stderr.splitlines()
+    assert "lockstep launch:" not in proc.stderr  # no failure report, no restart notice
+
+
+def test_log_rank_shows_only_that_rank():
+    proc, _ = run_launch(["--nproc-per-node", "2", "--log-rank", "0", script("allreduce.py")])
+    assert proc.returncode == 0, proc.stderr
+    assert "[rank0]: allreduce rank=0 world=2" in proc.stdout
+    assert "[rank0]: stderr line from rank 0" in proc.stderr
+    assert "rank1" not in proc.stdout + proc.stderr and "rank=1" not in proc.stdout
+
+
+# ---------------------------------------------------------------- failures
+
+
+def test_failing_worker_exits_nonzero_fast_with_one_report():
+    proc, elapsed_s = run_launch(["--nproc-per-node", "2", script("raises.py")], timeout_s=60)
+    assert proc.returncode != 0
+    assert elapsed_s < 30, f"launcher took {elapsed_s:.1f}s to give up"
+    err = proc.stderr.splitlines()
+    headers = [i for i, line in enumerate(err) if line.startswith("lockstep launch: worker rank")]
+    assert len(headers) == 1, proc.stderr  # reported once
+    block = err[headers[0]:]
+    assert block[0].startswith("lockstep launch: worker rank 1 (local rank 1")
+    assert "failed: exit code 1" in block[0]
+    # not interleaved: every line after the header belongs to the indented block
+    assert all(line.startswith("  ") for line in block[1:]), block
+    text = "\n".join(block)
+    assert "RuntimeError: worker exploded on purpose (lockstep launch test)" in text
+    assert 'raises.py", line 8' in text  # the traceback, not just the message
+
+
+def test_restarts_exhausted_reports_rank_exit_code_and_restarts(tmp_path):
+    counter = tmp_path / "failures"
+    proc, _ = run_launch(["--nproc-per-node", "2", "--max-restarts", "1", script("flaky.py"), str(counter), "2"])
+    assert proc.returncode == 3, proc.stderr  # the worker's own exit code
+    assert counter.read_text() == "2"
+    assert "restart 1 of 1" in proc.stderr
+    report = proc.stderr[proc.stderr.index("lockstep launch: worker rank 1"):]
+    assert "failed: exit code 3, after 1 restart(s)" in report
+    assert "failing on purpose: failure 2 of 2" in report
+
+
+# ---------------------------------------------------------------- restarts
+
+
+def _attempts(stdout: str) -> list[tuple[int, int, str]]:
+    """(restart count, rank, all-reduce sum) for every attempt a worker reached the all-reduce in."""
+    return [(int(k), int(r), s) for k, r, s in re.findall(r"attempt restart=(\d+) rank=(\d+) sum=(\S+)", stdout)]
+
+
+def test_max_restarts_1_recovers_from_one_failure(tmp_path):
+    counter = tmp_path / "failures"
+    proc, _ = run_launch(["--nproc-per-node", "2", "--max-restarts", "1", script("flaky.py"), str(counter), "1"])
+    assert proc.returncode == 0, proc.stderr
+    assert counter.read_text() == "1"
+    assert sorted(_attempts(proc.stdout)) == [(0, 0, "3"), (0, 1, "3"), (1, 0, "3"), (1, 1, "3")]
+    assert "completed rank=0 after restart=1" in proc.stdout and "completed rank=1 after restart=1" in proc.stdout
+
+
+def test_five_failures_in_a_row_give_five_working_restarts(tmp_path):
+    """The PyTorch #135712 regression: every restarted group must form and all-reduce again."""
+    counter = tmp_path / "failures"
+    proc, elapsed_s = run_launch(
+        ["--nproc-per-node", "2", "--max-restarts", "5", script("flaky.py"), str(counter), "5"], timeout_s=90
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert counter.read_text() == "5"
+    # every attempt 0..5 formed a 2-rank gloo group whose all-reduce gave 1 + 2
+    assert sorted(_attempts(proc.stdout)) == [(r, k, "3") for r in range(6) for k in range(2)]
+    assert [int(n) for n in re.findall(r"restarting the workers \(restart (\d) of 5\)", proc.stderr)] == [1, 2, 3, 4, 5]
+    assert "connectFullMesh" not in proc.stderr
+    assert "completed rank=0 after restart=5" in proc.stdout and "completed rank=1 after restart=5" in proc.stdout
+    print(f"5 restarts took {elapsed_s:.1f}s")
+
+
+# ---------------------------------------------------------------- launch_function (the Python API)
+
+
+def allreduce_rank(scale: float) -> tuple[int, int, float]:
+    """Runs in each worker: init from the env the agent set, all-reduce, return what we saw."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        t = torch.tensor([scale * (dist.get_rank() + 1)])
+        dist.all_reduce(t)
+        return dist.get_rank(), dist.get_world_size(), t.item()
+    finally:
+        dist.destroy_process_group()
+
+
+def fail_on_rank_1() -> str:
+    if int(os.environ["RANK"]) == 1:
+        raise KeyError("rank one lost its key")
+    return "ok"
+
+
+def test_launch_function_returns_per_rank_values():
+    results = launch_function(allreduce_rank, args=(2.0,), nproc_per_node=2)
+    assert results == {0: (0, 2, 6.0), 1: (1, 2, 6.0)}
+
+
+def test_launch_function_failure_names_rank_and_error():
+    with pytest.raises(LaunchError) as info:
+        launch_function(fail_on_rank_1, nproc_per_node=2)
+    assert info.value.rank == 1 and info.value.exitcode != 0
+    assert "worker rank 1" in str(info.value) and "rank one lost its key" in str(info.value)
+
+
+def test_launch_function_rejects_unpicklable_functions_and_bad_sizes():
+    with pytest.raises(ValueError, match="module-level"):
+        launch_function(lambda: 1)
+    with pytest.raises(ValueError, match="--nproc-per-node"):
+        launch_function(allreduce_rank, args=(1.0,), nproc_per_node=0)
