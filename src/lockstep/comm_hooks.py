@@ -1,0 +1,290 @@
+"""Communication hooks for DistributedDataParallel: averaging, fp16/bf16 compression, PowerSGD, and chaining.
+
+A hook follows torch's contract, so it runs on lockstep's DDP and on
+``torch.nn.parallel.DistributedDataParallel`` alike: ``hook(state, bucket)``
+gets a bucket whose ``buffer()`` is the flat 1-D tensor of its local (not yet
+averaged) gradients and returns a ``torch.futures.Future`` of the averaged
+buffer. ``state`` is a process group, ``None`` for the default group, or a
+state object with a ``process_group`` attribute (``PowerSGDState``).
+
+The one idea beyond torch (which allows one hook per model): a *stage* is a
+function from a hook to a hook. Stages wrap whatever sits inside them, so they
+compose, and ``chain(stage_1, ..., stage_k, hook)`` reads outermost first::
+
+    model.register_comm_hook(None, chain(bf16_compress, allreduce_hook(algorithm="ring")))
+    model.register_comm_hook(PowerSGDState(None, 2), chain(fp16_compress, powersgd_hook))
+
+``fp16_compress`` / ``bf16_compress`` cast the buffer, hand the inner hook a
+bucket whose ``buffer()`` and ``gradients()`` are the compressed tensor, and
+cast its averaged result back into the original buffer; ``ErrorFeedback()``
+remembers what the inner hook lost locally and adds it to the next step's
+gradients. Write a stage of your own with the ``@stage`` decorator.
+"""
+
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+# No `from __future__ import annotations` here: torch's DDP compares a hook's annotations with
+# dist.GradBucket and Future[torch.Tensor] by value (DistributedDataParallel._check_comm_hook), and a
+# postponed annotation is a string that fails the check.
+
+Future = torch.futures.Future
+Hook = Callable[[Any, Any], Future]
+Stage = Callable[[Hook], Hook]
+
+
+class BucketLike(Protocol):
+    """What a hook may ask of a bucket: torch's ``dist.GradBucket`` surface."""
+
+    def index(self) -> int: ...
+    def buffer(self) -> torch.Tensor: ...
+    def is_last(self) -> bool: ...
+    def parameters(self) -> list[torch.Tensor]: ...
+    def gradients(self) -> list[torch.Tensor]: ...
+
+
+# ----------------------------------------------------------------- helpers
+def group_of(state: Any) -> dist.ProcessGroup | None:
+    """The process group a hook's ``state`` names (``None`` means the default group)."""
+    if state is None or isinstance(state, dist.ProcessGroup):
+        return state
+    if hasattr(state, "process_group"):
+        return state.process_group
+    raise TypeError(
+        f"comm hook state must be a ProcessGroup, None (the default group) or an object with a "
+        f"'process_group' attribute, got {type(state).__name__}"
+    )
+
+
+def completed(tensor: torch.Tensor) -> Future:
+    """A Future already holding ``tensor``: how a synchronous reduction honours the hook contract."""
+    fut: Future = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
+
+
+def tensor_of(value: Any) -> torch.Tensor:
+    """A hook's Future value is a tensor or, as torch's own hooks return, a list whose first item is one."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    raise TypeError(f"a comm hook's Future must hold a tensor or a list of tensors, got {type(value).__name__}")
+
+
+def average_async(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> Future:
+    """Average ``tensor`` in place over ``group`` with the backend's own all-reduce; Future of ``tensor``.
+
+    Divides *before* summing, as torch's reducer does: the sum of world_size
+    low-precision values can overflow where their average would not, and the
+    result is bitwise what DDP computes without a hook, for every world size.
+    """
+    tensor.div_(dist.get_world_size(group))
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return work.get_future().then(lambda fut: tensor_of(fut.value()))
+
+
+# ----------------------------------------------------------------- allreduce
+_ALGORITHMS = ("native", "ring", "tree")
+
+
+def _allreduce_with(algorithm: str) -> Hook:
+    if algorithm not in _ALGORITHMS:
+        raise ValueError(f"allreduce_hook: algorithm must be one of {_ALGORITHMS}, got {algorithm!r}")
+    if algorithm == "native":
+        return allreduce_hook
+
+    def hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+        # Imported on use: the native path must not need lockstep.collectives.
+        from lockstep.collectives import all_reduce
+
+        group = group_of(state)
+        tensor = bucket.buffer()
+        tensor.div_(dist.get_world_size(group))
+        all_reduce(tensor, algorithm=algorithm, group=group)  # in-place SUM, returns when done
+        return completed(tensor)
+
+    hook.__name__ = hook.__qualname__ = f"allreduce_hook_{algorithm}"
+    return hook
+
+
+def allreduce_hook(state: Any = None, bucket: dist.GradBucket = None, *, algorithm: str | None = None):
+    """Average the bucket over the group: what DDP does without a hook, as a hook.
+
+    Two uses: as a hook, ``register_comm_hook(group, allreduce_hook)``; or as a
+    factory, ``allreduce_hook(algorithm="ring" | "tree" | "native")`` returns a
+    hook that sums with ``lockstep.collectives.all_reduce`` (ring and tree are
+    synchronous, so the hook blocks until its bucket is reduced: no overlap
+    with the rest of backward, which the native path keeps).
+    """
+    if bucket is None:
+        if state is not None:
+            raise TypeError("allreduce_hook(state, bucket): got a state but no bucket")
+        return _allreduce_with("native" if algorithm is None else algorithm)
+    if algorithm is not None:
+        raise TypeError("allreduce_hook: pass algorithm alone to build a hook, not with a bucket")
+    return average_async(bucket.buffer(), group_of(state))
+
+
+# ----------------------------------------------------------------- stages and chain
+def stage(wrap: Stage) -> Stage:
+    """Mark ``wrap`` (a function from the inner hook to a hook) as a stage that ``chain`` accepts."""
+    wrap._lockstep_stage = True  # type: ignore[attr-defined]
+    return wrap
+
+
+def is_stage(obj: Any) -> bool:
+    return bool(getattr(obj, "_lockstep_stage", False))
+
+
+def chain(*parts: Any) -> Hook:
+    """Compose stages around a hook: ``chain(s1, s2, hook)`` is ``s1(s2(hook))``.
+
+    Every part but the last must be a stage (see ``stage``); the last must be a
+    hook. ``chain(hook)`` is ``hook``.
+    """
+    if not parts:
+        raise TypeError("chain() needs at least a hook, e.g. chain(bf16_compress, allreduce_hook)")
+    *stages, hook = parts
+    if is_stage(hook) or not callable(hook):
+        raise TypeError(f"chain: the last part must be a hook (state, bucket) -> Future, got {_name(hook)}")
+    for i, part in enumerate(stages):
+        if not is_stage(part):
+            raise TypeError(
+                f"chain: part {i} ({_name(part)}) is not a stage; only the last part may be a hook. "
+                "Mark your own wrapper with @lockstep.comm_hooks.stage"
+            )
+    for part in reversed(stages):
+        hook = part(hook)
+    return hook
+
+
+def _name(obj: Any) -> str:
+    return getattr(obj, "__qualname__", None) or type(obj).__name__
+
+
+class CompressedBucket:
+    """The bucket an inner hook sees under a compression stage: same layout, the compressed buffer.
+
+    ``gradients()`` are views into the compressed buffer, shaped like the
+    parameters, so hooks that work per tensor (PowerSGD) run unchanged inside.
+    """
+
+    def __init__(self, outer: BucketLike, compressed: torch.Tensor):
+        self._outer = outer
+        self._buffer = compressed
+
+    def index(self) -> int:
+        return self._outer.index()
+
+    def is_last(self) -> bool:
+        return self._outer.is_last()
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._outer.parameters()
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer.copy_(tensor.reshape(-1))
+
+    def gradients(self) -> list[torch.Tensor]:
+        views, offset = [], 0
+        for p in self.parameters():
+            views.append(self._buffer[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        if offset != self._buffer.numel():
+            raise RuntimeError(
+                f"bucket {self.index()}: its parameters hold {offset} elements but the buffer {self._buffer.numel()}"
+            )
+        return views
+
+
+def _compress_stage(dtype: torch.dtype) -> Stage:
+    def wrap(inner: Hook) -> Hook:
+        def hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+            buffer = bucket.buffer()
+            compressed = buffer.to(dtype)  # one copy at half the bytes; a no-op if already `dtype`
+            fut = inner(state, CompressedBucket(bucket, compressed))
+
+            def decompress(fut: Future) -> torch.Tensor:
+                buffer.copy_(tensor_of(fut.value()).view(-1))  # in place: no second full-size buffer
+                return buffer
+
+            return fut.then(decompress)
+
+        hook.__name__ = hook.__qualname__ = f"{dtype_name}_compress({_name(inner)})"
+        return hook
+
+    dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    wrap.__name__ = wrap.__qualname__ = f"{dtype_name}_compress"
+    return stage(wrap)
+
+
+fp16_compress: Stage = _compress_stage(torch.float16)
+fp16_compress.__doc__ = "Stage: the inner hook reduces an fp16 copy of the bucket (half the bytes on the wire)."
+bf16_compress: Stage = _compress_stage(torch.bfloat16)
+bf16_compress.__doc__ = "Stage: the inner hook reduces a bf16 copy (fp32's range, 8 bits of mantissa)."
+
+# The composed hooks keep the names chain gives them ("bf16_compress(allreduce_hook)"): torch's DDP
+# refuses a hook *named* bf16_compress_hook without NCCL, though gloo sums bf16 on CPU.
+#: Average an fp16 copy of the bucket: bitwise torch's ``default_hooks.fp16_compress_hook``.
+fp16_compress_hook: Hook = chain(fp16_compress, allreduce_hook)
+#: Average a bf16 copy of the bucket: bitwise torch's ``default_hooks.bf16_compress_hook``.
+bf16_compress_hook: Hook = chain(bf16_compress, allreduce_hook)
+
+
+class ErrorFeedback:
+    """Stage: add back what the inner hook lost last step (error feedback: Seide et al. 2014, Karimireddy et al. 2019).
+
+    Each rank keeps ``e = (g + e_prev) - reduced`` for every parameter. The
+    ranks' ``e`` average to the error of the last reduced average, so the next
+    average pays it back and the compression's bias does not accumulate. Costs
+    one gradient-sized tensor per bucket (in the buffer's dtype), a clone and a
+    subtraction per step. Memory is keyed by parameter, so it survives DDP
+    rebuilding its buckets (once, after the first iteration) and gives the same
+    result whatever the bucket layout. One instance per model.
+    """
+
+    _lockstep_stage = True
+
+    def __init__(self) -> None:
+        self.errors: dict[int, torch.Tensor] = {}
+
+    def __call__(self, inner: Hook) -> Hook:
+        def hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+            buffer = bucket.buffer()
+            keys = [p.data_ptr() for p in bucket.parameters()]  # a parameter's storage: stable for the run
+            grads = bucket.gradients()
+            if sum(g.numel() for g in grads) != buffer.numel():
+                raise RuntimeError(f"ErrorFeedback: bucket {bucket.index()}'s gradients do not tile its buffer")
+            for key, grad in zip(keys, grads):
+                error = self.errors.get(key)
+                if error is not None and error.shape == grad.shape and error.dtype == grad.dtype:
+                    grad.add_(error)  # a view into the buffer
+            wanted = buffer.clone()  # the inner hook overwrites the buffer in place
+
+            def remember(fut: Future) -> torch.Tensor:
+                reduced = tensor_of(fut.value()).view(-1)
+                error, offset = wanted.sub_(reduced), 0
+                for key, grad in zip(keys, grads):
+                    self.errors[key] = error[offset : offset + grad.numel()].view(grad.shape)
+                    offset += grad.numel()
+                return reduced
+
+            return inner(state, bucket).then(remember)
+
+        hook.__name__ = hook.__qualname__ = f"ErrorFeedback({_name(inner)})"
+        return hook
+
+
+def __getattr__(name: str) -> Any:
+    # PowerSGD lives in its own module (it imports the helpers above); re-exported here lazily.
+    if name in ("PowerSGDState", "powersgd_hook"):
+        from lockstep import powersgd
+
+        return getattr(powersgd, name)
+    raise AttributeError(f"module 'lockstep.comm_hooks' has no attribute {name!r}")
