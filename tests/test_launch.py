@@ -95,6 +95,19 @@ def test_restarts_exhausted_reports_rank_exit_code_and_restarts(tmp_path):
     assert "failing on purpose: failure 2 of 2" in report
 
 
+def test_taken_port_fails_fast_naming_the_rendezvous_flags():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc, elapsed_s = run_launch(["--nproc-per-node", "2", "--master-port", str(port), script("allreduce.py")])
+    assert proc.returncode == 1 and elapsed_s < 30
+    assert f"rendezvous at 127.0.0.1:{port} (--master-addr/--master-port) failed" in proc.stderr
+    assert "address already in use" in proc.stderr and "Traceback" not in proc.stderr
+
+
 # ---------------------------------------------------------------- restarts
 
 
@@ -131,18 +144,20 @@ def test_five_failures_in_a_row_give_five_working_restarts(tmp_path):
 # ---------------------------------------------------------------- launch_function (the Python API)
 
 
-def allreduce_rank(scale: float) -> tuple[int, int, float]:
-    """Runs in each worker: init from the env the agent set, all-reduce, return what we saw."""
+def allreduce_rank(scale: float) -> tuple[int, int, int, float]:
+    """Runs in each worker: lockstep.init() from the env the agent set, all-reduce, return what we saw."""
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    import lockstep
+
+    env = lockstep.init(backend="gloo")
     try:
-        t = torch.tensor([scale * (dist.get_rank() + 1)])
+        t = torch.tensor([scale * (env.rank + 1)])
         dist.all_reduce(t)
-        return dist.get_rank(), dist.get_world_size(), t.item()
+        return env.rank, env.local_rank, env.world_size, t.item()
     finally:
-        dist.destroy_process_group()
+        lockstep.shutdown()
 
 
 def fail_on_rank_1() -> str:
@@ -153,7 +168,7 @@ def fail_on_rank_1() -> str:
 
 def test_launch_function_returns_per_rank_values():
     results = launch_function(allreduce_rank, args=(2.0,), nproc_per_node=2)
-    assert results == {0: (0, 2, 6.0), 1: (1, 2, 6.0)}
+    assert results == {0: (0, 0, 2, 6.0), 1: (1, 1, 2, 6.0)}
 
 
 def test_launch_function_failure_names_rank_and_error():

@@ -71,6 +71,7 @@ def test_parse_launch_args_rejects_bad_input_naming_the_flag():
         (["--max-restarts", "-1", SCRIPT], "--max-restarts"),
         (["--nproc-per-node", "2", "--log-rank", "2", SCRIPT], "--log-rank"),
         (["--master-port", "70000", SCRIPT], "--master-port"),
+        (["--rdzv-timeout", "0", SCRIPT], "--rdzv-timeout"),
         (["--nproc-per-node", "2", "no_such_script.py"], "no_such_script.py"),
     ]
     for argv, needle in cases:

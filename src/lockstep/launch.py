@@ -4,7 +4,7 @@ We do not supervise processes ourselves: torch's ``LocalElasticAgent`` (via
 ``elastic_launch``) starts the workers, sets RANK / WORLD_SIZE / LOCAL_RANK /
 MASTER_ADDR / MASTER_PORT, stops them all when one fails and restarts the group
 up to ``--max-restarts`` times. What we add is the part that makes that reliable
-and readable: restarts that really come back (see ``_agent_environment``), a single
+and readable: restarts that really come back (see ``launch_agent._agent_environment``), a single
 node bound to loopback by default, SLURM allocations understood without flags,
 rank-prefixed output, and one clear report naming the failed rank.
 """
@@ -12,64 +12,18 @@ rank-prefixed output, and one clear report naming the failed rank.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 import os
-import shutil
 import sys
-import tempfile
-import uuid
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from lockstep.launch_output import RANK_PREFIX_TEMPLATE, LaunchError, RankLogsSpecs, failure_report
+from lockstep.launch_agent import LOOPBACK_ADDR, LaunchOptions, RendezvousFailed, run_agent
+from lockstep.launch_output import LaunchError
 from lockstep.slurm import sbatch_script, slurm_launch_env
 
-__all__ = ["LaunchError", "LaunchOptions", "cli_main", "launch_function", "parse_launch_args", "slurm_script_main"]
+__all__ = ["LaunchError", "LaunchOptions", "RendezvousFailed", "cli_main", "launch_function", "parse_launch_args", "run_agent",
+           "slurm_script_main"]
 
 _MULTI_NODE_DEFAULT_PORT = 29500
-_LOOPBACK = "127.0.0.1"
-
-
-@dataclass(frozen=True)
-class LaunchOptions:
-    """Where and how many workers this node's agent starts; validated on construction."""
-
-    nproc_per_node: int
-    nnodes: int = 1
-    node_rank: int = 0  # which node hosts the rendezvous store (node 0); worker ranks are assigned by the rendezvous
-    master_addr: str = _LOOPBACK
-    master_port: int = 0  # 0: the OS picks a free port (single node only)
-    max_restarts: int = 0
-    log_rank: int | None = None  # show only this global rank's output; None shows every rank
-    run_id: str = ""  # the rendezvous id every node must share; "" picks one
-    rdzv_timeout_s: int = 900  # how long the agents wait for all nodes to join before failing
-    source: str = "flags"  # "flags", "slurm" or "single": where the node layout came from
-
-    def __post_init__(self) -> None:
-        if self.nproc_per_node < 1:
-            raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
-        if self.nnodes < 1:
-            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}")
-        if not 0 <= self.master_port < 65536:
-            raise ValueError(f"--master-port must be in 1..65535, got {self.master_port}")
-        if self.nnodes > 1 and self.master_port == 0:
-            raise ValueError("--master-port is required with --nnodes > 1: every node must dial the same port")
-        if not self.master_addr:
-            raise ValueError("--master-addr must not be empty")
-        if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        world_size = self.nnodes * self.nproc_per_node
-        if self.log_rank is not None and not 0 <= self.log_rank < world_size:
-            raise ValueError(f"--log-rank must be a global rank in [0, {world_size}), got {self.log_rank}")
-        if self.rdzv_timeout_s <= 0:
-            raise ValueError(f"rdzv_timeout_s must be > 0, got {self.rdzv_timeout_s}")
-
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
 
 
 def default_nproc_per_node() -> int:
@@ -109,6 +63,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-rank", "--log_rank", type=int, default=None,
                    help="show only this global rank's output (default: every rank, prefixed [rankN])")
     p.add_argument("--run-id", "--run_id", default="", help="rendezvous id shared by all nodes (multi-node)")
+    p.add_argument("--rdzv-timeout", "--rdzv_timeout", type=int, default=900, metavar="SECONDS",
+                   help="how long the nodes wait for each other before failing (default: 900)")
     p.add_argument("script", help="the Python script each worker runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return p
@@ -139,6 +95,7 @@ def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None)
             max_restarts=ns.max_restarts,
             log_rank=ns.log_rank,
             run_id=ns.run_id or f"lockstep-slurm-{slurm.job_id}",
+            rdzv_timeout_s=ns.rdzv_timeout,
             source="slurm",
         )
     else:
@@ -150,111 +107,19 @@ def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None)
             nproc_per_node=nproc,
             nnodes=nnodes,
             node_rank=0 if ns.node_rank is None else ns.node_rank,
-            master_addr=ns.master_addr or _LOOPBACK,
+            master_addr=ns.master_addr or LOOPBACK_ADDR,
             master_port=default_port if ns.master_port is None else ns.master_port,
             max_restarts=ns.max_restarts,
             log_rank=ns.log_rank,
             run_id=ns.run_id,
+            rdzv_timeout_s=ns.rdzv_timeout,
             source="flags" if any(f is not None for f in layout_flags) else "single",
         )
-    if options.nnodes > 1 and options.master_addr == _LOOPBACK:
+    if options.nnodes > 1 and options.master_addr == LOOPBACK_ADDR:
         raise ValueError("--master-addr is required with --nnodes > 1 (the address of node 0; not 127.0.0.1)")
     if not os.path.isfile(ns.script):
         raise ValueError(f"script {ns.script!r} not found (the SCRIPT argument of lockstep launch)")
     return options, ns.script, list(ns.script_args)
-
-
-def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
-    from torch.distributed.launcher.api import LaunchConfig
-
-    single = options.nnodes == 1
-    return LaunchConfig(
-        min_nodes=options.nnodes,
-        max_nodes=options.nnodes,  # fixed size: the rendezvous closes as soon as every node joined
-        nproc_per_node=options.nproc_per_node,
-        run_id=options.run_id or f"lockstep-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",  # store-based rendezvous; needs no etcd
-        rdzv_endpoint=f"{options.master_addr}:{options.master_port}",
-        # is_host says who serves the rendezvous store: node 0, decided by flag rather
-        # than by torch's guess from hostnames, which fails behind NAT or aliases.
-        rdzv_configs={"is_host": single or options.node_rank == 0, "timeout": options.rdzv_timeout_s},
-        max_restarts=options.max_restarts,
-        monitor_interval=0.1,  # how often the agent polls its workers: bounds failure-detection latency
-        start_method="spawn",
-        log_line_prefix_template=RANK_PREFIX_TEMPLATE,
-        logs_specs=logs,
-        # On one node the workers' MASTER_ADDR is loopback; across nodes torch uses this host's FQDN.
-        local_addr=options.master_addr if single else None,
-        shutdown_timeout=15,  # SIGTERM, then SIGKILL after this long: a stuck worker cannot hold the launcher
-    )
-
-
-@contextlib.contextmanager
-def _agent_environment(options: LaunchOptions) -> Iterator[None]:
-    """Environment the agent and (inherited) its workers need; restored afterwards (launch_function runs in-process)."""
-    updates = {
-        # The fix that makes --max-restarts work (PyTorch issue #135712): by default the agent shares its
-        # rendezvous TCPStore with the workers, so a restarted group reads the dead attempt's gloo addresses
-        # from it and fails in connectFullMesh or hangs. With sharing off, every attempt's rank 0 serves a
-        # fresh store on a fresh port and no key survives a restart.
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        # Workers write to files that the agent tails; unbuffered output reaches the console line by line.
-        "PYTHONUNBUFFERED": "1",
-    }
-    if "OMP_NUM_THREADS" not in os.environ and options.nproc_per_node > 1:
-        # As torchrun does: N workers each starting one thread per core would oversubscribe the CPUs.
-        updates["OMP_NUM_THREADS"] = "1"
-    saved = {k: os.environ.get(k) for k in updates}
-    os.environ.update(updates)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
-
-
-class _DropAgentFailureDump(logging.Filter):
-    """Drops the agent's own multi-line dump of a failure: our report says the same once, readably."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("failed (exitcode")
-
-
-@contextlib.contextmanager
-def _quiet_agent_failure_log() -> Iterator[None]:
-    api_logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    dump_filter = _DropAgentFailureDump()
-    api_logger.addFilter(dump_filter)
-    try:
-        yield
-    finally:
-        api_logger.removeFilter(dump_filter)
-
-
-def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence[Any] = ()) -> dict[int, Any]:
-    """Run ``entrypoint`` (a function, or an executable such as sys.executable) under torch's elastic agent.
-
-    Returns {global rank: return value} (None values for executables). Raises LaunchError
-    naming the first failed rank, its exit code and the tail of its stderr once the
-    restarts are used up.
-    """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    log_dir = tempfile.mkdtemp(prefix="lockstep_launch_")
-    logs = RankLogsSpecs(log_dir, log_rank=options.log_rank, max_restarts=options.max_restarts)
-    config = _launch_config(options, logs)
-    from torch.distributed.launcher.api import elastic_launch
-
-    with _agent_environment(options), _quiet_agent_failure_log():
-        try:
-            results = elastic_launch(config, entrypoint)(*args)
-        except ChildFailedError as e:
-            raise failure_report(e, logs, restarts_used=logs.restart_count) from None  # keeps log_dir for the user
-    shutil.rmtree(log_dir, ignore_errors=True)
-    return dict(results or {})
 
 
 def launch_function(
@@ -318,6 +183,9 @@ def cli_main(argv: Sequence[str]) -> int:
         sys.stderr.write(str(e) + "\n")
         sys.stderr.flush()
         return _exit_code(e)
+    except RendezvousFailed as e:
+        print(e, file=sys.stderr)
+        return 1
     except SignalException as e:
         print(f"lockstep launch: stopped by {e.sigval.name}; the workers were stopped", file=sys.stderr)
         return 128 + int(e.sigval)

@@ -1,0 +1,168 @@
+"""Running torch's elastic agent for ``lockstep launch``: the options, the agent's config and its environment.
+
+The one idea here is ``_agent_environment``: torch's agent restarts a failed group
+reliably only when it does not share its rendezvous store with the workers
+(PyTorch issue #135712), so every run turns that sharing off. Everything else
+maps ``LaunchOptions`` onto torch's ``LaunchConfig`` and turns a ChildFailedError
+into our one-block ``LaunchError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+from lockstep.launch_output import RANK_PREFIX_TEMPLATE, RankLogsSpecs, failure_report
+
+LOOPBACK_ADDR = "127.0.0.1"  # single-node default: the rendezvous and MASTER_ADDR stay on loopback
+
+
+class RendezvousFailed(RuntimeError):
+    """The agents could not meet: the port is taken, node 0 is unreachable, or the join timed out."""
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Where and how many workers this node's agent starts; validated on construction."""
+
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0  # which node hosts the rendezvous store (node 0); worker ranks are assigned by the rendezvous
+    master_addr: str = LOOPBACK_ADDR
+    master_port: int = 0  # 0: the OS picks a free port (single node only)
+    max_restarts: int = 0
+    log_rank: int | None = None  # show only this global rank's output; None shows every rank
+    run_id: str = ""  # the rendezvous id every node must share; "" picks one
+    rdzv_timeout_s: int = 900  # how long the agents wait for all nodes to join before failing
+    source: str = "flags"  # "flags", "slurm" or "single": where the node layout came from
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"--master-port must be in 1..65535, got {self.master_port}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("--master-port is required with --nnodes > 1: every node must dial the same port")
+        if not self.master_addr:
+            raise ValueError("--master-addr must not be empty")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        world_size = self.nnodes * self.nproc_per_node
+        if self.log_rank is not None and not 0 <= self.log_rank < world_size:
+            raise ValueError(f"--log-rank must be a global rank in [0, {world_size}), got {self.log_rank}")
+        if self.rdzv_timeout_s <= 0:
+            raise ValueError(f"--rdzv-timeout must be > 0 seconds, got {self.rdzv_timeout_s}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
+    from torch.distributed.launcher.api import LaunchConfig
+
+    single = options.nnodes == 1
+    return LaunchConfig(
+        min_nodes=options.nnodes,
+        max_nodes=options.nnodes,  # fixed size: the rendezvous closes as soon as every node joined
+        nproc_per_node=options.nproc_per_node,
+        run_id=options.run_id or f"lockstep-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",  # store-based rendezvous; needs no etcd
+        rdzv_endpoint=f"{options.master_addr}:{options.master_port}",
+        # is_host says who serves the rendezvous store: node 0, decided by flag rather
+        # than by torch's guess from hostnames, which fails behind NAT or aliases.
+        rdzv_configs={"is_host": single or options.node_rank == 0, "timeout": options.rdzv_timeout_s},
+        max_restarts=options.max_restarts,
+        monitor_interval=0.1,  # how often the agent polls its workers: bounds failure-detection latency
+        start_method="spawn",
+        log_line_prefix_template=RANK_PREFIX_TEMPLATE,
+        logs_specs=logs,
+        # On one node the workers' MASTER_ADDR is loopback; across nodes torch uses this host's FQDN.
+        local_addr=options.master_addr if single else None,
+        shutdown_timeout=15,  # SIGTERM, then SIGKILL after this long: a stuck worker cannot hold the launcher
+    )
+
+
+@contextlib.contextmanager
+def _agent_environment(options: LaunchOptions) -> Iterator[None]:
+    """Environment the agent and (inherited) its workers need; restored afterwards (launch_function runs in-process)."""
+    updates = {
+        # The fix that makes --max-restarts work (PyTorch issue #135712): by default the agent shares its
+        # rendezvous TCPStore with the workers, so a restarted group reads the dead attempt's gloo addresses
+        # from it and fails in connectFullMesh or hangs. With sharing off, every attempt's rank 0 serves a
+        # fresh store on a fresh port and no key survives a restart.
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        # Workers write to files that the agent tails; unbuffered output reaches the console line by line.
+        "PYTHONUNBUFFERED": "1",
+    }
+    if "OMP_NUM_THREADS" not in os.environ and options.nproc_per_node > 1:
+        # As torchrun does: N workers each starting one thread per core would oversubscribe the CPUs.
+        updates["OMP_NUM_THREADS"] = "1"
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+class _DropAgentFailureDump(logging.Filter):
+    """Drops the agent's own multi-line dump of a failure: our report says the same once, readably."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed (exitcode")
+
+
+@contextlib.contextmanager
+def _quiet_agent_failure_log() -> Iterator[None]:
+    api_logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    dump_filter = _DropAgentFailureDump()
+    api_logger.addFilter(dump_filter)
+    try:
+        yield
+    finally:
+        api_logger.removeFilter(dump_filter)
+
+
+def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence[Any] = ()) -> dict[int, Any]:
+    """Run ``entrypoint`` (a function, or an executable such as sys.executable) under torch's elastic agent.
+
+    Returns {global rank: return value} (None values for executables). Raises LaunchError
+    naming the first failed rank, its exit code and the tail of its stderr once the
+    restarts are used up, and RendezvousFailed when the nodes cannot meet.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import elastic_launch
+
+    log_dir = tempfile.mkdtemp(prefix="lockstep_launch_")
+    logs = RankLogsSpecs(log_dir, log_rank=options.log_rank, max_restarts=options.max_restarts)
+    config = _launch_config(options, logs)
+    with _agent_environment(options), _quiet_agent_failure_log():
+        try:
+            results = elastic_launch(config, entrypoint)(*args)
+        except ChildFailedError as e:
+            raise failure_report(e, logs, restarts_used=logs.restart_count) from None  # keeps log_dir for the user
+        except RendezvousError as e:
+            shutil.rmtree(log_dir, ignore_errors=True)
+            cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else ""
+            raise RendezvousFailed(
+                f"lockstep launch: the rendezvous at {config.rdzv_endpoint} (--master-addr/--master-port) "
+                f"failed: {e}{cause}"
+            ) from e
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return dict(results or {})
