@@ -17,13 +17,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch.distributed.algorithms.join import Join, Joinable
+
 from lockstep.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
+from lockstep.ddp_args import caps_from_list, reject_unsupported, resolve_buffer_sync, resolve_group
+from lockstep.graph import attach_sink
+from lockstep.join import DDPJoinHook
 from lockstep.module_sync import broadcast_coalesced, syncable_buffers, verify_params_across_ranks
 from lockstep.reducer import Reducer
 
 DEFAULT_BUCKET_CAP_MB = 25.0
-
-_NEXT_ISSUE = "not implemented yet (issue 3: full DDP semantics)"
 
 
 def _move_to(obj: Any, device: torch.device) -> Any:
@@ -37,7 +40,7 @@ def _move_to(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism with bucketed all-reduce overlapped with backward.
 
     Args (as torch's):
@@ -45,16 +48,33 @@ class DistributedDataParallel(nn.Module):
         device_ids: ``[device]`` for a single-GPU module (inputs are moved there); None for CPU.
         output_device: accepted for compatibility; outputs stay where the module puts them.
         dim: accepted for compatibility (multi-device scatter is not supported, as in torch 2.x).
-        broadcast_buffers: broadcast rank 0's buffers before each synchronised forward (default True).
+        broadcast_buffers: superseded by ``forward_sync_buffers`` (passing it warns, FutureWarning).
         init_sync: check the model across ranks and broadcast rank 0's state at construction.
         process_group: the group to average over (default: the default group).
         bucket_cap_mb: bucket size in MiB (default 25); the first bucket is 1 MiB.
-        find_unused_parameters, static_graph: see issue 3.
+        find_unused_parameters: after each forward, walk its graph and mark the parameters it
+            does not reach as ready (they contribute their accumulated ``.grad`` or zeros). A
+            parameter used in any micro-batch of a ``no_sync`` window is synchronised. Costs a
+            graph walk per forward and one small all-reduce per backward.
         check_reduction: deprecated in torch, ignored.
         gradient_as_bucket_view: ``param.grad`` becomes a view into the bucket buffer, which saves
             the copy back and one gradient's worth of memory. With ``zero_grad(set_to_none=True)``
             (torch's default) the fresh gradient is copied in once per step; ``set_to_none=False``
             keeps the view and avoids it.
+        static_graph: the first iteration records unused parameters and how many pieces each
+            gradient arrives in (activation checkpointing); later iterations reuse that.
+        delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
+        skip_all_reduce_unused_params: not supported; a non-default value raises ValueError naming it.
+        device_mesh: a 1-D DeviceMesh whose group is used (not together with process_group).
+        bucket_cap_mb_list: the cap of each bucket in turn, in MiB (the last repeats).
+        batched_grad_copy: accepted; gradient copies are always batched (one call per bucket).
+        forward_sync_buffers: broadcast rank 0's floating/integer buffers before each synchronised
+            forward (default True), as torch's ``broadcast_buffers``.
+
+    Differences from torch's DDP, on purpose: a parameter without a gradient raises on every rank
+    at the end of backward (naming the parameter and the rank) instead of hanging or failing only
+    on the next iteration; the sink that finds the end of backward returns views of the outputs,
+    not clones.
     """
 
     def __init__(
@@ -81,43 +101,27 @@ class DistributedDataParallel(nn.Module):
         forward_sync_buffers: bool | None = None,
     ):
         super().__init__()
+        Joinable.__init__(self)
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        for name, value, default in [
-            ("find_unused_parameters", find_unused_parameters, False),
-            ("static_graph", static_graph, False),
-            ("delay_all_reduce_named_params", delay_all_reduce_named_params, None),
-            ("param_to_hook_all_reduce", param_to_hook_all_reduce, None),
-            ("mixed_precision", mixed_precision, None),
-            ("device_mesh", device_mesh, None),
-            ("skip_all_reduce_unused_params", skip_all_reduce_unused_params, False),
-            ("bucket_cap_mb_list", bucket_cap_mb_list, None),
-            ("forward_sync_buffers", forward_sync_buffers, None),
-        ]:
-            if value is not default and value != default:
-                raise NotImplementedError(f"DistributedDataParallel: {name}={value!r} is {_NEXT_ISSUE}")
-        if process_group is None:
-            if not dist.is_initialized():
-                raise RuntimeError(
-                    "DistributedDataParallel: no process group: call lockstep.init() (or "
-                    "torch.distributed.init_process_group) first, or pass process_group="
-                )
-            process_group = dist.group.WORLD
+        reject_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, skip_all_reduce_unused_params)
+        process_group = resolve_group(process_group, device_mesh)
         devices = {p.device for p in module.parameters()}
+        self.device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
         if device_ids is not None:
             if len(device_ids) != 1 or any(d.type == "cpu" for d in devices):
                 raise ValueError(
                     "DistributedDataParallel: device_ids must be None for a CPU module and a one-element list "
                     f"[device] for a single-GPU module; got device_ids={device_ids} for a module on {sorted(map(str, devices))}"
                 )
-            self.device = torch.device(device_ids[0]) if not isinstance(device_ids[0], int) else torch.device("cuda", device_ids[0])
+            self.device = torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
         self.module = module
         self.device_ids = device_ids
         self.output_device = output_device
         self.dim = dim
-        self.broadcast_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
+        self.broadcast_buffers = resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.process_group = process_group
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -125,6 +129,7 @@ class DistributedDataParallel(nn.Module):
         self.bucket_bytes_cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MIB)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
+        self._divide_by_initial_world_size = True
         self._comm_hook_registered = False
         self._sync_buffers = syncable_buffers(module)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -139,6 +144,9 @@ class DistributedDataParallel(nn.Module):
                 bucket_cap_bytes=max(1, self.bucket_bytes_cap),
                 first_bucket_bytes=DEFAULT_FIRST_BUCKET_BYTES,
                 gradient_as_bucket_view=gradient_as_bucket_view,
+                bucket_caps_bytes=caps_from_list(bucket_cap_mb_list),
+                find_unused_parameters=find_unused_parameters,
+                static_graph=static_graph,
             )
             if named
             else None
@@ -152,11 +160,27 @@ class DistributedDataParallel(nn.Module):
         # As torch: buffers and bucket rebuilds follow the synchronised forwards only (not no_sync, not eval).
         self.require_forward_param_sync = synced
         if synced:
-            if self.broadcast_buffers and self._sync_buffers and dist.get_world_size(self.process_group) > 1:
-                broadcast_coalesced(self._sync_buffers, self.process_group)  # one collective per dtype, each forward
+            join_work = Join.notify_join_context(self)  # None unless inside model.join()
             if self.reducer is not None:
-                self.reducer.prepare_for_backward()
-        return self.module(*inputs, **kwargs)
+                self.reducer.divisor = self._join_divisor(join_work)
+                self.reducer.prepare_for_forward()  # before any other collective of this iteration
+            if self._will_sync_buffers():
+                broadcast_coalesced(self._sync_buffers, self.process_group)  # one collective per dtype, each forward
+        outputs = self.module(*inputs, **kwargs)
+        if synced and self.reducer is not None:
+            self.reducer.prepare_for_backward(outputs)
+            outputs = attach_sink(outputs, self.reducer.queue_finalize)
+        return outputs
+
+    def _will_sync_buffers(self) -> bool:
+        return self.broadcast_buffers and bool(self._sync_buffers) and dist.get_world_size(self.process_group) > 1
+
+    def _join_divisor(self, join_work: Any) -> int:
+        world_size = dist.get_world_size(self.process_group)
+        if join_work is None or self._divide_by_initial_world_size:
+            return world_size
+        join_work.wait()  # a host sync per forward, only under join(divide_by_initial_world_size=False)
+        return int(join_work.result()[0].item())
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -186,8 +210,27 @@ class DistributedDataParallel(nn.Module):
         self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
         self._comm_hook_registered = True
 
-    def join(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(f"DistributedDataParallel.join is {_NEXT_ISSUE}")
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False) -> Join:
+        """Context manager for uneven inputs: ranks out of data shadow the others' collectives (see ``lockstep.join``).
+
+        Args:
+            divide_by_initial_world_size: average over all ranks (True) or over the ranks still training.
+            enable: False turns the context manager into a no-op.
+            throw_on_early_termination: raise on every rank as soon as one runs out of data.
+        """
+        return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        """The Joinable interface: what this model does while its rank has joined."""
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device if dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
 
     # ----------------------------------------------------------- diagnostics
     def comm_stats(self) -> dict[str, float]:

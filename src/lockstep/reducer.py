@@ -4,9 +4,15 @@ One post-accumulate-grad hook per parameter copies the gradient into its bucket'
 flat buffer (pre-divided by the world size, fused into the copy); when a bucket's
 last gradient lands, its all-reduce is launched asynchronously, but only in bucket
 index order, because every rank must issue collectives in the same order. The end
-of backward (an autograd engine callback) waits for the buckets and copies the
-averaged values back into ``param.grad`` (one ``_foreach_copy_`` per bucket), or
-leaves them in place when ``param.grad`` is a view of the bucket.
+of backward waits for the buckets and copies the averages back into ``param.grad``
+(one ``_foreach_copy_`` per bucket), or leaves them in place when ``param.grad``
+is a view of the bucket.
+
+Parameters that get no gradient are the classic DDP hang: their bucket never
+launches on one rank while the others wait. Here the end of backward (or, on a rank
+whose backward could not finish, its next forward) launches every bucket anyway,
+with a flag in one spare element of the last bucket, so all ranks learn of the
+problem from a collective they were issuing regardless, and all raise.
 """
 
 from __future__ import annotations
@@ -17,27 +23,11 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from lockstep.buckets import BucketPlan, assign_buckets
+from lockstep.buckets import assign_buckets
 from lockstep.grad_bucket import GradBucket
+from lockstep.reducer_state import Bucket, UsageTracker, raise_missing_gradients
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
-
-
-class _Bucket:
-    """Runtime state of one bucket: the flat buffer, a view per parameter, the in-flight collective."""
-
-    __slots__ = ("index", "plan", "buffer", "views", "params", "grads", "work")
-
-    def __init__(self, index: int, plan: BucketPlan, params: Sequence[torch.nn.Parameter]):
-        self.index = index
-        self.plan = plan
-        self.params = [params[i] for i in plan.param_indices]
-        self.buffer = torch.zeros(plan.numel, dtype=plan.dtype, device=plan.device)
-        self.views = [
-            self.buffer[offset : offset + p.numel()].view(p.shape) for offset, p in zip(plan.offsets, self.params)
-        ]
-        self.grads: list[torch.Tensor | None] = [None] * len(self.params)
-        self.work: Any = None  # dist.Work (default all-reduce) or a Future (comm hook)
 
 
 class Reducer:
@@ -47,8 +37,10 @@ class Reducer:
         params: parameters that require grad, each once (tied weights deduplicated).
         names: their qualified names, for error messages.
         process_group: the group to average over.
-        bucket_cap_bytes / first_bucket_bytes: bucket caps (see ``assign_buckets``).
+        bucket_cap_bytes / first_bucket_bytes / bucket_caps_bytes: bucket caps (see ``assign_buckets``).
         gradient_as_bucket_view: make ``param.grad`` a view into the bucket buffer (no copy back).
+        find_unused_parameters: find, after each forward, the parameters its graph does not reach.
+        static_graph: learn unused parameters and hook counts in the first iteration, reuse them after.
     """
 
     def __init__(
@@ -60,46 +52,44 @@ class Reducer:
         first_bucket_bytes: int,
         gradient_as_bucket_view: bool = False,
         bucket_caps_bytes: Sequence[int] | None = None,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
     ):
         self.params = list(params)
         self.names = list(names)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
+        self.divisor = self.world_size  # the number of ranks still training, under join(divide_by_initial_world_size=False)
         self.bucket_cap_bytes = bucket_cap_bytes
         self.first_bucket_bytes = first_bucket_bytes
         self.bucket_caps_bytes = bucket_caps_bytes
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.usage = UsageTracker(len(self.params), find_unused_parameters, static_graph)
         self.comm_hook: CommHook | None = None
         self.comm_hook_state: Any = None
-        # Per-backward state.
-        self.expect_hooks = False  # set by prepare_for_backward: hooks outside a synced forward do nothing
+        self.expect_hooks = False  # set by a synchronised forward: other backwards' hooks do nothing
         self._callback_queued = False
-        self._seen = [False] * len(self.params)
-        self._next_launch = 0
-        # Ready order of the first synced backward; buckets are rebuilt from it once.
-        self._observed_order: list[int] | None = []
+        self._hooks_fired = False
+        self._observed_order: list[int] | None = []  # first synced backward's ready order, for the rebuild
         self.rebuild_pending = False
         self.buckets_rebuilt = False
-        # Diagnostics: event log (None = off, costs one branch per hook) and comm wait time.
-        self.events: list[tuple] | None = None
+        self.events: list[tuple] | None = None  # diagnostics: ("ready", i) / ("launch", b); None = off
         self.comm_wait_s = 0.0
         self.num_syncs = 0
+        self._index_of = {id(p): i for i, p in enumerate(self.params)}
         self._build(list(reversed(range(len(self.params)))))
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
 
     # ----------------------------------------------------------------- layout
     def _build(self, order: list[int]) -> None:
         plans = assign_buckets(self.params, order, self.bucket_cap_bytes, self.first_bucket_bytes, self.bucket_caps_bytes)
-        self.buckets = [_Bucket(b, plan, self.params) for b, plan in enumerate(plans)]
-        self._bucket_of = [0] * len(self.params)
-        self._slot_of = [0] * len(self.params)
+        self.buckets = [Bucket(b, plan, self.params) for b, plan in enumerate(plans)]
+        self._location = [(0, 0)] * len(self.params)
         for bucket in self.buckets:
             for slot, i in enumerate(bucket.plan.param_indices):
-                self._bucket_of[i] = bucket.index
-                self._slot_of[i] = slot
+                self._location[i] = (bucket.index, slot)
         self._sizes = [len(b.params) for b in self.buckets]
-        self._pending = list(self._sizes)
-        self._ready = [False] * len(self.buckets)
+        self._reset()
         if self.gradient_as_bucket_view:
             # Existing gradients move into the new buffers so no accumulated value is lost.
             for bucket in self.buckets:
@@ -120,8 +110,7 @@ class Reducer:
         self.rebuild_pending = False
         observed = self._observed_order or []
         self._observed_order = None
-        # Parameters that never became ready go last, in reverse registration order.
-        seen = set(observed)
+        seen = set(observed)  # parameters never ready go last, in reverse registration order
         order = observed + [i for i in reversed(range(len(self.params))) if i not in seen]
         device = self.buckets[0].buffer.device if dist.get_backend(self.process_group) == "nccl" else "cpu"
         order_t = torch.tensor(order, dtype=torch.int64, device=device)
@@ -129,50 +118,71 @@ class Reducer:
         self._build(order_t.tolist())
         self.buckets_rebuilt = True
 
-    # ------------------------------------------------------------- backward
-    def prepare_for_backward(self) -> None:
-        """Called by a forward that will be synchronised: the coming backward's hooks count."""
+    # ------------------------------------------------------------- forward
+    def prepare_for_forward(self) -> None:
+        """Start of a synchronised forward: finish a backward that could not, rebuild buckets once."""
+        if self._hooks_fired:
+            # The last backward ended with buckets never launched (a parameter got no gradient):
+            # launch them now so the other ranks' waits complete, and raise here as they raise there.
+            self._finalize_backward()
         if self.rebuild_pending:
             self.rebuild_buckets()
-        self.expect_hooks = True
 
+    def prepare_for_backward(self, outputs: Any) -> None:
+        """After a synchronised forward: hooks count; parameters known unused are ready at once."""
+        self.expect_hooks = True
+        for i in self.usage.unused_before_backward(outputs, self._index_of):
+            self._mark_ready(i, self.params[i].grad)
+
+    def queue_finalize(self) -> None:
+        if not self._callback_queued:
+            # Runs once the whole backward is done: the only safe point to wait for the buckets.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+            self._callback_queued = True
+
+    # ------------------------------------------------------------- backward
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             if self.expect_hooks:
-                self._mark_ready(index, param)
+                self._on_grad(index, param)
+            elif self.usage.track_window:
+                self.usage.used_in_window[index] = True  # no_sync micro-batch: synchronise this one later
 
         return hook
 
-    def _mark_ready(self, index: int, param: torch.Tensor) -> None:
-        if self._seen[index]:
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        self._hooks_fired = True
+        self.queue_finalize()  # no-op when the forward's sink already queued it
+        if self.usage.active and not self.usage.gradient_complete(index, self.names):
+            return  # static graph: more pieces of this gradient are still to come
+        if self._observed_order is not None:
+            self._observed_order.append(index)
+        self._mark_ready(index, param.grad)
+
+    def _mark_ready(self, index: int, grad: torch.Tensor | None) -> None:
+        b, slot = self._location[index]
+        bucket = self.buckets[b]
+        if bucket.seen[slot]:
             raise RuntimeError(
                 f"parameter {self.names[index]!r} received its gradient twice in one backward. This happens "
                 "with activation checkpointing (torch.utils.checkpoint) or a module used twice in one forward: "
                 "pass static_graph=True to DistributedDataParallel."
             )
-        self._seen[index] = True
-        if not self._callback_queued:
-            # Runs once the whole backward is done: the only safe point to wait for the buckets.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-            self._callback_queued = True
-        if self._observed_order is not None:
-            self._observed_order.append(index)
+        bucket.seen[slot] = True
         if self.events is not None:
             self.events.append(("ready", index))
-        b = self._bucket_of[index]
-        bucket = self.buckets[b]
-        slot = self._slot_of[index]
         view = bucket.views[slot]
-        grad = param.grad
-        if self.gradient_as_bucket_view:
+        if grad is None:
+            view.zero_()  # no local gradient: this rank contributes zero
+        elif self.gradient_as_bucket_view:
             if grad.data_ptr() != view.data_ptr():
-                # The grad was allocated fresh (first step, or zero_grad(set_to_none=True)): one copy, then alias.
+                # A fresh grad (first step, or zero_grad(set_to_none=True)): one copy, then alias.
                 view.copy_(grad)
-                param.grad = view
+                self.params[index].grad = view
         elif self.comm_hook is None:
-            torch.div(grad, self.world_size, out=view)  # the average's division, fused into the copy
+            torch.div(grad, self.divisor, out=view)  # the average's division, fused into the copy
         else:
-            view.copy_(grad)  # a comm hook gets the plain sum's inputs, as in torch
+            view.copy_(grad)  # a comm hook gets the plain local gradients, as in torch
         bucket.grads[slot] = grad
         self._pending[b] -= 1
         if self._pending[b] == 0:
@@ -182,7 +192,7 @@ class Reducer:
                 self._launch(self.buckets[self._next_launch])
                 self._next_launch += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         if self.events is not None:
             self.events.append(("launch", bucket.index))
         if self.comm_hook is not None:
@@ -193,51 +203,83 @@ class Reducer:
                     f"torch.futures.Future, got {type(bucket.work).__name__}"
                 )
             return
-        if self.gradient_as_bucket_view:
-            bucket.buffer.div_(self.world_size)  # one pass per bucket instead of one call per parameter
+        if self.gradient_as_bucket_view and self.divisor != 1:
+            bucket.flat.div_(self.divisor)  # one pass per bucket instead of one call per parameter
+        if bucket.index == len(self.buckets) - 1:
+            bucket.buffer[-1] = float(self._missing_flag)  # every rank's flag is summed with the last bucket
         bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
 
-    def _unready_names(self) -> list[str]:
-        return [self.names[i] for i, seen in enumerate(self._seen) if not seen]
-
+    # -------------------------------------------------------- end of backward
     def _finalize_backward(self) -> None:
         self._callback_queued = False
         self.expect_hooks = False
+        self._hooks_fired = False
         try:
-            if self._next_launch < len(self.buckets):
-                names = self._unready_names()
-                rank = dist.get_rank()
-                raise RuntimeError(
-                    f"rank {rank}: {len(names)} parameter(s) received no gradient in this backward: "
-                    f"{', '.join(names[:20])}{' ...' if len(names) > 20 else ''}. DistributedDataParallel needs "
-                    "every parameter to take part in the loss on every rank: pass find_unused_parameters=True, "
-                    "or static_graph=True if the same parameters are unused every iteration."
-                )
+            if self.usage.in_static_first_iteration():
+                # Static graph, iteration 1: nothing was launched during backward; now every count is known.
+                order = self.usage.finish_static_first_iteration()
+                if self._observed_order is not None:
+                    self._observed_order = order
+                for i in order + self.usage.static_unused:
+                    self._mark_ready(i, self.params[i].grad)
+            missing = [i for b in self.buckets for i, s in zip(b.plan.param_indices, b.seen) if not s]
+            self._missing_flag = bool(missing)
+            for i in missing:  # launch every bucket anyway: the other ranks are waiting in them
+                self._mark_ready(i, self.params[i].grad)
             start = time.perf_counter()
             for bucket in self.buckets:
                 result = bucket.work.wait()
                 if self.comm_hook is not None:
                     tensor = result[0] if isinstance(result, (list, tuple)) else result
-                    if tensor.data_ptr() != bucket.buffer.data_ptr():
-                        bucket.buffer.copy_(tensor.view(-1))
+                    if tensor.data_ptr() != bucket.flat.data_ptr():
+                        bucket.flat.copy_(tensor.view(-1))
             self.comm_wait_s += time.perf_counter() - start
-            if not self.gradient_as_bucket_view:
-                for bucket in self.buckets:
-                    torch._foreach_copy_(bucket.grads, bucket.views)
+            status = self.usage.exchange_status(missing, self.comm_hook is not None, self.buckets[-1], self.process_group)
+            if status.any_missing:
+                raise_missing_gradients(missing, self.names, self.process_group)
+            self._copy_back(status.globally_used)
             self.num_syncs += 1
             if self._observed_order is not None and not self.buckets_rebuilt:
                 self.rebuild_pending = True
         finally:
+            self._missing_flag = False
             self._reset()
 
+    def _copy_back(self, globally_used: list[bool] | None) -> None:
+        for bucket in self.buckets:
+            if globally_used is None and not self.gradient_as_bucket_view:
+                torch._foreach_copy_(bucket.grads, bucket.views)  # the common path: one call per bucket
+                continue
+            for slot, (i, grad, view) in enumerate(zip(bucket.plan.param_indices, bucket.grads, bucket.views)):
+                if globally_used is not None and not globally_used[i]:
+                    continue  # unused on every rank: leave .grad as it was (None stays None), as torch does
+                p = self.params[i]
+                if self.gradient_as_bucket_view:
+                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                        p.grad = view
+                elif grad is None or p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    grad.copy_(view)
+
+    def shadow_backward(self) -> None:
+        """A joined rank's stand-in for one backward: the same collectives, in the same order, with zeros."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()
+        self.usage.exchange_status([], self.comm_hook is not None, self.buckets[-1], self.process_group, joined=True)
+        self._reset()
+
     def _reset(self) -> None:
-        self._seen = [False] * len(self.params)
         self._pending = list(self._sizes)
         self._ready = [False] * len(self.buckets)
         self._next_launch = 0
+        self._missing_flag = False
         for bucket in self.buckets:
-            bucket.work = None
-            bucket.grads = [None] * len(bucket.params)
+            bucket.reset()
+        self.usage.reset_backward()
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

@@ -1,0 +1,85 @@
+"""Checking and resolving DistributedDataParallel's constructor arguments, torch 2.13's newer ones included.
+
+Every argument torch's DDP takes is accepted by name. Those with a meaning for our
+reducer are resolved here to what it needs; those we do not support raise an error
+naming the argument instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from lockstep.buckets import MIB
+
+
+def reject_unsupported(
+    delay_all_reduce_named_params: Any,
+    param_to_hook_all_reduce: Any,
+    mixed_precision: Any,
+    skip_all_reduce_unused_params: bool,
+) -> None:
+    if delay_all_reduce_named_params is not None or param_to_hook_all_reduce is not None:
+        raise ValueError(
+            "DistributedDataParallel: delay_all_reduce_named_params / param_to_hook_all_reduce are not supported "
+            "by lockstep (every parameter is reduced by its bucket during backward); leave them as None"
+        )
+    if mixed_precision is not None:
+        raise ValueError(
+            "DistributedDataParallel: mixed_precision is not supported by lockstep; use torch.autocast for compute "
+            "and lockstep.comm_hooks.bf16_compress_hook / fp16_compress_hook to reduce in low precision"
+        )
+    if skip_all_reduce_unused_params:
+        raise ValueError(
+            "DistributedDataParallel: skip_all_reduce_unused_params=True is not supported by lockstep: skipping a "
+            "bucket's all-reduce is only safe when every rank agrees it is unused, which lockstep does not assume"
+        )
+
+
+def resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup:
+    """The group to average over: ``process_group``, a 1-D ``device_mesh``'s group, or the default group."""
+    if device_mesh is not None:
+        if process_group is not None:
+            raise ValueError("DistributedDataParallel: pass either process_group or device_mesh, not both")
+        if getattr(device_mesh, "ndim", None) != 1:
+            raise ValueError(
+                f"DistributedDataParallel: device_mesh must be 1-D, got {getattr(device_mesh, 'ndim', '?')} dimensions"
+            )
+        return device_mesh.get_group()
+    if process_group is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "DistributedDataParallel: no process group: call lockstep.init() (or "
+                "torch.distributed.init_process_group) first, or pass process_group="
+            )
+        return dist.group.WORLD
+    return process_group
+
+
+def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> bool:
+    """``forward_sync_buffers`` supersedes ``broadcast_buffers`` (torch 2.13); the old name still works, with a warning."""
+    if broadcast_buffers is not None:
+        if forward_sync_buffers is not None and bool(forward_sync_buffers) != bool(broadcast_buffers):
+            raise ValueError(
+                f"DistributedDataParallel: broadcast_buffers={broadcast_buffers} contradicts "
+                f"forward_sync_buffers={forward_sync_buffers}; pass forward_sync_buffers only"
+            )
+        warnings.warn(
+            "DistributedDataParallel: broadcast_buffers is superseded by forward_sync_buffers",
+            FutureWarning,
+            stacklevel=3,
+        )
+        return bool(broadcast_buffers)
+    return True if forward_sync_buffers is None else bool(forward_sync_buffers)
+
+
+def caps_from_list(bucket_cap_mb_list: Sequence[float] | None) -> list[int] | None:
+    """Per-bucket caps in bytes from ``bucket_cap_mb_list`` (the last one repeats)."""
+    if bucket_cap_mb_list is None:
+        return None
+    caps = list(bucket_cap_mb_list)
+    if not caps or any(not (c > 0) for c in caps):
+        raise ValueError(f"DistributedDataParallel: bucket_cap_mb_list must be non-empty and all > 0, got {caps}")
+    return [max(1, int(c * MIB)) for c in caps]

@@ -1,0 +1,154 @@
+"""The reducer's bookkeeping: bucket buffers, which parameters were used, and the missing-gradient error.
+
+Kept apart from ``reducer.py`` so the hot path there reads top to bottom. The one
+idea here: whether a parameter took part must be agreed across ranks, and the
+agreement rides on a collective every rank issues anyway (the last bucket's spare
+element), or on one small status all-reduce when a comm hook or unused-parameter
+tracking needs more than one bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lockstep.buckets import BucketPlan
+from lockstep.graph import reachable_params
+
+
+class Bucket:
+    """Runtime state of one bucket: a flat buffer (+1 spare element for the status flag), views, in-flight work."""
+
+    __slots__ = ("index", "plan", "buffer", "flat", "views", "params", "grads", "seen", "work")
+
+    def __init__(self, index: int, plan: BucketPlan, params: Sequence[torch.nn.Parameter]):
+        self.index = index
+        self.plan = plan
+        self.params = [params[i] for i in plan.param_indices]
+        self.buffer = torch.zeros(plan.numel + 1, dtype=plan.dtype, device=plan.device)
+        self.flat = self.buffer[: plan.numel]  # what a comm hook sees: the gradients only
+        self.views = [self.flat[offset : offset + p.numel()].view(p.shape) for offset, p in zip(plan.offsets, self.params)]
+        self.reset()
+
+    def reset(self) -> None:
+        self.grads: list[torch.Tensor | None] = [None] * len(self.params)
+        self.seen = [False] * len(self.params)
+        self.work: Any = None  # dist.Work (default all-reduce) or a Future (comm hook)
+
+
+@dataclass
+class Status:
+    any_missing: bool
+    globally_used: list[bool] | None  # None: every parameter counts as used (the common path)
+
+
+class UsageTracker:
+    """Which parameters took part: per backward, over a no_sync window, and (static graph) once for all."""
+
+    def __init__(self, num_params: int, find_unused_parameters: bool, static_graph: bool):
+        self.num_params = num_params
+        self.find_unused = find_unused_parameters
+        self.static_graph = static_graph
+        self.active = find_unused_parameters or static_graph  # the default path skips all of this
+        self.track_window = find_unused_parameters  # record no_sync usage (PyTorch #69031)
+        self.used_in_window = [False] * num_params
+        self.used = [False] * num_params
+        self._static_first = static_graph
+        self._counts = [0] * num_params
+        self._expected: list[int] | None = None
+        self._arrivals: list[int] = []
+        self.static_unused: list[int] = []
+        self._static_globally_used: list[bool] | None = None
+        self._static_exchange_due = False
+
+    def reset_backward(self) -> None:
+        if self.active:
+            self.used = [False] * self.num_params
+            self._counts = [0] * self.num_params
+
+    def in_static_first_iteration(self) -> bool:
+        return self._static_first
+
+    def unused_before_backward(self, outputs: Any, index_of: dict[int, int]) -> list[int]:
+        """Parameters to mark ready right after forward: they will get no gradient in this backward."""
+        if self.find_unused:
+            reached = reachable_params(outputs, index_of)
+            return [i for i in range(self.num_params) if i not in reached]
+        if self.static_graph and not self._static_first:
+            return self.static_unused
+        return []
+
+    def gradient_complete(self, index: int, names: Sequence[str]) -> bool:
+        """Record a hook firing; True when the parameter's gradient is whole and can be reduced."""
+        self.used[index] = True
+        if not self.static_graph:
+            return True
+        self._counts[index] += 1
+        if self._static_first:
+            self._arrivals.append(index)
+            return False
+        expected = self._expected[index]  # type: ignore[index]
+        if self._counts[index] > expected:
+            raise RuntimeError(
+                f"static_graph=True, but parameter {names[index]!r} received {self._counts[index]} gradient pieces in "
+                f"this backward and {expected} in the first iteration: the graph is not static. Use "
+                "find_unused_parameters=True instead."
+            )
+        return self._counts[index] == expected
+
+    def finish_static_first_iteration(self) -> list[int]:
+        """Freeze the static graph: hook counts, unused parameters; return the ready order (by last piece)."""
+        self._static_first = False
+        self._expected = list(self._counts)
+        self.static_unused = [i for i, n in enumerate(self._expected) if n == 0]
+        last_seen: dict[int, int] = {}
+        for position, i in enumerate(self._arrivals):
+            last_seen[i] = position
+        self._arrivals = []
+        self._static_exchange_due = True
+        return sorted(last_seen, key=last_seen.__getitem__)
+
+    def exchange_status(self, missing: list[int], comm_hook: bool, last_bucket: Bucket, group, joined: bool = False) -> Status:
+        """Agree across ranks on missing gradients and on which parameters any rank used.
+
+        Costs nothing extra on the common path (the flag travelled in the last bucket; one host read);
+        otherwise one all-reduce of ``1 + num_params`` int32 values.
+        """
+        need_bitmap = self.find_unused or self._static_exchange_due
+        if not (need_bitmap or comm_hook):
+            return Status(bool(last_bucket.buffer[-1].item() > 0), self._static_globally_used)
+        used = [False] * self.num_params
+        if need_bitmap and not joined:
+            used = [a or b for a, b in zip(self.used, self.used_in_window)]
+        status = torch.tensor([int(bool(missing))] + ([int(u) for u in used] if need_bitmap else []), dtype=torch.int32)
+        if dist.get_backend(group) == "nccl":
+            status = status.to(last_bucket.buffer.device)
+        dist.all_reduce(status, group=group)
+        values = status.tolist()
+        self.used_in_window = [False] * self.num_params
+        globally_used = [v > 0 for v in values[1:]] if need_bitmap else self._static_globally_used
+        if self._static_exchange_due:
+            self._static_exchange_due = False
+            self._static_globally_used = globally_used
+        return Status(values[0] > 0, globally_used)
+
+
+def raise_missing_gradients(missing: list[int], names: Sequence[str], group) -> None:
+    """Every rank calls this together: gather who missed what, raise the same error everywhere."""
+    mine = [names[i] for i in missing]
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (dist.get_rank(), mine), group=group)
+    parts = [
+        f"rank {rank}: {', '.join(repr(n) for n in ranks_names[:20])}{' ...' if len(ranks_names) > 20 else ''}"
+        for rank, ranks_names in gathered
+        if ranks_names
+    ]
+    raise RuntimeError(
+        "DistributedDataParallel: parameters received no gradient in this backward, so the ranks could not "
+        f"average them ({'; '.join(parts)}). Every parameter must take part in the loss on every rank: pass "
+        "find_unused_parameters=True (the unused set may change each iteration) or static_graph=True (the same "
+        "set every iteration)."
+    )
