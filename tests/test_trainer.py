@@ -6,6 +6,7 @@ One spawned group runs every scenario (``_scenarios``); the tests assert on what
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import pytest
@@ -16,6 +17,7 @@ from torch.utils.data import TensorDataset
 from dist_utils import run_ranks
 from lockstep import Trainer, TrainerConfig
 from lockstep.checkpoint import list_checkpoints, load_checkpoint
+from lockstep.launch import launch_function
 from lockstep.metrics import read_metrics
 
 N_TRAIN, N_EVAL = 150, 37  # neither divides evenly over 2 ranks x 8: padding and a short last batch
@@ -47,7 +49,7 @@ def _crash_at(step: int):
     return hook
 
 
-def _train(directory, init_seed=1, crash_at=None, resume=False, **overrides):
+def _train(directory, init_seed=1, crash_at=None, resume=False, on_step_end=None, **overrides):
     """Train the standard setup; returns (trainer, summary or None if it crashed)."""
     model = _model(init_seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -56,7 +58,7 @@ def _train(directory, init_seed=1, crash_at=None, resume=False, **overrides):
                     metrics_path=os.path.join(directory, "metrics.jsonl"), log_every_steps=1, resume=resume)
     settings.update(overrides)
     trainer = Trainer(model, optimizer, nn.functional.cross_entropy, _data(N_TRAIN, 0), _data(N_EVAL, 1),
-                      TrainerConfig(**settings), on_step_end=_crash_at(crash_at) if crash_at else None)
+                      TrainerConfig(**settings), on_step_end=_crash_at(crash_at) if crash_at else on_step_end)
     try:
         return trainer, trainer.fit()
     except Crash:
@@ -241,3 +243,35 @@ def test_trainer_without_process_group_says_so():
     model = _model(0)
     with pytest.raises(RuntimeError, match=r"needs an initialised process group: call lockstep.init\(\)"):
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, _data(8, 0))
+
+
+def _elastic_worker(directory, marker):
+    """One rank under torch's elastic agent: rank 1 is SIGKILLed after step 7 on the first attempt."""
+    import lockstep
+
+    torch.set_num_threads(1)  # as in run_ranks: the reference run's numerics
+    env = lockstep.init(backend="gloo")
+    first_attempt = not os.path.exists(marker)
+
+    def die(trainer):
+        if first_attempt and trainer.step == 7 and env.rank == 1:
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)  # no exception, no cleanup: the process is gone
+
+    try:
+        trainer, _ = _train(directory, resume=True, on_step_end=die)
+        return {"params": _params(trainer.model), "resumed_from": trainer.resumed_from, "first": first_attempt}
+    finally:
+        lockstep.shutdown()
+
+
+def test_killed_rank_restarted_by_the_elastic_agent_resumes_exactly(results, tmp_path):
+    """The production path: a worker dies, `lockstep launch --max-restarts` restarts the group, resume=True."""
+    _, out = results
+    marker = str(tmp_path / "killed-once")
+    finals = launch_function(_elastic_worker, args=(str(tmp_path / "e"), marker), nproc_per_node=2, max_restarts=1)
+    assert os.path.exists(marker)  # the kill happened
+    for rank in range(2):
+        assert not finals[rank]["first"]  # these results come from the restarted attempt
+        assert finals[rank]["resumed_from"].endswith("ckpt-000000006.pt")
+        assert _equal(finals[rank]["params"], out[rank]["a_params"]), f"rank {rank} diverged after the restart"

@@ -247,10 +247,12 @@ class Trainer:
             record.update(self.evaluate())
         self.history.append(record)
         self.metrics.write(record)
-        if self.on_epoch_end is not None:
-            self.on_epoch_end(self, record)
+        # the position moves to the next epoch's start first, so a checkpoint saved by the callback
+        # resumes there (instead of re-running this epoch's evaluation)
         self.epoch, self.batches_done = self.epoch + 1, 0
         self._loss_sum, self._loss_count = 0.0, 0
+        if self.on_epoch_end is not None:
+            self.on_epoch_end(self, record)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
