@@ -74,6 +74,22 @@ def tensor_of(value: Any) -> torch.Tensor:
     raise TypeError(f"a comm hook's Future must hold a tensor or a list of tensors, got {type(value).__name__}")
 
 
+def gradient_offsets(bucket: Any) -> list[int]:
+    """Where each of ``bucket.gradients()`` starts in ``bucket.buffer()``, in elements.
+
+    Read from the views themselves rather than assumed contiguous: a reducer
+    may pad or append to its buffer, and a hook must not misplace a gradient.
+    """
+    buffer = bucket.buffer()
+    offsets = []
+    for i, grad in enumerate(bucket.gradients()):
+        offset = (grad.data_ptr() - buffer.data_ptr()) // buffer.element_size()
+        if grad.dtype != buffer.dtype or not 0 <= offset <= buffer.numel() - grad.numel():
+            raise RuntimeError(f"bucket {bucket.index()}: gradient {i} is not a view into the bucket's buffer")
+        offsets.append(offset)
+    return offsets
+
+
 def average_async(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> Future:
     """Average ``tensor`` in place over ``group`` with the backend's own all-reduce; Future of ``tensor``.
 
@@ -175,6 +191,7 @@ class CompressedBucket:
     def __init__(self, outer: BucketLike, compressed: torch.Tensor):
         self._outer = outer
         self._buffer = compressed
+        self._views: list[torch.Tensor] | None = None
 
     def index(self) -> int:
         return self._outer.index()
@@ -192,15 +209,13 @@ class CompressedBucket:
         self._buffer.copy_(tensor.reshape(-1))
 
     def gradients(self) -> list[torch.Tensor]:
-        views, offset = [], 0
-        for p in self.parameters():
-            views.append(self._buffer[offset : offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        if offset != self._buffer.numel():
-            raise RuntimeError(
-                f"bucket {self.index()}: its parameters hold {offset} elements but the buffer {self._buffer.numel()}"
-            )
-        return views
+        # The outer bucket's layout, laid over the compressed buffer (computed once: hooks may ask often).
+        if self._views is None:
+            offsets = gradient_offsets(self._outer)
+            self._views = [
+                self._buffer[o : o + g.numel()].view(g.shape) for o, g in zip(offsets, self._outer.gradients())
+            ]
+        return list(self._views)
 
 
 def _compress_stage(dtype: torch.dtype) -> Stage:
@@ -258,9 +273,7 @@ class ErrorFeedback:
         def hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
             buffer = bucket.buffer()
             keys = [p.data_ptr() for p in bucket.parameters()]  # a parameter's storage: stable for the run
-            grads = bucket.gradients()
-            if sum(g.numel() for g in grads) != buffer.numel():
-                raise RuntimeError(f"ErrorFeedback: bucket {bucket.index()}'s gradients do not tile its buffer")
+            grads, offsets = bucket.gradients(), gradient_offsets(bucket)
             for key, grad in zip(keys, grads):
                 error = self.errors.get(key)
                 if error is not None and error.shape == grad.shape and error.dtype == grad.dtype:
@@ -269,10 +282,9 @@ class ErrorFeedback:
 
             def remember(fut: Future) -> torch.Tensor:
                 reduced = tensor_of(fut.value()).view(-1)
-                error, offset = wanted.sub_(reduced), 0
-                for key, grad in zip(keys, grads):
+                error = wanted.sub_(reduced)
+                for key, grad, offset in zip(keys, grads, offsets):
                     self.errors[key] = error[offset : offset + grad.numel()].view(grad.shape)
-                    offset += grad.numel()
                 return reduced
 
             return inner(state, bucket).then(remember)
