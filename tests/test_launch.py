@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -42,11 +45,34 @@ def script(name: str) -> str:
     return os.path.join(SCRIPTS, name)
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Independent launches run side by side: each costs seconds of mostly idle start-up and rendezvous."""
+    tmp = tmp_path_factory.mktemp("launch")
+    with socket.socket() as taken:  # held open for the whole batch: a port the launcher cannot have
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        jobs = {
+            "end_to_end": ["--nproc-per-node", "2", script("allreduce.py"), "--flag", "x"],
+            "log_rank": ["--nproc-per-node", "2", "--log-rank", "0", script("allreduce.py")],
+            "taken_port": ["--nproc-per-node", "2", "--master-port", str(port), script("allreduce.py")],
+            "restart_once": ["--nproc-per-node", "2", "--max-restarts", "1", script("flaky.py"), str(tmp / "once"), "1"],
+            "exhausted": ["--nproc-per-node", "2", "--max-restarts", "1", script("flaky.py"), str(tmp / "twice"), "2"],
+        }
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            futures = {name: pool.submit(run_launch, argv, 90.0) for name, argv in jobs.items()}
+            results = {name: f.result() for name, f in futures.items()}
+    results["port"] = port
+    results["tmp"] = tmp
+    return results
+
+
 # ---------------------------------------------------------------- success, prefixes, --log-rank
 
 
-def test_two_ranks_allreduce_end_to_end_with_rank_prefixes():
-    proc, _ = run_launch(["--nproc-per-node", "2", script("allreduce.py"), "--flag", "x"])
+def test_two_ranks_allreduce_end_to_end_with_rank_prefixes(runs):
+    proc, _ = runs["end_to_end"]
     assert proc.returncode == 0, proc.stderr
     for rank in (0, 1):
         # the prefix names the rank that actually printed the line: it is not just a counter
@@ -56,8 +82,8 @@ def test_two_ranks_allreduce_end_to_end_with_rank_prefixes():
     assert "lockstep launch:" not in proc.stderr  # no failure report, no restart notice
 
 
-def test_log_rank_shows_only_that_rank():
-    proc, _ = run_launch(["--nproc-per-node", "2", "--log-rank", "0", script("allreduce.py")])
+def test_log_rank_shows_only_that_rank(runs):
+    proc, _ = runs["log_rank"]
     assert proc.returncode == 0, proc.stderr
     assert "[rank0]: allreduce rank=0 world=2" in proc.stdout
     assert "[rank0]: stderr line from rank 0" in proc.stderr
@@ -84,9 +110,9 @@ def test_failing_worker_exits_nonzero_fast_with_one_report():
     assert 'raises.py", line 8' in text  # the traceback, not just the message
 
 
-def test_restarts_exhausted_reports_rank_exit_code_and_restarts(tmp_path):
-    counter = tmp_path / "failures"
-    proc, _ = run_launch(["--nproc-per-node", "2", "--max-restarts", "1", script("flaky.py"), str(counter), "2"])
+def test_restarts_exhausted_reports_rank_exit_code_and_restarts(runs):
+    counter = runs["tmp"] / "twice"
+    proc, _ = runs["exhausted"]
     assert proc.returncode == 3, proc.stderr  # the worker's own exit code
     assert counter.read_text() == "2"
     assert "restart 1 of 1" in proc.stderr
@@ -95,14 +121,9 @@ def test_restarts_exhausted_reports_rank_exit_code_and_restarts(tmp_path):
     assert "failing on purpose: failure 2 of 2" in report
 
 
-def test_taken_port_fails_fast_naming_the_rendezvous_flags():
-    import socket
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        proc, elapsed_s = run_launch(["--nproc-per-node", "2", "--master-port", str(port), script("allreduce.py")])
+def test_taken_port_fails_fast_naming_the_rendezvous_flags(runs):
+    proc, elapsed_s = runs["taken_port"]
+    port = runs["port"]
     assert proc.returncode == 1 and elapsed_s < 30
     assert f"rendezvous at 127.0.0.1:{port} (--master-addr/--master-port) failed" in proc.stderr
     assert "address already in use" in proc.stderr and "Traceback" not in proc.stderr
@@ -116,9 +137,9 @@ def _attempts(stdout: str) -> list[tuple[int, int, str]]:
     return [(int(k), int(r), s) for k, r, s in re.findall(r"attempt restart=(\d+) rank=(\d+) sum=(\S+)", stdout)]
 
 
-def test_max_restarts_1_recovers_from_one_failure(tmp_path):
-    counter = tmp_path / "failures"
-    proc, _ = run_launch(["--nproc-per-node", "2", "--max-restarts", "1", script("flaky.py"), str(counter), "1"])
+def test_max_restarts_1_recovers_from_one_failure(runs):
+    counter = runs["tmp"] / "once"
+    proc, _ = runs["restart_once"]
     assert proc.returncode == 0, proc.stderr
     assert counter.read_text() == "1"
     assert sorted(_attempts(proc.stdout)) == [(0, 0, "3"), (0, 1, "3"), (1, 0, "3"), (1, 1, "3")]
@@ -129,7 +150,7 @@ def test_five_failures_in_a_row_give_five_working_restarts(tmp_path):
     """The PyTorch #135712 regression: every restarted group must form and all-reduce again."""
     counter = tmp_path / "failures"
     proc, elapsed_s = run_launch(
-        ["--nproc-per-node", "2", "--max-restarts", "5", script("flaky.py"), str(counter), "5"], timeout_s=90
+        ["--nproc-per-node", "2", "--max-restarts", "5", script("flaky.py"), str(counter), "5"], timeout_s=150
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert counter.read_text() == "5"
@@ -139,6 +160,42 @@ def test_five_failures_in_a_row_give_five_working_restarts(tmp_path):
     assert "connectFullMesh" not in proc.stderr
     assert "completed rank=0 after restart=5" in proc.stdout and "completed rank=1 after restart=5" in proc.stdout
     print(f"5 restarts took {elapsed_s:.1f}s")
+
+
+def test_sigterm_to_the_launcher_stops_every_worker():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", script("forever.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=HERE,
+    )
+    try:
+        pids = []
+        deadline = time.monotonic() + 60
+        while len(pids) < 2 and time.monotonic() < deadline:  # both workers are up once each printed its pid
+            match = re.search(r"worker pid (\d+)", proc.stdout.readline())
+            if match:
+                pids.append(int(match.group(1)))
+        assert len(pids) == 2
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=40)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "lockstep launch: stopped by SIGTERM" in err
+    # no orphan keeps running after the launcher is gone (allow init a moment to reap them)
+    deadline = time.monotonic() + 5
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        alive = {pid for pid in alive if _exists(pid)}
+        time.sleep(0.1)
+    assert not alive, f"workers {sorted(alive)} outlived the launcher"
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- launch_function (the Python API)
