@@ -165,8 +165,8 @@ class Reducer:
         if bucket.seen[slot]:
             raise RuntimeError(
                 f"parameter {self.names[index]!r} received its gradient twice in one backward. This happens "
-                "with activation checkpointing (torch.utils.checkpoint) or a module used twice in one forward: "
-                "pass static_graph=True to DistributedDataParallel."
+                "with activation checkpointing (torch.utils.checkpoint with use_reentrant=True) when a module runs "
+                "in several checkpointed segments: pass static_graph=True to DistributedDataParallel."
             )
         bucket.seen[slot] = True
         if self.events is not None:

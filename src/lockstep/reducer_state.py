@@ -138,7 +138,7 @@ class UsageTracker:
 
 def raise_missing_gradients(missing: list[int], names: Sequence[str], group) -> None:
     """Every rank calls this together: gather who missed what, raise the same error everywhere."""
-    mine = [names[i] for i in missing]
+    mine = [names[i] for i in sorted(missing)]  # registration order reads best
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (dist.get_rank(), mine), group=group)
     parts = [
