@@ -197,7 +197,7 @@ class Reducer:
             self.events.append(("launch", bucket.index))
         if self.comm_hook is not None:
             bucket.work = self.comm_hook(self.comm_hook_state, GradBucket(bucket, len(self.buckets)))
-            if not isinstance(bucket.work, torch.futures.Future):
+            if not isinstance(bucket.work, torch._C.Future):  # torch.futures.Future and the C++ futures of get_future()
                 raise TypeError(
                     f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} must return a "
                     f"torch.futures.Future, got {type(bucket.work).__name__}"
