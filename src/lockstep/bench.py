@@ -235,9 +235,12 @@ def cli_main(argv: list[str]) -> int:
         out.mkdir(parents=True, exist_ok=True)
         stem = out / f"allreduce_{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d_%H%M%S}_n{args.nproc}"
         meta = {"world_size": args.nproc, "dtype": args.dtype, "backend": "gloo", "host_cpus": os.cpu_count(),
-                "python": sys.version.split()[0], "argv": argv}
+                "python": sys.version.split()[0], "argv": argv,
+                # The box is shared: the load says how much CPU the ranks were competing for.
+                "load_average_1_5_15": os.getloadavg()}
         stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=1))
-        stem.with_suffix(".md").write_text(f"# all-reduce benchmark\n\n`lockstep bench {' '.join(argv)}`\n\n{report}\n")
+        stem.with_suffix(".md").write_text(f"# all-reduce benchmark\n\n`lockstep bench {' '.join(argv)}`\n\n"
+                                         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the end\n\n{report}\n")
         plot(rows, stem.with_suffix(".png"), args.nproc)
         print(f"\nwrote {stem}.json, .md, .png")
     return 0

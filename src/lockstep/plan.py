@@ -1,0 +1,274 @@
+"""``lockstep plan``: will a model fit, and how well will data parallelism scale?
+
+Memory per replica is counted in bytes per parameter by component (the ZeRO
+paper's accounting, Rajbhandari et al. 2020): mixed precision keeps 2-byte
+weights and gradients plus a 4-byte master copy, and Adam two 4-byte moments, so
+2 + 2 + 4 + 8 = 16 bytes per parameter, 112 GB for 7B parameters before any
+activation. Communication is the alpha-beta cost of all-reducing the gradients
+bucket by bucket (``lockstep.costmodel``), and the step time overlaps it with
+the backward pass the way DDP's reducer does: bucket k is reduced while the
+backward still computes buckets k+1.. .
+
+Everything here is arithmetic on a typed config, so it runs in milliseconds and
+imports torch only to count a model's parameters (``--model module:factory``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import math
+from dataclasses import dataclass, field
+
+from lockstep.costmodel import LINKS, Link, allreduce_time_s
+
+GB = 1e9
+PRECISIONS = {  # name -> (weight bytes, gradient bytes, master-weight bytes, bytes per optimizer state)
+    "fp32": (4, 4, 0, 4),
+    "mixed": (2, 2, 4, 4),  # fp16/bf16 compute, fp32 master weights and optimizer states
+    "bf16": (2, 2, 0, 2),
+    "fp16": (2, 2, 0, 2),
+}
+OPTIMIZERS = {"adam": 2, "adamw": 2, "sgd": 1, "sgd-nomomentum": 0}  # states per parameter
+# Share of a step's compute that is backward (backward costs about twice forward).
+BACKWARD_SHARE = 2.0 / 3.0
+SCALING_WORLD_SIZES = [2**k for k in range(11)]  # 1 .. 1024
+
+
+@dataclass
+class PlanConfig:
+    """What ``lockstep plan`` needs to know about a job."""
+
+    params: float | None = None
+    """Parameter count (e.g. 7e9). Exactly one of ``params`` and ``model``."""
+    model: str | None = None
+    """A model as ``module:factory``; the factory is called with no arguments to count its parameters."""
+    precision: str = "mixed"
+    """One of fp32, mixed (fp16/bf16 compute + fp32 master), bf16, fp16."""
+    optimizer: str = "adam"
+    """One of adam, adamw, sgd (with momentum), sgd-nomomentum."""
+    world_size: int = 8
+    """Data-parallel replicas."""
+    device_memory_gb: float = 80.0
+    """Memory per device, 1e9 bytes."""
+    link: str | Link = "nvlink"
+    """A preset name (see ``lockstep.costmodel.LINKS``) or a ``Link``."""
+    compute_ms: float | None = None
+    """Forward + backward time of one step on one device; None: no step-time prediction."""
+    activation_gb: float = 0.0
+    """Activation memory per replica, 1e9 bytes (not derived: it depends on batch and sequence)."""
+    bucket_cap_mb: float = 25.0
+    """DDP's gradient bucket size, MiB: each bucket pays the all-reduce latency once."""
+
+    def __post_init__(self):
+        if (self.params is None) == (self.model is None):
+            raise ValueError("PlanConfig: give exactly one of `params` and `model`")
+        if self.model is not None:
+            if not isinstance(self.model, str) or self.model.count(":") != 1 or not all(self.model.split(":")):
+                raise ValueError(f"PlanConfig.model must look like 'package.module:factory', got {self.model!r}")
+            self.params = count_parameters(self.model)
+        if not (isinstance(self.params, (int, float)) and math.isfinite(self.params) and self.params > 0):
+            raise ValueError(f"PlanConfig.params must be a number > 0, got {self.params!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"PlanConfig.precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"PlanConfig.optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}")
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
+            raise ValueError(f"PlanConfig.world_size must be an integer >= 1, got {self.world_size!r}")
+        if not self.device_memory_gb > 0:
+            raise ValueError(f"PlanConfig.device_memory_gb must be > 0, got {self.device_memory_gb!r}")
+        if isinstance(self.link, str):
+            if self.link not in LINKS:
+                raise ValueError(f"PlanConfig.link must be one of {sorted(LINKS)} or a Link, got {self.link!r}")
+            self.link = LINKS[self.link]
+        elif not isinstance(self.link, Link):
+            raise ValueError(f"PlanConfig.link must be a preset name or a Link, got {type(self.link).__name__}")
+        if self.compute_ms is not None and not self.compute_ms > 0:
+            raise ValueError(f"PlanConfig.compute_ms must be > 0 (or None), got {self.compute_ms!r}")
+        if not self.activation_gb >= 0:
+            raise ValueError(f"PlanConfig.activation_gb must be >= 0, got {self.activation_gb!r}")
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"PlanConfig.bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+
+
+def count_parameters(spec: str) -> int:
+    """Import ``module:factory``, build the model and count its parameters."""
+    module_name, factory_name = spec.split(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"PlanConfig.model {spec!r}: cannot load it ({e})") from e
+    model = factory()
+    if not hasattr(model, "parameters"):
+        raise ValueError(f"PlanConfig.model {spec!r}: the factory returned a {type(model).__name__}, not a torch module")
+    return sum(p.numel() for p in model.parameters())
+
+
+@dataclass
+class Plan:
+    """The answer: every number ``lockstep plan`` prints."""
+
+    config: PlanConfig
+    memory_gb: dict[str, float]
+    fits: bool
+    sharded_memory_gb: dict[str, float]
+    comm_ms: dict[str, float]
+    step_ms: dict[str, float] | None
+    scaling: list[dict] = field(default_factory=list)
+    recommendation: str = ""
+
+
+def memory_by_component_gb(config: PlanConfig) -> dict[str, float]:
+    weight, grad, master, state = PRECISIONS[config.precision]
+    p = config.params
+    parts = {
+        "weights": p * weight / GB,
+        "gradients": p * grad / GB,
+        "master_weights": p * master / GB,
+        "optimizer_state": p * state * OPTIMIZERS[config.optimizer] / GB,
+        "activations": config.activation_gb,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def comm_time_s(config: PlanConfig, world_size: int, algorithm: str) -> float:
+    """All-reduce time of one step's gradients, bucket by bucket (each bucket pays its latency)."""
+    grad_nbytes = config.params * PRECISIONS[config.precision][1]
+    bucket_nbytes = config.bucket_cap_mb * (1 << 20)
+    full, rest = divmod(grad_nbytes, bucket_nbytes)
+    t = full * allreduce_time_s(bucket_nbytes, world_size, config.link, algorithm)
+    return t + (allreduce_time_s(rest, world_size, config.link, algorithm) if rest else 0.0)
+
+
+def step_time_s(config: PlanConfig, comm_s: float) -> tuple[float, float]:
+    """(without overlap, with overlap) step time for a step whose all-reduce takes ``comm_s``.
+
+    With overlap, buckets become ready evenly through the backward pass and are
+    reduced one at a time: the last finishes at max(backward + one bucket,
+    backward / buckets + all of them) after the backward starts.
+    """
+    compute = config.compute_ms / 1e3
+    backward = compute * BACKWARD_SHARE
+    buckets = max(1, math.ceil(config.params * PRECISIONS[config.precision][1] / (config.bucket_cap_mb * (1 << 20))))
+    overlapped = (compute - backward) + max(backward + comm_s / buckets, backward / buckets + comm_s)
+    return compute + comm_s, overlapped
+
+
+def make_plan(config: PlanConfig) -> Plan:
+    memory = memory_by_component_gb(config)
+    fits = memory["total"] <= config.device_memory_gb
+    n = config.world_size
+    states = memory["master_weights"] + memory["optimizer_state"]
+    act = memory["activations"]
+    sharded = {  # per-rank memory at this world size with each ZeRO stage
+        "zero1": memory["weights"] + memory["gradients"] + states / n + act,
+        "zero2": memory["weights"] + (memory["gradients"] + states) / n + act,
+        "zero3_fsdp": (memory["weights"] + memory["gradients"] + states) / n + act,
+    }
+    comm = {a: comm_time_s(config, n, a) * 1e3 for a in ("ring", "tree")}
+    best = min(comm, key=comm.get)
+    step_ms, scaling = None, []
+    for size in SCALING_WORLD_SIZES:
+        row = {"world_size": size, "ring_ms": comm_time_s(config, size, "ring") * 1e3,
+               "tree_ms": comm_time_s(config, size, "tree") * 1e3}
+        if config.compute_ms is not None:
+            _, overlapped = step_time_s(config, min(row["ring_ms"], row["tree_ms"]) / 1e3)
+            row["step_ms"] = overlapped * 1e3
+            row["efficiency"] = config.compute_ms / row["step_ms"]
+        scaling.append(row)
+    if config.compute_ms is not None:
+        plain, overlapped = step_time_s(config, comm[best] / 1e3)
+        step_ms = {"compute": config.compute_ms, "no_overlap": plain * 1e3, "overlap": overlapped * 1e3,
+                   "efficiency": config.compute_ms / (overlapped * 1e3), "algorithm": best}
+    plan = Plan(config, memory, fits, sharded, comm, step_ms, scaling)
+    plan.recommendation = recommend(plan)
+    return plan
+
+
+def recommend(plan: Plan) -> str:
+    c, mem = plan.config, plan.memory_gb
+    if not plan.fits:
+        for stage, need in plan.sharded_memory_gb.items():
+            if need <= c.device_memory_gb:
+                name = {"zero1": "ZeRO-1 (shard optimizer state)", "zero2": "ZeRO-2 (shard gradients and optimizer state)",
+                        "zero3_fsdp": "ZeRO-3 / FSDP (shard everything)"}[stage]
+                return (f"Does not fit: {mem['total']:.1f} GB per replica > {c.device_memory_gb:g} GB. "
+                        f"Use {name}: {need:.1f} GB per rank at N={c.world_size}.")
+        whole = mem["total"] - mem["activations"]
+        free = c.device_memory_gb - mem["activations"]
+        need_n = math.ceil(whole / free) if free > 0 else None
+        more = f"FSDP needs N >= {need_n} devices" if need_n else "the activations alone exceed a device"
+        return (f"Does not fit even fully sharded at N={c.world_size}: {more}; or add tensor/pipeline "
+                f"parallelism or activation checkpointing.")
+    if plan.step_ms is None:
+        return f"Fits ({mem['total']:.1f} of {c.device_memory_gb:g} GB): plain DDP. Pass --compute-ms to check scaling."
+    eff = plan.step_ms["efficiency"]
+    if eff >= 0.8:
+        return f"Fits ({mem['total']:.1f} of {c.device_memory_gb:g} GB): plain DDP, predicted efficiency {eff:.0%}."
+    exposed = plan.step_ms["overlap"] - c.compute_ms  # communication the backward could not hide
+    for k in range(2, 257):  # k micro-steps per all-reduce (no_sync on the first k-1)
+        if k * c.compute_ms / (k * c.compute_ms + exposed) >= 0.9:
+            return (f"Fits, but communication-bound (efficiency {eff:.0%}): accumulate gradients over {k} "
+                    f"micro-steps (DDP no_sync) for >= 90%, or use a faster link / compressed gradients.")
+    return f"Fits, but communication dominates (efficiency {eff:.0%}): use a faster link or fewer replicas."
+
+
+def format_plan(plan: Plan) -> str:
+    c = plan.config
+    out = [f"{c.params:.3g} parameters, {c.precision} precision, {c.optimizer}, N={c.world_size}, "
+           f"{c.device_memory_gb:g} GB per device, link {c.link.name} "
+           f"(alpha {c.link.alpha_s * 1e6:g} us, {c.link.bandwidth_gb_s:g} GB/s)", "", "memory per replica (GB):"]
+    out += [f"  {k:<16}{v:10.2f}" for k, v in plan.memory_gb.items()]
+    out.append(f"  fits in {c.device_memory_gb:g} GB: {'yes' if plan.fits else 'NO'}")
+    out.append("  sharded, per rank: " + ", ".join(f"{k} {v:.2f}" for k, v in plan.sharded_memory_gb.items()))
+    out.append(f"\ngradient all-reduce per step at N={c.world_size}: ring {plan.comm_ms['ring']:.2f} ms, "
+               f"tree {plan.comm_ms['tree']:.2f} ms ({c.bucket_cap_mb:g} MiB buckets)")
+    if plan.step_ms:
+        s = plan.step_ms
+        out.append(f"step time: compute {s['compute']:.2f} ms, without overlap {s['no_overlap']:.2f} ms, "
+                   f"with overlap {s['overlap']:.2f} ms ({s['algorithm']}), efficiency {s['efficiency']:.1%}")
+    out.append("\n     N    ring ms    tree ms   efficiency")
+    for row in plan.scaling:
+        eff = f"{row['efficiency']:10.1%}" if "efficiency" in row else "       n/a"
+        out.append(f"{row['world_size']:6d} {row['ring_ms']:10.2f} {row['tree_ms']:10.2f}   {eff}")
+    out.append(f"\nrecommendation: {plan.recommendation}")
+    return "\n".join(out)
+
+
+def cli_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="lockstep plan", description="memory and communication cost model for DDP")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
+    what.add_argument("--model", help="module:factory building the model (its parameters are counted)")
+    p.add_argument("--precision", default="mixed", choices=sorted(PRECISIONS))
+    p.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZERS))
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--device-memory-gb", type=float, default=80.0)
+    p.add_argument("--link", default="nvlink", choices=sorted(LINKS))
+    p.add_argument("--alpha-us", type=float, help="override the link's latency, microseconds")
+    p.add_argument("--bandwidth-gb-s", type=float, help="override the link's bandwidth, GB/s")
+    p.add_argument("--compute-ms", type=float, help="forward+backward time of one step on one device")
+    p.add_argument("--activation-gb", type=float, default=0.0)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = p.parse_args(argv)
+    link = LINKS[args.link]
+    try:
+        if args.alpha_us is not None or args.bandwidth_gb_s is not None:
+            link = dataclasses.replace(link, name=f"{link.name} (overridden)", source="command line",
+                                       alpha_s=link.alpha_s if args.alpha_us is None else args.alpha_us * 1e-6,
+                                       bandwidth_gb_s=args.bandwidth_gb_s or link.bandwidth_gb_s)
+        config = PlanConfig(params=args.params, model=args.model, precision=args.precision, optimizer=args.optimizer,
+                            world_size=args.world_size, device_memory_gb=args.device_memory_gb, link=link,
+                            compute_ms=args.compute_ms, activation_gb=args.activation_gb, bucket_cap_mb=args.bucket_cap_mb)
+    except ValueError as e:
+        p.error(str(e))
+    plan = make_plan(config)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(plan), indent=1, default=str))
+    else:
+        print(format_plan(plan))
+    return 0

@@ -1,0 +1,69 @@
+"""``lockstep bench allreduce`` end to end on a tiny size range, plus its parsing
+and summary arithmetic on hand-made rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lockstep.bench import cli_main, parse_size, sizes_between, summarise
+from lockstep.costmodel import Link, allreduce_time_s
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    rc = cli_main(["allreduce", "--min-size", "4KiB", "--max-size", "64KiB", "--factor", "4", "--iters", "3",
+                   "--budget-s", "1", "--out", str(out)])
+    return rc, out
+
+
+def test_bench_writes_json_markdown_and_png(bench_run, capsys):
+    rc, out = bench_run
+    assert rc == 0
+    (json_path,) = out.glob("allreduce_*_n2.json")
+    data = json.loads(json_path.read_text())
+    rows = data["rows"]
+    assert {(r["algorithm"], r["nbytes"]) for r in rows} == {
+        (a, n) for a in ("native", "ring", "tree") for n in (4096, 16384, 65536)
+    }
+    for r in rows:
+        assert r["iters"] >= 3 and 0 < r["min_s"] <= r["median_s"]
+        # 2 ranks: bus bandwidth = size * 2(N-1)/N / time = algorithm bandwidth.
+        assert r["busbw_gb_s"] == pytest.approx(r["nbytes"] / r["median_s"] / 1e9)
+        assert r["algbw_gb_s"] == pytest.approx(r["busbw_gb_s"])
+    assert set(data["summary"]["fits"]) == {"native", "ring", "tree"}
+    assert data["meta"]["world_size"] == 2 and len(data["meta"]["load_average_1_5_15"]) == 3
+    assert json_path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = json_path.with_suffix(".md").read_text()
+    assert "| 64 KiB | ring |" in md and "alpha-beta fit" in md
+
+
+def test_parse_and_sizes():
+    assert parse_size("4KiB") == 4096 and parse_size("256MiB") == 256 << 20 and parse_size("1048576") == 1 << 20
+    assert parse_size("1.5k") == 1536
+    with pytest.raises(Exception, match="size"):
+        parse_size("lots")
+    assert sizes_between(4 << 10, 256 << 20, 4) == [4 << (10 + 2 * k) for k in range(9)]
+
+
+def test_bad_arguments_exit_2(capsys):
+    for argv in (["allreduce", "--algorithms", "ring,carrier"], ["allreduce", "--nproc", "1"], ["frobnicate"]):
+        with pytest.raises(SystemExit) as e:
+            cli_main(argv)
+        assert e.value.code == 2
+    assert "carrier" in capsys.readouterr().err
+
+
+def test_summary_fits_the_model_and_ratios_only_at_4mib_and_up():
+    link = Link("truth", alpha_s=100e-6, bandwidth_gb_s=1.0)
+    rows = []
+    for n in (1 << 16, 1 << 20, 4 << 20, 16 << 20):
+        for algo, slowdown in (("native", 1.0), ("ring", 1.25)):
+            t = allreduce_time_s(n, 2, link, "ring") * slowdown
+            rows.append({"algorithm": algo, "nbytes": n, "median_s": t, "busbw_gb_s": n / t / 1e9})
+    s = summarise(rows, 2)
+    assert s["fits"]["native"]["alpha_us"] == pytest.approx(100.0) and s["fits"]["native"]["bandwidth_gb_s"] == pytest.approx(1.0)
+    assert sorted(s["ring_over_native_busbw"]) == [4 << 20, 16 << 20]
+    assert s["ring_over_native_median"] == pytest.approx(0.8)
