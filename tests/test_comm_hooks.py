@@ -153,14 +153,14 @@ def _powersgd_reference(rank: int, world_size: int) -> dict:
     warm = powersgd_hook(state, HandBucket(g0.clone(), params)).wait()
     gathered = [torch.empty_like(g0) for _ in range(world_size)]
     dist.all_gather(gathered, g0)
-    warmup_exact = torch.equal(warm, sum(g / world_size for g in gathered))
+    warmup_diff = float((warm - sum(g / world_size for g in gathered)).abs().max())
 
     # The reference: approx = Pi mean(M), Pi the projector onto span(sum_i M_i Q); sign- and basis-free.
     rng = torch.Generator().manual_seed(7)
     shapes = [(24, 16), (8, 24)]  # the compressed ones; (24,) is a vector, (3, 2) too small at r=2
     qs = [torch.randn(m, r, generator=rng).double() for _, m in shapes]
     errors = [[torch.zeros(s, dtype=torch.float64) for s in shapes] for _ in range(world_size)]
-    max_err, plain_exact, iterations = [], [], []
+    max_err, plain_diff, iterations = [], [], []
     for step in (1, 2):
         g = _grads(rank, step)
         got = HandBucket(powersgd_hook(state, HandBucket(g.clone(), params)).wait(), params).gradients()
@@ -175,12 +175,13 @@ def _powersgd_reference(rank: int, world_size: int) -> dict:
             qs[k] = mean.T @ basis
             errors = [[ms[i] - approx if j == k else errors[i][j] for j in range(2)] for i in range(world_size)]
             max_err.append(float((got[idx].double() - approx).abs().max() / approx.abs().max()))
-        for idx in (1, 3):  # uncompressed: exactly a/2 + b/2
-            plain_exact.append(torch.equal(got[idx], sum(per_rank[i][idx].float() / world_size for i in range(world_size))))
+        for idx in (1, 3):  # uncompressed: the plain average
+            mean = sum(per_rank[i][idx].float() / world_size for i in range(world_size))
+            plain_diff.append(float((got[idx] - mean).abs().max()))
     return {
-        "warmup_exact": warmup_exact,
+        "warmup_diff": warmup_diff,
         "max_rel_err": max(max_err),
-        "plain_exact": plain_exact,
+        "plain_diff": max(plain_diff),
         "iterations": iterations,
         "compression_rate": state.compression_rate,
     }
@@ -190,7 +191,7 @@ def _powersgd_reference(rank: int, world_size: int) -> dict:
 def _dataset():
     """A learnable task: labels from a fixed random linear teacher, so the loss really falls in 30 steps."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(STEPS * PER_RANK * 2, 32, generator=gen)
+    x = torch.randn(STEPS * PER_RANK * 3, 32, generator=gen)  # enough for 3 ranks
     teacher = torch.randn(32, 10, generator=gen)
     return x, (x @ teacher).argmax(dim=1)
 
@@ -271,11 +272,16 @@ RUNS = [
 ]
 
 
-def _group(rank: int, world_size: int) -> dict:
+# At 3 ranks a/3 + b/3 + c/3 and (a + b + c)/3 differ in the last bit: the runs that must still be exact.
+RUNS_3 = [("torch", "none"), ("torch", "allreduce"), ("torch", "fp16"), ("torch", "torch_fp16"),
+          ("lockstep", "none"), ("lockstep", "allreduce"), ("lockstep", "fp16")]
+
+
+def _group(rank: int, world_size: int, runs) -> dict:
     specs = _hook_specs()
     train = {
         f"{kind}/{name}": _train(kind, specs[name], rank, world_size, ONE_BUCKET_MB if name in ONE_BUCKET else BUCKET_CAP_MB)
-        for kind, name in RUNS
+        for kind, name in runs
     }
     # One rank's flat parameters are enough to compare runs (replicas are checked identical inside each run).
     if rank != 0:
@@ -285,7 +291,12 @@ def _group(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    return run_ranks(_group, world_size=2, timeout_s=120)
+    return run_ranks(_group, world_size=2, args=(RUNS,), timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def results_3():
+    return run_ranks(_group, world_size=3, args=(RUNS_3,), timeout_s=120)
 
 
 # ----------------------------------------------------------------- assertions
@@ -299,11 +310,39 @@ def test_chain_equals_stages_by_hand(results):
         assert h["user_stage"], rank
 
 
+def test_chain_equals_stages_by_hand_3_ranks(results_3):
+    test_chain_equals_stages_by_hand(results_3)
+
+
+def test_powersgd_matches_float64_reference_3_ranks(results_3):
+    test_powersgd_matches_float64_reference(results_3)
+
+
+def test_training_at_3_ranks(results_3):
+    # Dividing before the sum, as lockstep's reducer does, keeps allreduce_hook bitwise equal to no hook at any
+    # world size. torch's reducer scales by the reciprocal instead (1/3 is inexact), so there it is 1 ulp off.
+    names = ["lockstep/allreduce", "lockstep/fp16"]
+    if "rejected" not in _run(results_3, "lockstep/allreduce"):
+        assert torch.equal(_flat(results_3, "lockstep/allreduce"), _flat(results_3, "lockstep/none"))
+    diff = (_flat(results_3, "torch/allreduce") - _flat(results_3, "torch/none")).abs().max()
+    assert diff <= 1e-6, diff
+    assert torch.equal(_flat(results_3, "torch/fp16"), _flat(results_3, "torch/torch_fp16"))
+    # Across the two DDPs only closeness: at 3 ranks gloo's summation order follows the bucket layout.
+    base = _run(results_3, "torch/none")["loss"]
+    for name in _accepted(results_3, ["torch/fp16", "lockstep/fp16"]):
+        assert abs(_run(results_3, name)["loss"] - base) <= TOLERANCES["fp16"] * base, name
+    test_replicas_identical_for_every_hook(results_3)  # xfails for the rejected runs
+    _xfail_if_rejected(results_3, names)
+
+
 def test_powersgd_matches_float64_reference(results):
+    # Vectors, too-small matrices and the warm-up steps get the plain average: at 2 ranks a/2 + b/2 is exact
+    # in any order; at 3, gloo's summation order may differ from the reference's (last bit).
+    exact = len(results) == 2
     for res in results:
         ref = res["by_hand"]["powersgd_reference"]
-        assert ref["warmup_exact"]
-        assert ref["plain_exact"] == [True] * 4  # vectors and too-small matrices: plain average, exact
+        assert ref["warmup_diff"] == 0.0 if exact else ref["warmup_diff"] < 1e-6, ref
+        assert ref["plain_diff"] == 0.0 if exact else ref["plain_diff"] < 1e-6, ref
         # fp32 arithmetic against float64: relative error of the approximation, warm start and error feedback included.
         assert ref["max_rel_err"] < 1e-5, ref
         assert ref["iterations"] == [2, 3]
@@ -367,9 +406,9 @@ def test_compress_hooks_bitwise_equal_torchs(results):
 
 # Final-loss tolerances, relative to the uncompressed run's. Each half-precision step rounds the gradient
 # (fp16: 11 bits of mantissa, bf16: 8) and SGD at lr 0.2 amplifies the difference a little over 30 steps
-# (measured: 0.2% for fp16, 0.25% for bf16, with or without error feedback). PowerSGD at rank 2 keeps two
-# directions of each weight matrix; error feedback delivers the rest late, not never, so after only 25
-# compressed steps the loss lags (measured: 19% for ours, 24% for torch's own PowerSGD on the same run).
+# (measured: 0.05% for fp16, 0.45% for bf16, 0.03% for bf16 with error feedback). PowerSGD at rank 2 keeps
+# two directions of each weight matrix; error feedback delivers the rest late, not never, so after only 25
+# compressed steps the loss lags (measured: 21% for ours, 21% for torch's own PowerSGD on the same run).
 TOLERANCES = {"fp16": 0.01, "bf16": 0.02, "ef_bf16": 0.02, "bf16_ring": 0.02, "powersgd": 0.3, "fp16_powersgd": 0.3}
 
 
@@ -430,6 +469,8 @@ def test_chain_rejects_bad_parts():
         chain(allreduce_hook, allreduce_hook)
     with pytest.raises(TypeError, match="last part must be a hook"):
         chain(bf16_compress)
+    with pytest.raises(TypeError, match=r"pass an instance, ErrorFeedback\(\)"):
+        chain(ErrorFeedback, allreduce_hook)
     assert chain(allreduce_hook) is allreduce_hook
 
 

@@ -30,6 +30,11 @@ import torch.distributed as dist
 # dist.GradBucket and Future[torch.Tensor] by value (DistributedDataParallel._check_comm_hook), and a
 # postponed annotation is a string that fails the check.
 
+__all__ = [
+    "ErrorFeedback", "PowerSGDState", "allreduce_hook", "bf16_compress", "bf16_compress_hook", "chain",
+    "fp16_compress", "fp16_compress_hook", "powersgd_hook", "stage",
+]
+
 Future = torch.futures.Future
 Hook = Callable[[Any, Any], Future]
 Stage = Callable[[Hook], Hook]
@@ -133,7 +138,9 @@ def allreduce_hook(state: Any = None, bucket: dist.GradBucket = None, *, algorit
     factory, ``allreduce_hook(algorithm="ring" | "tree" | "native")`` returns a
     hook that sums with ``lockstep.collectives.all_reduce`` (ring and tree are
     synchronous, so the hook blocks until its bucket is reduced: no overlap
-    with the rest of backward, which the native path keeps).
+    with the rest of backward, which the native path keeps). Divides before
+    summing, as torch's reducer does (see ``average_async``), so with no
+    other change it reproduces DDP without a hook bit for bit.
     """
     if bucket is None:
         if state is not None:
@@ -167,6 +174,8 @@ def chain(*parts: Any) -> Hook:
     if is_stage(hook) or not callable(hook):
         raise TypeError(f"chain: the last part must be a hook (state, bucket) -> Future, got {_name(hook)}")
     for i, part in enumerate(stages):
+        if isinstance(part, type):
+            raise TypeError(f"chain: part {i} is the class {part.__name__}; pass an instance, {part.__name__}()")
         if not is_stage(part):
             raise TypeError(
                 f"chain: part {i} ({_name(part)}) is not a stage; only the last part may be a hook. "
@@ -206,7 +215,10 @@ class CompressedBucket:
         return self._buffer
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._buffer.copy_(tensor.reshape(-1))
+        """Replace the buffer, as torch's GradBucket does (a hook may swap in another dtype)."""
+        if tensor.numel() != self._buffer.numel():
+            raise ValueError(f"set_buffer: bucket {self.index()} holds {self._buffer.numel()} elements, got {tensor.numel()}")
+        self._buffer, self._views = tensor.view(-1), None
 
     def gradients(self) -> list[torch.Tensor]:
         # The outer bucket's layout, laid over the compressed buffer (computed once: hooks may ask often).

@@ -155,7 +155,7 @@ def _compress_matrices(
     world_size: int,
 ) -> None:
     """Replace each M (a view into the bucket) by the rank-r approximation of the ranks' average."""
-    dtype = matrices[0][1].dtype
+    dtype, device = matrices[0][1].dtype, matrices[0][1].device
     if state.use_error_feedback:
         for key, mat, _ in matrices:
             error = state.errors.get(key)
@@ -166,12 +166,13 @@ def _compress_matrices(
     for key, mat, r in matrices:
         q = state.qs.get(key) if state.warm_start else None
         if q is None or q.shape != (mat.shape[1], r) or q.dtype != dtype:
-            # Drawn in the same order from the same seed on every rank, so the Qs agree without a broadcast.
-            q = torch.randn(mat.shape[1], r, generator=state.rng).to(dtype)
+            # Drawn in the same order from the same seed on every rank, so the Qs agree without a broadcast;
+            # on the CPU generator so every device draws the same numbers (one host-to-device copy per new Q).
+            q = torch.randn(mat.shape[1], r, generator=state.rng).to(device=device, dtype=dtype)
         qs.append(q)
 
     # One flat buffer per factor: one all-reduce for all the bucket's Ps, one for its Qs.
-    p_flat = torch.empty(sum(mat.shape[0] * r for _, mat, r in matrices), dtype=dtype)
+    p_flat = torch.empty(sum(mat.shape[0] * r for _, mat, r in matrices), dtype=dtype, device=device)
     ps = _split(p_flat, [(mat.shape[0], r) for _, mat, r in matrices])
     for (_, mat, _), q, p in zip(matrices, qs, ps):
         torch.matmul(mat, q, out=p)
@@ -179,7 +180,7 @@ def _compress_matrices(
     for p in ps:
         _orthogonalise(p)
 
-    q_flat = torch.empty(sum(mat.shape[1] * r for _, mat, r in matrices), dtype=dtype)
+    q_flat = torch.empty(sum(mat.shape[1] * r for _, mat, r in matrices), dtype=dtype, device=device)
     new_qs = _split(q_flat, [(mat.shape[1], r) for _, mat, r in matrices])
     for (_, mat, _), p, q in zip(matrices, ps, new_qs):
         torch.matmul(mat.t(), p, out=q)
