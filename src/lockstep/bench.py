@@ -3,8 +3,9 @@
 The command spawns its own ranks (gloo on 127.0.0.1, one thread each), and for
 every buffer size runs the algorithms round-robin within each iteration, so the
 machine's load drifts over all of them alike and their ratio is fair even on a
-shared box. An iteration's time is the slowest rank's (a collective is done when
-its last rank is), and a size's time is the median over iterations. From those it
+shared box. A call lasts from the last rank's start to the last rank's finish
+(the ranks share one host's monotonic clock), and a size's time is the median
+over iterations. From those it
 prints algorithm and bus bandwidth (NCCL-tests' definitions), fits the alpha-beta
 model of each algorithm (``lockstep.costmodel``), reports ring / native bus
 bandwidth at >= 4 MiB, and writes JSON, markdown and a PNG plot.
@@ -76,15 +77,21 @@ def _worker(rank, world_size, port, cfg, queue):
                 if not bool((buf == world_size * (world_size + 1) // 2).all()):
                     raise RuntimeError(f"{algo} all-reduce of {nbytes} bytes gave a wrong sum on rank {rank}")
             buf.zero_()  # 0 + 0 stays 0: repeated sums never overflow or go subnormal
-            probe = torch.tensor([_timed(all_reduce, buf, a, dist) for a in algos], dtype=torch.float64)
+            spans = [_timed(all_reduce, buf, a, dist) for a in algos]
+            probe = torch.tensor([end - start for start, end in spans], dtype=torch.float64)
             dist.all_reduce(probe, op=dist.ReduceOp.MAX)  # every rank derives the same iteration count
             iters = int(max(cfg["min_iters"], min(cfg["iters"], cfg["budget_s"] / max(probe.sum().item(), 1e-9))))
-            times = torch.zeros(iters, len(algos), dtype=torch.float64)
+            starts = torch.zeros(iters, len(algos), dtype=torch.float64)
+            ends = torch.zeros_like(starts)
             for i in range(iters):
                 for j in range(len(algos)):
                     k = (i + j) % len(algos)  # rotate who goes first: no algorithm always follows another
-                    times[i, k] = _timed(all_reduce, buf, algos[k], dist)
-            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+                    starts[i, k], ends[i, k] = _timed(all_reduce, buf, algos[k], dist)
+            # All ranks share this host's monotonic clock, so a call lasted from the
+            # last rank's start to the last rank's finish (the barrier's skew drops out).
+            dist.all_reduce(starts, op=dist.ReduceOp.MAX)
+            dist.all_reduce(ends, op=dist.ReduceOp.MAX)
+            times = ends - starts
             for k, algo in enumerate(algos):
                 rows.append({"algorithm": algo, "nbytes": numel * buf.element_size(), "iters": iters,
                              "median_s": statistics.median(times[:, k].tolist()), "min_s": times[:, k].min().item()})
@@ -98,11 +105,11 @@ def _worker(rank, world_size, port, cfg, queue):
             dist.destroy_process_group()
 
 
-def _timed(all_reduce, buf, algo, dist) -> float:
+def _timed(all_reduce, buf, algo, dist) -> tuple[float, float]:
     dist.barrier()  # start together: otherwise we time the previous call's stragglers
     t0 = time.perf_counter()
     all_reduce(buf, algorithm=algo)
-    return time.perf_counter() - t0
+    return t0, time.perf_counter()
 
 
 def run(sizes, algorithms=ALGORITHMS, world_size=2, iters=20, min_iters=3, budget_s=6.0, dtype="float32", timeout_s=600.0):
@@ -166,7 +173,7 @@ def summarise(rows, world_size: int) -> dict:
 
 
 def format_report(rows, summary, world_size: int) -> str:
-    lines = [f"all-reduce on {world_size} gloo ranks (127.0.0.1), median of the slowest rank per iteration", "",
+    lines = [f"all-reduce on {world_size} gloo ranks (127.0.0.1), median over iterations of last finish - last start", "",
              "| size | algorithm | iters | median ms | algbw GB/s | busbw GB/s |", "|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {human(r['nbytes'])} | {r['algorithm']} | {r['iters']} | {r['median_s'] * 1e3:.3f} "

@@ -59,9 +59,21 @@ def ring_all_reduce(
         for k, (a, b) in enumerate(chunk_segments[(r - step - 1) % n])
     ]
     sends_by_step: list[list] = [[] for _ in range(2 * n - 2)]
-    for k, (a, b) in enumerate(chunk_segments[r]):
-        sends_by_step[0].append(peers.isend(flat[a:b], right, k))
+    first_sends = chunk_segments[r]
     depth = min(RECV_DEPTH, len(items))
+
+    def send_first(k: int) -> None:
+        a, b = first_sends[k]
+        sends_by_step[0].append(peers.isend(flat[a:b], right, k))
+
+    # The first step's sends are paced, `depth` ahead of the receives, rather than
+    # all posted at once: a deep queue of outgoing data on the socket delays the
+    # small control messages gloo needs to start the transfers coming the other
+    # way, which serialised the two directions (ring at 0.35x native at 256 MiB).
+    # No deadlock: send k+depth waits only for receive k, which needs the left
+    # neighbour's send k, which waits only for its receive k-depth, and so on down.
+    for k in range(min(depth, len(first_sends))):
+        send_first(k)
     pool = [flat.new_empty(min(segment_numel, max_chunk)) for _ in range(depth)]
     posted = deque()
 
@@ -76,10 +88,15 @@ def ring_all_reduce(
         flat[a:b].add_(pool[i % depth][: b - a])
         if i + depth < len(items):
             post(i + depth)
+        if i + depth < len(first_sends):
+            send_first(i + depth)
         # The segment just reduced is sent on the next step; after the last
         # reduce-scatter step it is this rank's finished chunk, which the
         # all-gather's first step sends. Either way it can go now.
         sends_by_step[step + 1].append(peers.isend(flat[a:b], right, (step + 1) * stride + k))
+
+    for k in range(len(items) + depth, len(first_sends)):  # a longer first chunk than received ones
+        send_first(k)
 
     # --- all-gather: step s receives chunk (r-s) straight into `flat` ---
     # Those chunks were sent during the reduce-scatter (steps 0..N-3); the left

@@ -66,18 +66,28 @@ def _exchange_add(flat, pool, pieces, peers: Peers, partner: int, tag0: int, sen
     Segment k is added as soon as it lands, overlapping the transfer of k+1; a
     segment of ``flat`` is only overwritten after our own send of it completed.
     """
-    sends = [peers.isend(flat[a:b], partner, tag0 + k) for k, (a, b) in enumerate(pieces)] if send else []
     depth = len(pool)
+    sends = []
 
-    def post(k: int):
+    def post_send(k: int) -> None:
+        # Paced `depth` ahead of the receives, as in ring.py: a deep queue of
+        # outgoing data holds up the control messages of the opposite direction.
+        if send and k < len(pieces):
+            a, b = pieces[k]
+            sends.append(peers.isend(flat[a:b], partner, tag0 + k))
+
+    def post_recv(k: int):
         a, b = pieces[k]
         return peers.irecv(pool[k % depth][: b - a], partner, tag0 + k)
 
-    recvs = deque(post(k) for k in range(depth))
+    for k in range(depth):
+        post_send(k)
+    recvs = deque(post_recv(k) for k in range(depth))
     for k, (a, b) in enumerate(pieces):
         recvs.popleft().wait()
         if send:
-            sends[k].wait()
+            sends[k].wait()  # segment k of `flat` is about to change: our copy must have left
         flat[a:b].add_(pool[k % depth][: b - a])
         if k + depth < len(pieces):
-            recvs.append(post(k + depth))
+            recvs.append(post_recv(k + depth))
+            post_send(k + depth)
