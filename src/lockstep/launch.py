@@ -4,8 +4,8 @@ We do not supervise processes ourselves: torch's ``LocalElasticAgent`` (via
 ``elastic_launch``) starts the workers, sets RANK / WORLD_SIZE / LOCAL_RANK /
 MASTER_ADDR / MASTER_PORT, stops them all when one fails and restarts the group
 up to ``--max-restarts`` times. What we add is the part that makes that reliable
-and readable: restarts that really come back (see ``launch_agent._agent_environment``), a single
-node bound to loopback by default, SLURM allocations understood without flags,
+and readable: restarts that really come back (see ``launch_agent._agent_environment``),
+a single node on loopback by default, SLURM allocations understood without flags,
 rank-prefixed output, and one clear report naming the failed rank.
 """
 
@@ -20,8 +20,16 @@ from lockstep.launch_agent import LOOPBACK_ADDR, LaunchOptions, RendezvousFailed
 from lockstep.launch_output import LaunchError
 from lockstep.slurm import sbatch_script, slurm_launch_env
 
-__all__ = ["LaunchError", "LaunchOptions", "RendezvousFailed", "cli_main", "launch_function", "parse_launch_args", "run_agent",
-           "slurm_script_main"]
+__all__ = [
+    "LaunchError",
+    "LaunchOptions",
+    "RendezvousFailed",
+    "cli_main",
+    "launch_function",
+    "parse_launch_args",
+    "run_agent",
+    "slurm_script_main",
+]
 
 _MULTI_NODE_DEFAULT_PORT = 29500
 

@@ -38,7 +38,7 @@ class LaunchOptions:
     master_port: int = 0  # 0: the OS picks a free port (single node only)
     max_restarts: int = 0
     log_rank: int | None = None  # show only this global rank's output; None shows every rank
-    run_id: str = ""  # the rendezvous id every node must share; "" picks one
+    run_id: str = ""  # the rendezvous id every node must share; "" derives one from master_addr:master_port
     rdzv_timeout_s: int = 900  # how long the agents wait for all nodes to join before failing
     source: str = "flags"  # "flags", "slurm" or "single": where the node layout came from
 
@@ -50,7 +50,7 @@ class LaunchOptions:
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}")
         if not 0 <= self.master_port < 65536:
-            raise ValueError(f"--master-port must be in 1..65535, got {self.master_port}")
+            raise ValueError(f"--master-port must be in 1..65535 (0: any free port, one node only), got {self.master_port}")
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("--master-port is required with --nnodes > 1: every node must dial the same port")
         if not self.master_addr:
@@ -72,11 +72,15 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
     from torch.distributed.launcher.api import LaunchConfig
 
     single = options.nnodes == 1
+    run_id = options.run_id
+    if not run_id:
+        # Every node must name the same rendezvous: derive it from what they share. One node can be unique.
+        run_id = f"lockstep-{uuid.uuid4().hex[:12]}" if single else f"lockstep-{options.master_addr}-{options.master_port}"
     return LaunchConfig(
         min_nodes=options.nnodes,
         max_nodes=options.nnodes,  # fixed size: the rendezvous closes as soon as every node joined
         nproc_per_node=options.nproc_per_node,
-        run_id=options.run_id or f"lockstep-{uuid.uuid4().hex[:12]}",
+        run_id=run_id,
         rdzv_backend="c10d",  # store-based rendezvous; needs no etcd
         rdzv_endpoint=f"{options.master_addr}:{options.master_port}",
         # is_host says who serves the rendezvous store: node 0, decided by flag rather

@@ -41,17 +41,24 @@ class RankLogsSpecs(DefaultLogsSpecs):
         self.max_restarts = max_restarts
         self.last_dest: LogsDest | None = None
         self.restart_count = 0
+        self.attempts = 0
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         # The agent calls this once per attempt, just before it starts the workers.
+        self.attempts += 1
         if envs:
-            self.restart_count = int(next(iter(envs.values())).get("TORCHELASTIC_RESTART_COUNT", "0"))
-            if self.restart_count > 0:
-                print(
-                    f"lockstep launch: restarting the workers (restart {self.restart_count} of {self.max_restarts})",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            restart_count = int(next(iter(envs.values())).get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if restart_count > self.restart_count:
+                notice = f"restarting the workers (restart {restart_count} of {self.max_restarts})"
+            elif self.attempts > 1:
+                # torch counts restarts per agent: a node whose own workers were healthy re-forms the
+                # group when another node restarts, without using up one of its restarts.
+                notice = "re-forming the group because another node restarted"
+            else:
+                notice = ""
+            if notice:
+                print(f"lockstep launch: {notice}", file=sys.stderr, flush=True)
+            self.restart_count = restart_count
         if self.log_rank is not None:
             shown = {lr for lr, env in envs.items() if int(env["RANK"]) == self.log_rank}
             self._local_ranks_filter = shown or {_NO_LOCAL_RANK}
