@@ -1,6 +1,6 @@
 """A plain torchrun DDP script; it differs from the torch version in the two lockstep imports only.
 
-    torchrun --nproc-per-node 2 examples/torchrun_drop_in.py
+    torchrun --standalone --nproc-per-node 2 examples/torchrun_drop_in.py
 
 To get the torch version, swap the two marked imports back. On CPU with 2 ranks both
 versions end with the same parameters, bit for bit (the script prints their sha256).

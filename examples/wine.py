@@ -5,7 +5,7 @@ trained by ``lockstep.Trainer`` on every rank, with a checkpoint every ``--save-
 epochs. Run it with either launcher:
 
     lockstep launch --nproc-per-node 2 examples/wine.py --epochs 30
-    torchrun --nproc-per-node 2 examples/wine.py --epochs 30
+    torchrun --standalone --nproc-per-node 2 examples/wine.py --epochs 30
 
 and add ``--resume`` to continue from the newest checkpoint in ``--out``.
 """

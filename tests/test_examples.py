@@ -12,12 +12,17 @@ import torch
 from lockstep.checkpoint import list_checkpoints, load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+# --standalone: a free port, not the fixed 29500 that other jobs on this machine may hold
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 LOCKSTEP_LAUNCH = [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2"]
 
 
-def _run(cmd: list[str]) -> str:
+def _run(cmd: list[str], retry_abort_at_exit: bool = False) -> str:
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=90)
+    if retry_abort_at_exit and proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
+        # Seen once here with torch's own DDP under heavy load: a rank aborts in C++ teardown after
+        # the script finished and printed its result. It is the reference run, not ours: run it again.
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -41,7 +46,7 @@ def test_torchrun_drop_in_matches_torch_ddp_bit_for_bit(tmp_path):
     torch_script = tmp_path / "torch_ddp_version.py"
     torch_script.write_text(_torch_version(script.read_text()))
     ours = _run(TORCHRUN + [str(script)])
-    theirs = _run(TORCHRUN + [str(torch_script)])
+    theirs = _run(TORCHRUN + [str(torch_script)], retry_abort_at_exit=True)
     losses = [float(v) for v in re.findall(r"epoch \d+ loss (\S+)", ours)]
     assert len(losses) == 5 and losses[-1] < losses[0] / 5  # it really trains
     digest = re.search(r"parameters sha256 ([0-9a-f]{64})", ours).group(1)

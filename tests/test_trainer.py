@@ -18,7 +18,7 @@ from dist_utils import run_ranks
 from lockstep import Trainer, TrainerConfig
 from lockstep.checkpoint import list_checkpoints, load_checkpoint
 from lockstep.launch import launch_function
-from lockstep.metrics import read_metrics
+from lockstep.metrics import measure_exposed_comm, read_metrics
 
 N_TRAIN, N_EVAL = 150, 37  # neither divides evenly over 2 ranks x 8: padding and a short last batch
 
@@ -140,6 +140,14 @@ def _scenarios(rank, world_size, root):
     out["bf16_summary"] = t.fit()
     out["lrs"] = lrs
     out["comm"] = t.comm_report()
+    # 8. the fallback measurement, as used with a DDP that keeps no account (torch's): no side effects
+    model = _model(7, dropout=0.0)
+    torch_ddp = torch.nn.parallel.DistributedDataParallel(model)
+    before = _params(model)
+    x, y = _data(16, 4).tensors
+    fallback = measure_exposed_comm(torch_ddp, lambda: nn.functional.cross_entropy(torch_ddp(x), y), reps=3)
+    out["fallback"] = fallback
+    out["fallback_untouched"] = _equal(before, _params(model)) and all(p.grad is None for p in model.parameters())
     return out
 
 
@@ -218,6 +226,15 @@ def test_linear_scaling_warmup_and_bf16(results):
     assert summary["steps"] == 4 and summary["eval_samples"] == N_EVAL
     assert summary["train_loss"] == summary["train_loss"]  # not NaN
     assert 0.0 <= out[0]["comm"]["comm_share"] <= 1.0
+    assert "ddp.comm_stats()" in out[0]["comm"]["method"]
+
+
+def test_fallback_comm_measurement_has_no_side_effects(results):
+    _, out = results
+    for rank in range(2):
+        fb = out[rank]["fallback"]
+        assert 0.0 <= fb["comm_share"] <= 1.0 and fb["synced_step_s"] > 0 and fb["local_step_s"] > 0
+        assert out[rank]["fallback_untouched"]
 
 
 def test_config_errors_name_the_field():

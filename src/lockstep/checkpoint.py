@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 FORMAT = "lockstep-trainer-v1"
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
@@ -136,3 +137,59 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"checkpoint {path} is not a lockstep Trainer checkpoint (format {FORMAT!r})")
     return payload
+
+
+# -- the Trainer's checkpoint ------------------------------------------------------------
+def save_trainer_checkpoint(trainer) -> Path | None:
+    """Gather every rank's sampler position, RNG states and epoch loss; global rank 0 writes atomically.
+
+    A collective: every rank of ``trainer.group`` must call it at the same step.
+    """
+    mine = {"sampler": trainer.sampler.state_dict(), "rng": capture_rng_state(),
+            "loss_sum": trainer._loss_sum, "loss_count": trainer._loss_count}
+    gathered = [None] * trainer.world_size if trainer.is_writer else None
+    dist.gather_object(mine, gathered, dst=0, group=trainer.group)  # pickled in memory between our own ranks only
+    trainer._saved_step = trainer.step
+    if not trainer.is_writer:
+        return None
+    scheduler = trainer.scheduler
+    payload = {"format": FORMAT, "step": trainer.step, "epoch": trainer.epoch, "batches_done": trainer.batches_done,
+               "world_size": trainer.world_size, "model": trainer.model.state_dict(),
+               "optimizer": trainer.optimizer.state_dict(),
+               "scheduler": scheduler.state_dict() if scheduler is not None else None, "ranks": gathered}
+    directory = trainer.config.checkpoint_dir
+    path = save_atomic(payload, checkpoint_path(directory, trainer.step))
+    prune_checkpoints(directory, trainer.config.keep_last)
+    trainer.last_checkpoint = path
+    return path
+
+
+def load_trainer_checkpoint(trainer) -> str | None:
+    """Load the newest checkpoint into ``trainer`` on every rank; None (and no change) if there is none.
+
+    Rank 0 picks the file and broadcasts its name, so every rank loads the same one even
+    if a directory listing differs between hosts.
+    """
+    choice = [str(latest_checkpoint(trainer.config.checkpoint_dir) or "") if trainer.is_writer else None]
+    dist.broadcast_object_list(choice, src=0, group=trainer.group)
+    path = choice[0]
+    if not path:
+        return None
+    payload = load_checkpoint(path)
+    if payload["world_size"] != trainer.world_size:
+        raise ValueError(f"checkpoint {path} was written by {payload['world_size']} ranks; this run has "
+                         f"{trainer.world_size}, and an exact resume needs the same number")
+    if (payload["scheduler"] is None) != (trainer.scheduler is None):
+        raise ValueError(f"checkpoint {path} and this Trainer disagree on having an lr scheduler")
+    trainer.model.load_state_dict(payload["model"])
+    trainer.optimizer.load_state_dict(payload["optimizer"])
+    if trainer.scheduler is not None:
+        trainer.scheduler.load_state_dict(payload["scheduler"])
+    trainer.step, trainer.epoch, trainer.batches_done = payload["step"], payload["epoch"], payload["batches_done"]
+    trainer._saved_step = trainer.step
+    mine = payload["ranks"][trainer.rank]
+    trainer.sampler.load_state_dict(mine["sampler"])
+    trainer._loss_sum, trainer._loss_count = mine["loss_sum"], mine["loss_count"]
+    restore_rng_state(mine["rng"])  # last: nothing after this may draw randomness
+    trainer.last_checkpoint = trainer.resumed_from = path
+    return path

@@ -78,3 +78,26 @@ def measure_exposed_comm(
         "local_step_s": local_s,
         "comm_share": exposed_s / synced_s if synced_s > 0 else 0.0,
     }
+
+
+def comm_report(trainer) -> dict:
+    """Share of the Trainer's step time spent in communication.
+
+    With ``ddp.comm_stats()`` (lockstep's DDP): the all-reduce wait at the end of backward
+    over the measured step time, for the steps this process ran. Otherwise (torch's DDP):
+    ``measure_exposed_comm`` on one training micro-batch. A collective either way: call it
+    on every rank.
+    """
+    stats = getattr(trainer.ddp, "comm_stats", None)
+    if callable(stats) and trainer._train_time_s > 0:
+        wait_s = float(stats()["comm_wait_s"])
+        return {"method": "all-reduce wait not hidden by backward, from ddp.comm_stats()",
+                "comm_wait_s": wait_s, "step_time_s": trainer._train_time_s,
+                "comm_share": min(1.0, wait_s / trainer._train_time_s)}
+    from lockstep.sampler import DistributedSampler
+
+    # a fresh sampler: iterating the training one would disturb its saved position
+    sampler = DistributedSampler(trainer.train_data, trainer.world_size, trainer.rank, seed=trainer.config.seed)
+    inputs, targets = next(iter(trainer._loader(trainer.train_data, sampler, trainer.config.batch_size, 0)))
+    inputs, targets = inputs.to(trainer.device), targets.to(trainer.device)
+    return measure_exposed_comm(trainer.ddp, lambda: trainer.loss_fn(trainer.ddp(inputs), targets))

@@ -21,13 +21,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from lockstep import checkpoint as ckpt
-from lockstep.metrics import MetricsLog, measure_exposed_comm
+from lockstep.ddp import DistributedDataParallel
+from lockstep.metrics import MetricsLog, comm_report
 from lockstep.sampler import DistributedSampler
-
-try:  # lockstep's own reducer; torch's DDP has the same API and stands in until it lands
-    from lockstep.ddp import DistributedDataParallel
-except ImportError:  # pragma: no cover - only before src/lockstep/ddp.py exists
-    from torch.nn.parallel import DistributedDataParallel
 
 _AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -286,61 +282,17 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self):
-        """Gather every rank's sampler position and RNG states; global rank 0 writes atomically."""
-        mine = {"sampler": self.sampler.state_dict(), "rng": ckpt.capture_rng_state(),
-                "loss_sum": self._loss_sum, "loss_count": self._loss_count}
-        gathered = [None] * self.world_size if self.is_writer else None
-        dist.gather_object(mine, gathered, dst=0, group=self.group)  # pickled in memory between our ranks only
-        self._saved_step = self.step
-        if not self.is_writer:
-            return None
-        payload = {"format": ckpt.FORMAT, "step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,
-                   "world_size": self.world_size, "model": self.model.state_dict(),
-                   "optimizer": self.optimizer.state_dict(),
-                   "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                   "ranks": gathered}
-        path = ckpt.save_atomic(payload, ckpt.checkpoint_path(self.config.checkpoint_dir, self.step))
-        ckpt.prune_checkpoints(self.config.checkpoint_dir, self.config.keep_last)
-        self.last_checkpoint = path
-        return path
+        """Every rank must call this (it gathers each rank's sampler position and RNG); global rank 0 writes."""
+        return ckpt.save_trainer_checkpoint(self)
 
     def load_latest(self):
-        """Load the newest checkpoint (rank 0 picks it, so every rank loads the same one); None if there is none."""
-        choice = [str(ckpt.latest_checkpoint(self.config.checkpoint_dir) or "") if self.is_writer else None]
-        dist.broadcast_object_list(choice, src=0, group=self.group)
-        if not choice[0]:
-            return None
-        payload = ckpt.load_checkpoint(choice[0])
-        if payload["world_size"] != self.world_size:
-            raise ValueError(f"checkpoint {choice[0]} was written by {payload['world_size']} ranks; this run has "
-                             f"{self.world_size}, and an exact resume needs the same number")
-        self.model.load_state_dict(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
-        if (payload["scheduler"] is None) != (self.scheduler is None):
-            raise ValueError(f"checkpoint {choice[0]} and this Trainer disagree on having an lr scheduler")
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(payload["scheduler"])
-        self.step, self.epoch, self.batches_done = payload["step"], payload["epoch"], payload["batches_done"]
-        self._saved_step = self.step
-        mine = payload["ranks"][self.rank]
-        self.sampler.load_state_dict(mine["sampler"])
-        self._loss_sum, self._loss_count = mine["loss_sum"], mine["loss_count"]
-        ckpt.restore_rng_state(mine["rng"])  # last: nothing after this may draw randomness
-        self.last_checkpoint = self.resumed_from = choice[0]
-        return choice[0]
+        """Load the newest checkpoint in checkpoint_dir on every rank; returns its path, or None if there is none."""
+        return ckpt.load_trainer_checkpoint(self)
 
     # -- reporting -------------------------------------------------------------------------
     def comm_report(self) -> dict:
-        """Share of step time spent in communication: the DDP's own account when it keeps one, else measured."""
-        stats = getattr(self.ddp, "comm_stats", None)
-        if callable(stats) and self._train_time_s > 0:
-            wait_s = float(stats()["comm_wait_s"])
-            return {"method": "ddp.comm_stats() all-reduce wait / step time", "comm_share": wait_s / self._train_time_s}
-        # a fresh sampler: iterating the training one would disturb its saved position
-        sampler = DistributedSampler(self.train_data, self.world_size, self.rank, seed=self.config.seed)
-        inputs, targets = next(iter(self._loader(self.train_data, sampler, self.config.batch_size, 0)))
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
-        return measure_exposed_comm(self.ddp, lambda: self.loss_fn(self.ddp(inputs), targets))
+        """Share of step time spent in communication (see ``lockstep.metrics.comm_report``)."""
+        return comm_report(self)
 
     def summary(self) -> dict:
         last = self.history[-1] if self.history else {}
