@@ -139,6 +139,9 @@ def _by_hand_cases(rank: int, world_size: int) -> dict:
     ref = buf.clone().div_(world_size)
     dist.all_reduce(ref)
     out["user_stage"] = torch.equal(got, ref * 2)
+    # All-zero gradients: P is zero, and the orthogonalisation must not turn that into NaN.
+    zeros = powersgd_hook(PowerSGDState(None, 2, start_powerSGD_iter=0), HandBucket(torch.zeros_like(buf), _params()))
+    out["powersgd_zero"] = bool((zeros.wait() == 0).all())
     out["powersgd_reference"] = _powersgd_reference(rank, world_size)
     return out
 
@@ -235,15 +238,7 @@ def _train(ddp_kind: str, spec, rank: int, world_size: int, bucket_cap_mb: float
     for step in range(STEPS):
         lo = (step * world_size + rank) * PER_RANK
         opt.zero_grad()
-        try:
-            F.cross_entropy(model(x[lo : lo + PER_RANK]), y[lo : lo + PER_RANK]).backward()
-        except TypeError as e:
-            # Known lockstep reducer bug (raised alike on every rank, after the bucket's collective):
-            # it accepts only the Python torch.futures.Future, not the torch._C.Future that
-            # Work.get_future().then() -- and so every torch hook -- returns. Reported, xfailed below.
-            if "must return a torch.futures.Future" in str(e):
-                return {"rejected": str(e), "identical": True}
-            raise
+        F.cross_entropy(model(x[lo : lo + PER_RANK]), y[lo : lo + PER_RANK]).backward()
         opt.step()
     flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world_size)]
@@ -273,8 +268,7 @@ RUNS = [
 
 
 # At 3 ranks a/3 + b/3 + c/3 and (a + b + c)/3 differ in the last bit: the runs that must still be exact.
-RUNS_3 = [("torch", "none"), ("torch", "allreduce"), ("torch", "fp16"), ("torch", "torch_fp16"),
-          ("lockstep", "none"), ("lockstep", "allreduce"), ("lockstep", "fp16")]
+RUNS_3 = [("torch", "none"), ("torch", "allreduce"), ("lockstep", "none"), ("lockstep", "allreduce"), ("lockstep", "fp16")]
 
 
 def _group(rank: int, world_size: int, runs) -> dict:
@@ -308,6 +302,7 @@ def test_chain_equals_stages_by_hand(results):
         assert h["ef_chain"] == [True] * 3, rank
         assert h["fp16_powersgd_chain"] == [True] * 3, rank
         assert h["user_stage"], rank
+        assert h["powersgd_zero"], rank
 
 
 def test_chain_equals_stages_by_hand_3_ranks(results_3):
@@ -321,18 +316,12 @@ def test_powersgd_matches_float64_reference_3_ranks(results_3):
 def test_training_at_3_ranks(results_3):
     # Dividing before the sum, as lockstep's reducer does, keeps allreduce_hook bitwise equal to no hook at any
     # world size. torch's reducer scales by the reciprocal instead (1/3 is inexact), so there it is 1 ulp off.
-    names = ["lockstep/allreduce", "lockstep/fp16"]
-    if "rejected" not in _run(results_3, "lockstep/allreduce"):
-        assert torch.equal(_flat(results_3, "lockstep/allreduce"), _flat(results_3, "lockstep/none"))
+    assert torch.equal(_flat(results_3, "lockstep/allreduce"), _flat(results_3, "lockstep/none"))
     diff = (_flat(results_3, "torch/allreduce") - _flat(results_3, "torch/none")).abs().max()
     assert diff <= 1e-6, diff
-    assert torch.equal(_flat(results_3, "torch/fp16"), _flat(results_3, "torch/torch_fp16"))
-    # Across the two DDPs only closeness: at 3 ranks gloo's summation order follows the bucket layout.
     base = _run(results_3, "torch/none")["loss"]
-    for name in _accepted(results_3, ["torch/fp16", "lockstep/fp16"]):
-        assert abs(_run(results_3, name)["loss"] - base) <= TOLERANCES["fp16"] * base, name
-    test_replicas_identical_for_every_hook(results_3)  # xfails for the rejected runs
-    _xfail_if_rejected(results_3, names)
+    assert abs(_run(results_3, "lockstep/fp16")["loss"] - base) <= TOLERANCES["fp16"] * base
+    test_replicas_identical_for_every_hook(results_3)
 
 
 def test_powersgd_matches_float64_reference(results):
@@ -358,35 +347,17 @@ def _flat(results, name):
     return _run(results, name)["flat"]
 
 
-def _accepted(results, names):
-    """The runs lockstep's DDP completed; the rest hit the reducer's Future check (xfailed at the end of a test)."""
-    return [n for n in names if "rejected" not in _run(results, n)]
-
-
-def _xfail_if_rejected(results, names):
-    rejected = [n for n in names if "rejected" in _run(results, n)]
-    if rejected:
-        pytest.xfail(
-            "lockstep's reducer accepts only torch.futures.Future, not the torch._C.Future that "
-            f"Work.get_future().then() returns (so torch's own hooks fail too): {rejected}"
-        )
-
-
 def test_replicas_identical_for_every_hook(results):
-    names = list(results[0]["train"])
     for rank, res in enumerate(results):
-        bad = [n for n in _accepted(results, names) if not res["train"][n]["identical"]]
+        bad = [name for name, run in res["train"].items() if not run["identical"]]
         assert not bad, f"rank {rank}: replicas differ across ranks for {bad}"
-    _xfail_if_rejected(results, names)
 
 
 def test_allreduce_hook_exact_parity_with_no_hook(results):
     base = _flat(results, "torch/none")
     # Same arithmetic (divide, then sum) as DDP's own path; at 2 ranks ring and tree sums are a + b too.
-    names = ["torch/allreduce", "torch/allreduce_ring", "torch/allreduce_tree", "lockstep/none", "lockstep/allreduce"]
-    for name in _accepted(results, names):
+    for name in ["torch/allreduce", "torch/allreduce_ring", "torch/allreduce_tree", "lockstep/none", "lockstep/allreduce"]:
         assert torch.equal(_flat(results, name), base), name
-    _xfail_if_rejected(results, names)
 
 
 def test_compress_hooks_bitwise_equal_torchs(results):
@@ -394,14 +365,9 @@ def test_compress_hooks_bitwise_equal_torchs(results):
     assert torch.equal(_flat(results, "torch/fp16"), _flat(results, "torch/torch_fp16"))
     assert not torch.equal(_flat(results, "torch/fp16"), _flat(results, "torch/none"))  # it did compress
     # torch's DDP refuses torch's bf16 hook without NCCL (by its name), so that one runs on lockstep's DDP only.
-    pairs = [("lockstep/fp16", "torch/torch_fp16"), ("lockstep/torch_fp16", "torch/torch_fp16"),
-             ("torch/bf16", "lockstep/torch_bf16"), ("lockstep/bf16", "lockstep/torch_bf16")]
-    names = sorted({n for pair in pairs for n in pair})
-    for ours, theirs in pairs:
-        if not _accepted(results, [ours, theirs]) == [ours, theirs]:
-            continue
+    for ours, theirs in [("lockstep/fp16", "torch/torch_fp16"), ("torch/bf16", "lockstep/torch_bf16"),
+                         ("lockstep/bf16", "lockstep/torch_bf16")]:
         assert torch.equal(_flat(results, ours), _flat(results, theirs)), (ours, theirs)
-    _xfail_if_rejected(results, names)
 
 
 # Final-loss tolerances, relative to the uncompressed run's. Each half-precision step rounds the gradient
@@ -415,12 +381,9 @@ TOLERANCES = {"fp16": 0.01, "bf16": 0.02, "ef_bf16": 0.02, "bf16_ring": 0.02, "p
 def test_losses_close_to_uncompressed(results):
     base = _run(results, "torch/none")["loss"]
     assert base < 0.8 * math.log(10), "the task must be learnt (ln 10 is a uniform guess) for the comparison to mean anything"
-    names = list(results[0]["train"])
-    for name in _accepted(results, names):
+    for name, run in results[0]["train"].items():
         tol = TOLERANCES.get(name.split("/")[1].removeprefix("torch_"), 0.0)  # 0.0: every exact run
-        loss = _run(results, name)["loss"]
-        assert abs(loss - base) <= tol * base, (name, loss, base, tol)
-    _xfail_if_rejected(results, names)
+        assert abs(run["loss"] - base) <= tol * base, (name, run["loss"], base, tol)
 
 
 def test_powersgd_no_worse_than_torchs_powersgd(results):
@@ -434,20 +397,16 @@ def test_powersgd_no_worse_than_torchs_powersgd(results):
 
 def test_our_hooks_same_bits_on_both_ddps(results):
     # PowerSGD and ErrorFeedback key their memory by parameter, so the bucket layout does not matter.
-    names = ["powersgd", "fp16_powersgd", "ef_bf16"]
-    for name in _accepted(results, [f"lockstep/{n}" for n in names]):
-        assert torch.equal(_flat(results, name), _flat(results, name.replace("lockstep/", "torch/"))), name
-    _xfail_if_rejected(results, [f"lockstep/{n}" for n in names])
+    for name in ["allreduce", "fp16", "bf16", "powersgd", "fp16_powersgd", "ef_bf16"]:
+        assert torch.equal(_flat(results, f"lockstep/{name}"), _flat(results, f"torch/{name}")), name
+    assert torch.equal(_flat(results, "lockstep/bf16_ring"), _flat(results, "torch/bf16"))
 
 
 def test_torch_hooks_unchanged_on_lockstep_ddp(results):
     # torch's own hooks on lockstep's DDP: the same bits as on torch's DDP (bf16: as ours on torch's DDP).
-    pairs = [("lockstep/torch_allreduce", "torch/none"), ("lockstep/torch_fp16", "torch/torch_fp16"),
-             ("lockstep/torch_bf16", "torch/bf16"), ("lockstep/torch_powersgd", "torch/torch_powersgd")]
-    for ours, theirs in pairs:
-        if "rejected" not in _run(results, ours):
-            assert torch.equal(_flat(results, ours), _flat(results, theirs)), ours
-    _xfail_if_rejected(results, [ours for ours, _ in pairs])
+    for ours, theirs in [("lockstep/torch_allreduce", "torch/none"), ("lockstep/torch_fp16", "torch/torch_fp16"),
+                         ("lockstep/torch_bf16", "torch/bf16"), ("lockstep/torch_powersgd", "torch/torch_powersgd")]:
+        assert torch.equal(_flat(results, ours), _flat(results, theirs)), ours
 
 
 @pytest.mark.xfail(
@@ -457,7 +416,6 @@ def test_torch_hooks_unchanged_on_lockstep_ddp(results):
     "the inner hook an fp16 buffer. Remove this marker once set_buffer replaces.",
 )
 def test_torch_compress_wrapper_unchanged_on_lockstep_ddp(results):
-    assert "rejected" not in _run(results, "lockstep/torch_fp16_powersgd")
     assert torch.equal(_flat(results, "lockstep/torch_fp16_powersgd"), _flat(results, "torch/torch_fp16_powersgd"))
 
 

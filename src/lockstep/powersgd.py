@@ -33,7 +33,9 @@ class PowerSGDState:
     matrix_approximation_rank: int = 1
     """r: the approximation's rank. Wire cost per matrix (n + m) * r instead of n * m."""
     start_powerSGD_iter: int = 1_000
-    """Iterations (steps of the hook's last bucket) of plain averaging before compression starts."""
+    """Iterations (steps of the hook's last bucket) of plain averaging before compression starts. 0 and 1
+    are fine: memory is kept per parameter, so DDP's bucket rebuild after step 1 loses nothing (torch's
+    PowerSGD, keyed by bucket, needs > 1)."""
     min_compression_rate: float = 2.0
     """Compress a matrix only if n * m > min_compression_rate * (n + m) * r; smaller ones go uncompressed."""
     use_error_feedback: bool = True
