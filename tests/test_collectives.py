@@ -10,6 +10,7 @@ against arithmetic, not only against another implementation.
 from __future__ import annotations
 
 import hashlib
+import time
 
 import pytest
 import torch
@@ -162,6 +163,29 @@ def test_without_process_group_the_error_says_so():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="process group"):
         all_reduce(torch.ones(3), algorithm="ring")
+
+
+def _peer_goes_missing(rank: int, world_size: int):
+    """Rank 1 never joins the all-reduce: rank 0 must fail within the group timeout."""
+    if rank == 1:
+        time.sleep(7)
+        return None
+    outcomes = {}
+    for algo in ALGOS:
+        t0 = time.monotonic()
+        try:
+            all_reduce(torch.ones(1000), algorithm=algo)
+            outcomes[algo] = ("returned", time.monotonic() - t0)
+        except RuntimeError as e:
+            outcomes[algo] = (str(e), time.monotonic() - t0)
+    return outcomes
+
+
+def test_missing_peer_is_an_error_not_a_hang():
+    outcomes = run_ranks(_peer_goes_missing, world_size=2, pg_timeout_s=3, timeout_s=60)[0]
+    for algo, (message, elapsed_s) in outcomes.items():
+        assert f"lockstep {algo} all-reduce" in message and "global rank 0" in message, message
+        assert elapsed_s < 10, f"{algo}: took {elapsed_s:.1f} s to fail"
 
 
 def test_chunk_bounds_cover_the_buffer_once():

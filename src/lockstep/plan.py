@@ -20,6 +20,8 @@ import dataclasses
 import importlib
 import json
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 
 from lockstep.costmodel import LINKS, Link, allreduce_time_s
@@ -255,6 +257,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = p.parse_args(argv)
+    if args.model and "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # `--model mymodels:build` from the project directory, like `python -m`
     link = LINKS[args.link]
     try:
         if args.alpha_us is not None or args.bandwidth_gb_s is not None:

@@ -56,8 +56,15 @@ def all_reduce(tensor: torch.Tensor, algorithm: str = "native", group=None) -> t
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=peers.group)
         return tensor
     flat = tensor.view(-1)
-    if algorithm == "ring":
-        ring_all_reduce(flat, peers)
-    else:
-        tree_all_reduce(flat, peers)
+    try:
+        if algorithm == "ring":
+            ring_all_reduce(flat, peers)
+        else:
+            tree_all_reduce(flat, peers)
+    except RuntimeError as e:  # usually gloo's bare "Timed out waiting ... for recv": say who and what
+        raise RuntimeError(
+            f"lockstep {algorithm} all-reduce of {tensor.numel()} x {tensor.dtype} failed on global rank "
+            f"{peers.global_ranks[peers.rank]} (group rank {peers.rank} of {peers.world_size}); a peer "
+            f"probably stopped calling all_reduce or died: {e}"
+        ) from e
     return tensor
