@@ -1,7 +1,8 @@
 """Communication hooks: allreduce, fp16/bf16 compression, PowerSGD, ErrorFeedback and chain.
 
-One group of 2 gloo ranks runs every case (spawning costs ~5 s a rank); the test
-functions assert on what it returned. Three kinds of evidence:
+One group of 2 gloo ranks runs every case (spawning costs ~5 s a rank) and a group
+of 3 repeats those where the world size changes the arithmetic; the test functions
+assert on what they returned. Three kinds of evidence:
 
 * by hand: a chained hook gives the same bits as running its stages one after
   the other on the same buffer; PowerSGD matches a float64 reference of the

@@ -13,12 +13,18 @@ compose, and ``chain(stage_1, ..., stage_k, hook)`` reads outermost first::
 
     model.register_comm_hook(None, chain(bf16_compress, allreduce_hook(algorithm="ring")))
     model.register_comm_hook(PowerSGDState(None, 2), chain(fp16_compress, powersgd_hook))
+    model.register_comm_hook(None, chain(ErrorFeedback(), bf16_compress, allreduce_hook))
 
 ``fp16_compress`` / ``bf16_compress`` cast the buffer, hand the inner hook a
 bucket whose ``buffer()`` and ``gradients()`` are the compressed tensor, and
 cast its averaged result back into the original buffer; ``ErrorFeedback()``
 remembers what the inner hook lost locally and adds it to the next step's
-gradients. Write a stage of your own with the ``@stage`` decorator.
+gradients. Write a stage of your own with the ``@stage`` decorator. Every hook
+here averages by dividing first and summing second, as torch's hooks do, so
+``fp16_compress_hook = chain(fp16_compress, allreduce_hook)`` is torch's fp16
+hook bit for bit. A hook that issues several collectives must issue them in the
+same order on every rank: ours do so from the hook call itself, never from a
+Future callback, whose timing differs between ranks.
 """
 
 from typing import Any, Callable, Protocol
