@@ -148,6 +148,21 @@ def _scenarios(rank, world_size, root):
     fallback = measure_exposed_comm(torch_ddp, lambda: nn.functional.cross_entropy(torch_ddp(x), y), reps=3)
     out["fallback"] = fallback
     out["fallback_untouched"] = _equal(before, _params(model)) and all(p.grad is None for p in model.parameters())
+    # 9. clipping acts on the averaged gradient: one plain SGD step (lr 1) moves the parameters by exactly the cap
+    model = _model(8, dropout=0.0)
+    t = Trainer(model, torch.optim.SGD(model.parameters(), lr=1.0), nn.functional.cross_entropy, _data(64, 2), None,
+                TrainerConfig(batch_size=8, grad_clip_norm=1e-3, max_steps=1, progress=False))
+    before = _params(model)  # after DDP's start-up broadcast of rank 0's parameters
+    t.fit()
+    out["clipped_step_norm"] = torch.cat([(a - b).flatten() for a, b in zip(_params(model), before)]).norm().item()
+    # 10. resuming a checkpoint written by another number of ranks is refused on every rank
+    torch.save({"format": "lockstep-trainer-v1", "world_size": 3}, os.path.join(root, "ckpt-000000001.pt")) \
+        if rank == 0 else None
+    try:
+        _train(root, resume=True, checkpoint_dir=root)
+        out["world_size_error"] = None
+    except ValueError as e:
+        out["world_size_error"] = str(e)
     return out
 
 
@@ -235,6 +250,18 @@ def test_fallback_comm_measurement_has_no_side_effects(results):
         fb = out[rank]["fallback"]
         assert 0.0 <= fb["comm_share"] <= 1.0 and fb["synced_step_s"] > 0 and fb["local_step_s"] > 0
         assert out[rank]["fallback_untouched"]
+
+
+def test_clipping_caps_the_averaged_gradient(results):
+    _, out = results
+    for rank in range(2):
+        assert out[rank]["clipped_step_norm"] == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_resume_refuses_a_checkpoint_from_another_world_size(results):
+    _, out = results
+    for rank in range(2):
+        assert "was written by 3 ranks; this run has 2" in out[rank]["world_size_error"]
 
 
 def test_config_errors_name_the_field():
