@@ -33,7 +33,8 @@ def test_bench_writes_json_markdown_and_png(bench_run, capsys):
         # 2 ranks: bus bandwidth = size * 2(N-1)/N / time = algorithm bandwidth.
         assert r["busbw_gb_s"] == pytest.approx(r["nbytes"] / r["median_s"] / 1e9)
         assert r["algbw_gb_s"] == pytest.approx(r["busbw_gb_s"])
-    assert set(data["summary"]["fits"]) == {"native", "ring", "tree"}
+    assert set(data["summary"]["fits"]) == {"median", "min"}
+    assert set(data["summary"]["fits"]["median"]) == {"native", "ring", "tree"}
     assert data["meta"]["world_size"] == 2 and len(data["meta"]["load_average_1_5_15"]) == 3
     assert json_path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = json_path.with_suffix(".md").read_text()
@@ -62,8 +63,11 @@ def test_summary_fits_the_model_and_ratios_only_at_4mib_and_up():
     for n in (1 << 16, 1 << 20, 4 << 20, 16 << 20):
         for algo, slowdown in (("native", 1.0), ("ring", 1.25)):
             t = allreduce_time_s(n, 2, link, "ring") * slowdown
-            rows.append({"algorithm": algo, "nbytes": n, "median_s": t, "busbw_gb_s": n / t / 1e9})
+            rows.append({"algorithm": algo, "nbytes": n, "median_s": t, "min_s": t / 2, "busbw_gb_s": n / t / 1e9})
     s = summarise(rows, 2)
-    assert s["fits"]["native"]["alpha_us"] == pytest.approx(100.0) and s["fits"]["native"]["bandwidth_gb_s"] == pytest.approx(1.0)
+    native = s["fits"]["median"]["native"]
+    assert native["alpha_us"] == pytest.approx(100.0) and native["bandwidth_gb_s"] == pytest.approx(1.0)
+    fastest = s["fits"]["min"]["native"]
+    assert fastest["alpha_us"] == pytest.approx(50.0) and fastest["bandwidth_gb_s"] == pytest.approx(2.0)
     assert sorted(s["ring_over_native_busbw"]) == [4 << 20, 16 << 20]
     assert s["ring_over_native_median"] == pytest.approx(0.8)

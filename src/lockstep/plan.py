@@ -223,7 +223,9 @@ def format_plan(plan: Plan) -> str:
     out = [f"{c.params:.3g} parameters, {c.precision} precision, {c.optimizer}, N={c.world_size}, "
            f"{c.device_memory_gb:g} GB per device, link {c.link.name} "
            f"(alpha {c.link.alpha_s * 1e6:g} us, {c.link.bandwidth_gb_s:g} GB/s)", "", "memory per replica (GB):"]
-    out += [f"  {k:<16}{v:10.2f}" for k, v in plan.memory_gb.items()]
+    for k, v in plan.memory_gb.items():
+        per_param = "" if k == "activations" else f"   {v * GB / c.params:5.1f} B/param"
+        out.append(f"  {k:<16}{v:10.2f}{per_param}")
     out.append(f"  fits in {c.device_memory_gb:g} GB: {'yes' if plan.fits else 'NO'}")
     out.append("  sharded, per rank: " + ", ".join(f"{k} {v:.2f}" for k, v in plan.sharded_memory_gb.items()))
     out.append(f"\ngradient all-reduce per step at N={c.world_size}: ring {plan.comm_ms['ring']:.2f} ms, "
