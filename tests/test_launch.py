@@ -53,7 +53,13 @@ def runs(tmp_path_factory):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            free_port = free.getsockname()[1]
         jobs = {
+            # node 0 of 2, and node 1 never comes
+            "lonely_node": ["--nnodes", "2", "--master-addr", "localhost", "--master-port", str(free_port),
+                            "--rdzv-timeout", "3", "--nproc-per-node", "1", script("allreduce.py")],
             "end_to_end": ["--nproc-per-node", "2", script("allreduce.py"), "--flag", "x"],
             "log_rank": ["--nproc-per-node", "2", "--log-rank", "0", script("allreduce.py")],
             "taken_port": ["--nproc-per-node", "2", "--master-port", str(port), script("allreduce.py")],
@@ -127,6 +133,14 @@ def test_taken_port_fails_fast_naming_the_rendezvous_flags(runs):
     assert proc.returncode == 1 and elapsed_s < 30
     assert f"rendezvous at 127.0.0.1:{port} (--master-addr/--master-port) failed" in proc.stderr
     assert "address already in use" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_node_fails_after_the_rendezvous_timeout(runs):
+    proc, elapsed_s = runs["lonely_node"]
+    assert proc.returncode == 1 and elapsed_s < 60
+    assert "lockstep launch: node 0 of 2 (flags), 1 workers here" in proc.stderr
+    assert "only some of the 2 nodes joined within --rdzv-timeout 3s" in proc.stderr
+    assert "allreduce rank=" not in proc.stdout  # no worker started without its peers
 
 
 # ---------------------------------------------------------------- restarts
@@ -230,9 +244,10 @@ def test_launch_function_returns_per_rank_values():
 
 def test_launch_function_failure_names_rank_and_error():
     with pytest.raises(LaunchError) as info:
-        launch_function(fail_on_rank_1, nproc_per_node=2)
+        launch_function(fail_on_rank_1, nproc_per_node=2, log_rank=0)  # rank 1 hidden from the console
     assert info.value.rank == 1 and info.value.exitcode != 0
-    assert "worker rank 1" in str(info.value) and "rank one lost its key" in str(info.value)
+    # ...but its log file still feeds the report
+    assert "worker rank 1" in str(info.value) and "KeyError: 'rank one lost its key'" in str(info.value)
 
 
 def test_launch_function_rejects_unpicklable_functions_and_bad_sizes():

@@ -85,7 +85,12 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
         rdzv_endpoint=f"{options.master_addr}:{options.master_port}",
         # is_host says who serves the rendezvous store: node 0, decided by flag rather
         # than by torch's guess from hostnames, which fails behind NAT or aliases.
-        rdzv_configs={"is_host": single or options.node_rank == 0, "timeout": options.rdzv_timeout_s},
+        rdzv_configs={
+            "is_host": single or options.node_rank == 0,
+            # join_timeout is what the c10d rendezvous reads (torch's own "timeout" key is not consulted by it)
+            "join_timeout": options.rdzv_timeout_s,
+            "timeout": options.rdzv_timeout_s,
+        },
         max_restarts=options.max_restarts,
         monitor_interval=0.1,  # how often the agent polls its workers: bounds failure-detection latency
         start_method="spawn",
@@ -150,23 +155,31 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
     restarts are used up, and RendezvousFailed when the nodes cannot meet.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
     log_dir = tempfile.mkdtemp(prefix="lockstep_launch_")
     logs = RankLogsSpecs(log_dir, log_rank=options.log_rank, max_restarts=options.max_restarts)
     config = _launch_config(options, logs)
-    with _agent_environment(options), _quiet_agent_failure_log():
-        try:
+    keep_logs = False
+    try:
+        with _agent_environment(options), _quiet_agent_failure_log():
             results = elastic_launch(config, entrypoint)(*args)
-        except ChildFailedError as e:
-            raise failure_report(e, logs, restarts_used=logs.restart_count) from None  # keeps log_dir for the user
-        except RendezvousError as e:
+    except ChildFailedError as e:
+        keep_logs = True  # the report points the user at them
+        raise failure_report(e, logs, restarts_used=logs.restart_count) from None
+    except RendezvousError as e:
+        if isinstance(e, RendezvousTimeoutError):
+            why = (f"only some of the {options.nnodes} nodes joined within --rdzv-timeout {options.rdzv_timeout_s}s; "
+                   f"is `lockstep launch` running on every node with the same --master-addr/--master-port?")
+        else:
+            why = f"{type(e).__name__}: {e}"
+            if e.__cause__ is not None:
+                why += f" ({type(e.__cause__).__name__}: {e.__cause__})"
+        raise RendezvousFailed(
+            f"lockstep launch: the rendezvous at {config.rdzv_endpoint} (--master-addr/--master-port) failed: {why}"
+        ) from e
+    finally:
+        if not keep_logs:
             shutil.rmtree(log_dir, ignore_errors=True)
-            cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else ""
-            raise RendezvousFailed(
-                f"lockstep launch: the rendezvous at {config.rdzv_endpoint} (--master-addr/--master-port) "
-                f"failed: {e}{cause}"
-            ) from e
-    shutil.rmtree(log_dir, ignore_errors=True)
     return dict(results or {})
