@@ -32,10 +32,17 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_launch(args: list[str], timeout_s: float = 60.0, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+# The installed console script, beside this interpreter (pip install -e . puts it there).
+CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "lockstep")
+
+
+def run_launch(
+    args: list[str], timeout_s: float = 60.0, env: dict | None = None, console_script: bool = False
+) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
+    command = [CONSOLE_SCRIPT] if console_script else [sys.executable, "-m", "lockstep"]
     proc = subprocess.run(
-        [sys.executable, "-m", "lockstep", "launch", *args],
+        [*command, "launch", *args],
         capture_output=True, text=True, timeout=timeout_s, env=env or clean_env(), cwd=HERE,
     )
     return proc, time.monotonic() - start
@@ -67,7 +74,8 @@ def runs(tmp_path_factory):
             "exhausted": ["--nproc-per-node", "2", "--max-restarts", "1", script("flaky.py"), str(tmp / "twice"), "2"],
         }
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            futures = {name: pool.submit(run_launch, argv, 90.0) for name, argv in jobs.items()}
+            # --log-rank goes through the `lockstep` console script, the rest through `python -m lockstep`
+            futures = {name: pool.submit(run_launch, argv, 90.0, None, name == "log_rank") for name, argv in jobs.items()}
             results = {name: f.result() for name, f in futures.items()}
     results["port"] = port
     results["tmp"] = tmp
