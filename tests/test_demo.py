@@ -45,7 +45,8 @@ def test_demo_writes_metrics_checkpoint_and_plot(demo_run):
     epochs = [r for r in records if r["event"] == "epoch"]
     assert [r["epoch"] for r in epochs] == list(range(EPOCHS))
     assert all(r["eval_samples"] == 359 for r in epochs)  # the whole test split, each image once
-    assert any(r["event"] == "train" for r in records)
+    train = [r for r in records if r["event"] == "train"]
+    assert train and all(0.0 <= r["comm_share"] <= 1.0 for r in train)  # from ddp.comm_stats(), every logged step
     (step, path), = list_checkpoints(out)  # keep_last=1: only the final one
     payload = load_checkpoint(path)
     assert payload["step"] == step and payload["world_size"] == 2

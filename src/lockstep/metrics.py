@@ -80,6 +80,14 @@ def measure_exposed_comm(
     }
 
 
+def comm_wait_share(ddp: torch.nn.Module, step_time_s: float) -> float | None:
+    """The DDP's cumulative all-reduce wait over ``step_time_s``; None if it keeps no account. Free: no collective."""
+    stats = getattr(ddp, "comm_stats", None)
+    if not callable(stats) or step_time_s <= 0:
+        return None
+    return min(1.0, float(stats()["comm_wait_s"]) / step_time_s)
+
+
 def comm_report(trainer) -> dict:
     """Share of the Trainer's step time spent in communication.
 
@@ -88,12 +96,11 @@ def comm_report(trainer) -> dict:
     ``measure_exposed_comm`` on one training micro-batch. A collective either way: call it
     on every rank.
     """
-    stats = getattr(trainer.ddp, "comm_stats", None)
-    if callable(stats) and trainer._train_time_s > 0:
-        wait_s = float(stats()["comm_wait_s"])
+    share = comm_wait_share(trainer.ddp, trainer._train_time_s)
+    if share is not None:
         return {"method": "all-reduce wait not hidden by backward, from ddp.comm_stats()",
-                "comm_wait_s": wait_s, "step_time_s": trainer._train_time_s,
-                "comm_share": min(1.0, wait_s / trainer._train_time_s)}
+                "comm_wait_s": float(trainer.ddp.comm_stats()["comm_wait_s"]), "step_time_s": trainer._train_time_s,
+                "comm_share": share}
     from lockstep.sampler import DistributedSampler
 
     # a fresh sampler: iterating the training one would disturb its saved position

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lockstep import checkpoint as ckpt
 from lockstep.ddp import DistributedDataParallel
-from lockstep.metrics import MetricsLog, comm_report
+from lockstep.metrics import MetricsLog, comm_report, comm_wait_share
 from lockstep.sampler import DistributedSampler
 
 _AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -93,6 +93,10 @@ class Trainer:
         on_step_end: called with the Trainer after every optimizer step (and any checkpoint).
         on_epoch_end: called with the Trainer and the epoch's record (train loss, eval metrics)
             on every rank after each epoch's evaluation.
+
+    Resume is exact (same parameters, bit for bit, on CPU) at the same world size, as long
+    as the dataset draws no randomness of its own inside DataLoader workers: after a
+    resume the remaining batches are dealt to the workers from worker 0 again.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
@@ -220,7 +224,8 @@ class Trainer:
         if self.step % cfg.log_every_steps == 0:
             lr = self.optimizer.param_groups[0]["lr"]
             self.metrics.write({"event": "train", "step": self.step, "epoch": self.epoch, "loss": loss_value,
-                                "lr": lr, "samples_per_s": samples_per_s})
+                                "lr": lr, "samples_per_s": samples_per_s,
+                                "comm_share": comm_wait_share(self.ddp, self._train_time_s)})
         if cfg.save_every_steps and self.step % cfg.save_every_steps == 0:
             self.save_checkpoint()
         if self.on_step_end is not None:
