@@ -179,7 +179,7 @@ class Trainer:
         n_batches = self.batches_done + len(loader)
         self.ddp.train()
         bar = self._progress_bar(n_batches)
-        t_group = time.perf_counter()
+        t_group, group_samples = time.perf_counter(), 0
         for i, (inputs, targets) in enumerate(loader, start=self.batches_done):
             group_start = i - i % accum  # resumed positions are always at a group boundary
             group_size = min(accum, n_batches - group_start)  # a short last group is averaged over its size
@@ -193,6 +193,7 @@ class Trainer:
             loss_value = loss.item()  # one host sync per micro-batch (free on CPU) for the bar and the epoch mean
             self._loss_sum += loss_value * len(targets)
             self._loss_count += len(targets)
+            group_samples += len(targets)
             self.batches_done = i + 1
             self.sampler.advance(len(targets))  # what was consumed, not what the loader prefetched
             if not sync:
@@ -207,7 +208,8 @@ class Trainer:
             now = time.perf_counter()
             step_s, t_group = now - t_group, now
             self._train_time_s += step_s
-            self._samples_seen += group_size * cfg.batch_size * self.world_size
+            self._samples_seen += group_samples * self.world_size  # every rank steps through equal shards
+            group_samples = 0
             self._after_step(loss_value, bar)
             t_group = time.perf_counter()  # logging and checkpoints are not step time
             if self._stopped() and self.batches_done < n_batches:
