@@ -45,10 +45,13 @@ class Link:
         return 1.0 / (self.bandwidth_gb_s * 1e9)
 
 
-# Loopback numbers: gloo on 127.0.0.1, 2 ranks on this 2-core machine, fitted by
-# `lockstep bench allreduce` (see benchmarks/results/allreduce_*.md for the run).
-LOOPBACK_ALPHA_S = 60e-6
-LOOPBACK_BANDWIDTH_GB_S = 1.5
+# Loopback numbers: gloo on 127.0.0.1, 2 ranks on this 2-core machine (shared with
+# other jobs), our ring all-reduce, alpha-beta fitted by `lockstep bench allreduce`
+# on the fastest of each size's iterations, 4 KiB..256 MiB:
+# benchmarks/results/allreduce_2026-11-22_060811_n2.md (native fitted to 137 us,
+# 1.27 GB/s in the same run). Medians under load are up to 2x slower.
+LOOPBACK_ALPHA_S = 140e-6
+LOOPBACK_BANDWIDTH_GB_S = 1.15
 
 LINKS = {
     "nvlink": Link("nvlink", 3e-6, 300.0, "NVLink 3 (A100 SXM): 600 GB/s bidirectional per GPU, datasheet; latency: NCCL's few-microsecond step"),
@@ -59,7 +62,8 @@ LINKS = {
         "loopback",
         LOOPBACK_ALPHA_S,
         LOOPBACK_BANDWIDTH_GB_S,
-        "measured here: gloo over 127.0.0.1, 2 ranks on 2 shared CPU cores, ring fit of `lockstep bench allreduce`",
+        "measured here: gloo over 127.0.0.1, 2 ranks on 2 shared CPU cores, ring fit of `lockstep bench allreduce` "
+        "(benchmarks/results/allreduce_2026-11-22_060811_n2.md)",
     ),
 }
 
