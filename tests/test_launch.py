@@ -71,7 +71,8 @@ def runs(tmp_path_factory):
             "log_rank": ["--nproc-per-node", "2", "--log-rank", "0", script("allreduce.py")],
             "taken_port": ["--nproc-per-node", "2", "--master-port", str(port), script("allreduce.py")],
             "restart_once": ["--nproc-per-node", "2", "--max-restarts", "1", script("flaky.py"), str(tmp / "once"), "1"],
-            "exhausted": ["--nproc-per-node", "2", "--max-restarts", "1", script("flaky.py"), str(tmp / "twice"), "2"],
+            "exhausted": ["--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(tmp / "exhausted_logs"),
+                          script("flaky.py"), str(tmp / "twice"), "2"],
         }
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
             # --log-rank goes through the `lockstep` console script, the rest through `python -m lockstep`
@@ -107,8 +108,8 @@ def test_log_rank_shows_only_that_rank(runs):
 # ---------------------------------------------------------------- failures
 
 
-def test_failing_worker_exits_nonzero_fast_with_one_report():
-    proc, elapsed_s = run_launch(["--nproc-per-node", "2", script("raises.py")], timeout_s=60)
+def test_failing_worker_exits_nonzero_fast_with_one_report(tmp_path):
+    proc, elapsed_s = run_launch(["--nproc-per-node", "2", "--log-dir", str(tmp_path), script("raises.py")], timeout_s=60)
     assert proc.returncode != 0
     assert elapsed_s < 30, f"launcher took {elapsed_s:.1f}s to give up"
     err = proc.stderr.splitlines()
@@ -122,6 +123,10 @@ def test_failing_worker_exits_nonzero_fast_with_one_report():
     text = "\n".join(block)
     assert "RuntimeError: worker exploded on purpose (lockstep launch test)" in text
     assert 'raises.py", line 8' in text  # the traceback, not just the message
+    # the full per-rank logs stay where --log-dir said, and the report names the folder
+    stderr_logs = list(tmp_path.glob("*/attempt_0/1/stderr.log"))
+    assert len(stderr_logs) == 1 and "worker exploded on purpose" in stderr_logs[0].read_text()
+    assert f"full logs: {stderr_logs[0].parent.parent}" in text
 
 
 def test_restarts_exhausted_reports_rank_exit_code_and_restarts(runs):
@@ -250,9 +255,9 @@ def test_launch_function_returns_per_rank_values():
     assert results == {0: (0, 0, 2, 6.0), 1: (1, 1, 2, 6.0)}
 
 
-def test_launch_function_failure_names_rank_and_error():
-    with pytest.raises(LaunchError) as info:
-        launch_function(fail_on_rank_1, nproc_per_node=2, log_rank=0)  # rank 1 hidden from the console
+def test_launch_function_failure_names_rank_and_error(tmp_path):
+    with pytest.raises(LaunchError) as info:  # rank 1 hidden from the console...
+        launch_function(fail_on_rank_1, nproc_per_node=2, log_rank=0, log_dir=str(tmp_path))
     assert info.value.rank == 1 and info.value.exitcode != 0
     # ...but its log file still feeds the report
     assert "worker rank 1" in str(info.value) and "KeyError: 'rank one lost its key'" in str(info.value)

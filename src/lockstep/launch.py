@@ -73,6 +73,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", "--run_id", default="", help="rendezvous id shared by all nodes (multi-node)")
     p.add_argument("--rdzv-timeout", "--rdzv_timeout", type=int, default=900, metavar="SECONDS",
                    help="how long the nodes wait for each other before failing (default: 900)")
+    p.add_argument("--log-dir", "--log_dir", default=None,
+                   help="keep every rank's stdout/stderr under this folder (default: a temporary folder, "
+                   "kept only when a worker fails)")
     p.add_argument("script", help="the Python script each worker runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return p
@@ -104,6 +107,7 @@ def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None)
             log_rank=ns.log_rank,
             run_id=ns.run_id or f"lockstep-slurm-{slurm.job_id}",
             rdzv_timeout_s=ns.rdzv_timeout,
+            log_dir=ns.log_dir,
             source="slurm",
         )
     else:
@@ -121,6 +125,7 @@ def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None)
             log_rank=ns.log_rank,
             run_id=ns.run_id,
             rdzv_timeout_s=ns.rdzv_timeout,
+            log_dir=ns.log_dir,
             source="flags" if any(f is not None for f in layout_flags) else "single",
         )
     if options.nnodes > 1 and options.master_addr == LOOPBACK_ADDR:
@@ -136,6 +141,7 @@ def launch_function(
     nproc_per_node: int = 2,
     max_restarts: int = 0,
     log_rank: int | None = None,
+    log_dir: str | None = None,
 ) -> dict[int, Any]:
     """Run ``fn(*args)`` on ``nproc_per_node`` local workers through torch's elastic agent.
 
@@ -148,6 +154,8 @@ def launch_function(
         nproc_per_node: number of workers.
         max_restarts: restart the whole group up to this many times after a failure.
         log_rank: show only this rank's output; None prefixes every rank's lines with ``[rankN]:``.
+        log_dir: keep every rank's stdout/stderr files here; None uses a temporary folder that is
+            removed unless a worker fails.
 
     Returns {rank: fn's return value}. Raises LaunchError (a RuntimeError) naming the failed rank.
     """
@@ -156,7 +164,9 @@ def launch_function(
         raise ValueError(
             f"launch_function: fn={fn!r} must be a module-level function: workers are spawned and import it by name"
         )
-    options = LaunchOptions(nproc_per_node=nproc_per_node, max_restarts=max_restarts, log_rank=log_rank, source="single")
+    options = LaunchOptions(
+        nproc_per_node=nproc_per_node, max_restarts=max_restarts, log_rank=log_rank, log_dir=log_dir, source="single"
+    )
     return run_agent(options, fn, tuple(args))
 
 

@@ -40,6 +40,7 @@ class LaunchOptions:
     log_rank: int | None = None  # show only this global rank's output; None shows every rank
     run_id: str = ""  # the rendezvous id every node must share; "" derives one from master_addr:master_port
     rdzv_timeout_s: int = 900  # how long the agents wait for all nodes to join before failing
+    log_dir: str | None = None  # per-rank stdout/stderr files go here and stay; None: a temp dir kept only on failure
     source: str = "flags"  # "flags", "slurm" or "single": where the node layout came from
 
     def __post_init__(self) -> None:
@@ -158,10 +159,12 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
-    log_dir = tempfile.mkdtemp(prefix="lockstep_launch_")
+    if options.log_dir:
+        os.makedirs(options.log_dir, exist_ok=True)
+    log_dir = options.log_dir or tempfile.mkdtemp(prefix="lockstep_launch_")
     logs = RankLogsSpecs(log_dir, log_rank=options.log_rank, max_restarts=options.max_restarts)
     config = _launch_config(options, logs)
-    keep_logs = False
+    keep_logs = bool(options.log_dir)  # the user asked for them
     try:
         with _agent_environment(options), _quiet_agent_failure_log():
             results = elastic_launch(config, entrypoint)(*args)
