@@ -15,26 +15,31 @@ import torch
 class GradBucket:
     """A view of one reducer bucket for a comm hook. The buffer holds the local (not yet divided) gradients."""
 
-    __slots__ = ("_bucket", "_num_buckets")
+    __slots__ = ("_bucket", "_num_buckets", "_buffer")
 
     def __init__(self, bucket: Any, num_buckets: int):
         self._bucket = bucket
         self._num_buckets = num_buckets
+        self._buffer = bucket.flat
 
     def index(self) -> int:
         return self._bucket.index
 
     def buffer(self) -> torch.Tensor:
-        """The flat 1-D buffer of the bucket's gradients; a hook may reduce it in place."""
-        return self._bucket.buffer
+        """The flat 1-D buffer of the bucket's gradients (or what ``set_buffer`` put there); may be reduced in place."""
+        return self._buffer
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        """Replace the buffer's contents (copied: the parameters' views keep pointing at the bucket)."""
-        if tensor.numel() != self._bucket.buffer.numel():
+        """Replace what ``buffer()`` returns, as torch's does (its fp16/bf16 compress wrappers rely on it).
+
+        The reducer takes the hook's result from the returned future, never from this tensor, so a
+        replaced buffer of another dtype is fine; the parameters' views keep pointing at the bucket.
+        """
+        if tensor.numel() != self._bucket.flat.numel():
             raise ValueError(
-                f"set_buffer: bucket {self.index()} holds {self._bucket.buffer.numel()} elements, got {tensor.numel()}"
+                f"set_buffer: bucket {self.index()} holds {self._bucket.flat.numel()} elements, got {tensor.numel()}"
             )
-        self._bucket.buffer.copy_(tensor.reshape(-1))
+        self._buffer = tensor.reshape(-1)
 
     def is_last(self) -> bool:
         """True for the last bucket to be reduced in this backward."""
@@ -44,8 +49,13 @@ class GradBucket:
         return list(self._bucket.params)
 
     def gradients(self) -> list[torch.Tensor]:
-        """Each parameter's gradient as a view into the buffer (shaped like the parameter)."""
-        return list(self._bucket.views)
+        """Each parameter's gradient as a view into ``buffer()`` (shaped like the parameter), as torch's."""
+        if self._buffer is self._bucket.flat:
+            return list(self._bucket.views)
+        return [
+            self._buffer[offset : offset + p.numel()].view(p.shape)
+            for offset, p in zip(self._bucket.plan.offsets, self._bucket.params)
+        ]
 
     def __repr__(self) -> str:
-        return f"GradBucket(index={self.index()}, numel={self._bucket.buffer.numel()}, params={len(self._bucket.params)})"
+        return f"GradBucket(index={self.index()}, numel={self._bucket.flat.numel()}, params={len(self._bucket.params)})"
