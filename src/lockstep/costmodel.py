@@ -47,11 +47,12 @@ class Link:
 
 # Loopback numbers: gloo on 127.0.0.1, 2 ranks on this 2-core machine (shared with
 # other jobs), our ring all-reduce, alpha-beta fitted by `lockstep bench allreduce`
-# on the fastest of each size's iterations, 4 KiB..256 MiB:
-# benchmarks/results/allreduce_2026-11-22_060811_n2.md (native fitted to 137 us,
-# 1.27 GB/s in the same run). Medians under load are up to 2x slower.
-LOOPBACK_ALPHA_S = 140e-6
-LOOPBACK_BANDWIDTH_GB_S = 1.15
+# on the median of each size, 4 KiB..256 MiB, in the quietest run we had (load
+# average ~4): benchmarks/results/allreduce_2026-11-22_061413_n2.md. Same run:
+# native 167 us / 1.28 GB/s; fastest iterations ring 122 us / 1.62 GB/s. Under
+# heavier load (allreduce_2026-11-22_060811_n2.md) the medians are ~2x slower.
+LOOPBACK_ALPHA_S = 230e-6
+LOOPBACK_BANDWIDTH_GB_S = 0.97
 
 LINKS = {
     "nvlink": Link("nvlink", 3e-6, 300.0, "NVLink 3 (A100 SXM): 600 GB/s bidirectional per GPU, datasheet; latency: NCCL's few-microsecond step"),
@@ -63,7 +64,7 @@ LINKS = {
         LOOPBACK_ALPHA_S,
         LOOPBACK_BANDWIDTH_GB_S,
         "measured here: gloo over 127.0.0.1, 2 ranks on 2 shared CPU cores, ring fit of `lockstep bench allreduce` "
-        "(benchmarks/results/allreduce_2026-11-22_060811_n2.md)",
+        "(benchmarks/results/allreduce_2026-11-22_061413_n2.md)",
     ),
 }
 
