@@ -74,6 +74,11 @@ def _cases(rank: int, world_size: int):
         fn = ring_all_reduce if algo == "ring" else tree_all_reduce
         fn(x, Peers.of(), segment_nbytes=40)
         out[(algo, "segmented", 1001)] = _check(x, rank, world_size, 1001, torch.float32, native, salt=2)
+    # A parameter (a leaf that requires grad) is summed in place like torch's all_reduce does.
+    for algo in ALGOS:
+        param = torch.nn.Parameter(_input(rank, 1001, torch.float64, salt=3))
+        all_reduce(param, algorithm=algo)
+        out[(algo, "parameter", 1001)] = _check(param.detach(), rank, world_size, 1001, torch.float64, param.detach(), salt=3)
     # native through our entry point too
     x = _input(rank, 1001, torch.int64)
     all_reduce(x, algorithm="native")

@@ -57,10 +57,13 @@ def all_reduce(tensor: torch.Tensor, algorithm: str = "native", group=None) -> t
         return tensor
     flat = tensor.view(-1)
     try:
-        if algorithm == "ring":
-            ring_all_reduce(flat, peers)
-        else:
-            tree_all_reduce(flat, peers)
+        # no_grad: the in-place adds must work on a leaf that requires grad (a
+        # parameter being synchronised), as torch.distributed.all_reduce does.
+        with torch.no_grad():
+            if algorithm == "ring":
+                ring_all_reduce(flat, peers)
+            else:
+                tree_all_reduce(flat, peers)
     except RuntimeError as e:  # usually gloo's bare "Timed out waiting ... for recv": say who and what
         raise RuntimeError(
             f"lockstep {algorithm} all-reduce of {tensor.numel()} x {tensor.dtype} failed on global rank "
