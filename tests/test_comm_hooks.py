@@ -410,13 +410,9 @@ def test_torch_hooks_unchanged_on_lockstep_ddp(results):
         assert torch.equal(_flat(results, ours), _flat(results, theirs)), ours
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lockstep's GradBucket.set_buffer copies into the bucket's own (fp32) buffer; torch's replaces the "
-    "buffer (GradBucket::setBuffer: buffer_ = tensor), which torch's fp16_compress_wrapper relies on to hand "
-    "the inner hook an fp16 buffer. Remove this marker once set_buffer replaces.",
-)
 def test_torch_compress_wrapper_unchanged_on_lockstep_ddp(results):
+    # torch's fp16_compress_wrapper swaps an fp16 tensor in with set_buffer and expects buffer() and gradients()
+    # to follow it (torch's GradBucket::setBuffer replaces the buffer).
     assert torch.equal(_flat(results, "lockstep/torch_fp16_powersgd"), _flat(results, "torch/torch_fp16_powersgd"))
 
 
