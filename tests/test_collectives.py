@@ -154,10 +154,10 @@ def test_bad_input_is_rejected_by_name(group_results):
     assert errors["type"].startswith("TypeError") and "torch.Tensor" in errors["type"]
 
 
+@pytest.mark.parametrize("group_results", [4], indirect=True, ids=["4ranks"])
 def test_subgroups_use_group_ranks(group_results):
     world_size, results = group_results
-    if world_size != 4:
-        pytest.skip("sub-groups are exercised on 4 ranks")
+    assert world_size == 4  # sub-groups {0,2} and {1,3} need 4 ranks
     for rank_results in results:
         sub = rank_results[2]
         assert sub["ring"] and sub["tree"] and sub["native"]
