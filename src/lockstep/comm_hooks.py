@@ -223,7 +223,9 @@ class CompressedBucket:
     def set_buffer(self, tensor: torch.Tensor) -> None:
         """Replace the buffer, as torch's GradBucket does (a hook may swap in another dtype)."""
         if tensor.numel() != self._buffer.numel():
-            raise ValueError(f"set_buffer: bucket {self.index()} holds {self._buffer.numel()} elements, got {tensor.numel()}")
+            raise ValueError(
+                f"set_buffer: bucket {self.index()} holds {self._buffer.numel()} elements, got {tensor.numel()}"
+            )
         self._buffer, self._views = tensor.view(-1), None
 
     def gradients(self) -> list[torch.Tensor]:

@@ -13,8 +13,6 @@ too fast for a low-rank approximation to track (the paper's warm-up).
 """
 
 from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -61,7 +59,9 @@ class PowerSGDState:
         if not isinstance(self.start_powerSGD_iter, int) or self.start_powerSGD_iter < 0:
             raise ValueError(f"start_powerSGD_iter must be an int >= 0, got {self.start_powerSGD_iter!r}")
         if not self.min_compression_rate >= 1.0:
-            raise ValueError(f"min_compression_rate must be >= 1 (a rate below 1 sends more), got {self.min_compression_rate!r}")
+            raise ValueError(
+                f"min_compression_rate must be >= 1 (a rate below 1 sends more), got {self.min_compression_rate!r}"
+            )
         if self.process_group is not None and not isinstance(self.process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a ProcessGroup or None, got {type(self.process_group).__name__}")
         self.rng = torch.Generator().manual_seed(self.random_seed)
