@@ -189,8 +189,20 @@ class Reducer:
             self._ready[b] = True
             # Launch in index order only: a later bucket that is ready first waits for the earlier ones.
             while self._next_launch < len(self.buckets) and self._ready[self._next_launch]:
+                if self.comm_hook is not None and self._next_launch > 0 and not self.buckets[self._next_launch - 1].work.done():
+                    # A hook may issue collectives from its futures' callbacks (torch's PowerSGD does), on
+                    # another thread: one hooked bucket in flight at a time keeps every rank's order the same.
+                    break
                 self._launch(self.buckets[self._next_launch])
                 self._next_launch += 1
+
+    def _drain_launches(self) -> None:
+        """End of backward: launch the buckets still held back, each after the previous one is done."""
+        while self._next_launch < len(self.buckets):
+            if self.comm_hook is not None and self._next_launch > 0:
+                self.buckets[self._next_launch - 1].work.wait()
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
         if self.events is not None:
@@ -226,6 +238,7 @@ class Reducer:
             self._missing_flag = bool(missing)
             for i in missing:  # launch every bucket anyway: the other ranks are waiting in them
                 self._mark_ready(i, self.params[i].grad)
+            self._drain_launches()
             start = time.perf_counter()
             for bucket in self.buckets:
                 result = bucket.work.wait()
@@ -266,7 +279,7 @@ class Reducer:
         """A joined rank's stand-in for one backward: the same collectives, in the same order, with zeros."""
         for bucket in self.buckets:
             bucket.buffer.zero_()
-            self._launch(bucket)
+        self._drain_launches()
         for bucket in self.buckets:
             bucket.work.wait()
         self.usage.exchange_status([], self.comm_hook is not None, self.buckets[-1], self.process_group, joined=True)
