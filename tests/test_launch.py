@@ -251,8 +251,13 @@ def fail_on_rank_1() -> str:
 
 
 def test_launch_function_returns_per_rank_values():
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    env_before = dict(os.environ)
     results = launch_function(allreduce_rank, args=(2.0,), nproc_per_node=2)
     assert results == {0: (0, 0, 2, 6.0), 1: (1, 1, 2, 6.0)}
+    # the caller's process is left as it was: its signal handlers and environment
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
+    assert dict(os.environ) == env_before
 
 
 def test_launch_function_failure_names_rank_and_error(tmp_path):

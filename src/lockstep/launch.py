@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
@@ -164,10 +165,17 @@ def launch_function(
         raise ValueError(
             f"launch_function: fn={fn!r} must be a module-level function: workers are spawned and import it by name"
         )
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     options = LaunchOptions(
         nproc_per_node=nproc_per_node, max_restarts=max_restarts, log_rank=log_rank, log_dir=log_dir, source="single"
     )
-    return run_agent(options, fn, tuple(args))
+    try:
+        return run_agent(options, fn, tuple(args))
+    except SignalException as e:
+        if e.sigval == signal.SIGINT:  # Ctrl-C: the agent has stopped the workers; surface it as Python does
+            raise KeyboardInterrupt from e
+        raise
 
 
 def _exit_code(error: LaunchError) -> int:

@@ -13,13 +13,16 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from lockstep.launch_output import RANK_PREFIX_TEMPLATE, RankLogsSpecs, failure_report
 
+_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # the agent stops the workers, then exits, on these
 LOOPBACK_ADDR = "127.0.0.1"  # single-node default: the rendezvous and MASTER_ADDR stay on loopback
 
 
@@ -99,6 +102,7 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
         logs_specs=logs,
         # On one node the workers' MASTER_ADDR is loopback; across nodes torch uses this host's FQDN.
         local_addr=options.master_addr if single else None,
+        signals_to_handle=_SIGNALS_TO_HANDLE,
         shutdown_timeout=15,  # SIGTERM, then SIGKILL after this long: a stuck worker cannot hold the launcher
     )
 
@@ -118,7 +122,12 @@ def _agent_environment(options: LaunchOptions) -> Iterator[None]:
     if "OMP_NUM_THREADS" not in os.environ and options.nproc_per_node > 1:
         # As torchrun does: N workers each starting one thread per core would oversubscribe the CPUs.
         updates["OMP_NUM_THREADS"] = "1"
-    saved = {k: os.environ.get(k) for k in updates}
+    # torch's launch_agent sets this variable and installs handlers for these signals without undoing
+    # either; launch_function runs in the caller's process, whose Ctrl-C must behave as before afterwards.
+    saved = {k: os.environ.get(k) for k in [*updates, "TORCHELASTIC_SIGNALS_TO_HANDLE"]}
+    handled = [getattr(signal, name) for name in _SIGNALS_TO_HANDLE.split(",") if hasattr(signal, name)]
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    saved_handlers = {sig: signal.getsignal(sig) for sig in handled} if in_main_thread else {}
     os.environ.update(updates)
     try:
         yield
@@ -128,6 +137,9 @@ def _agent_environment(options: LaunchOptions) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = old
+        for sig, handler in saved_handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 class _DropAgentFailureDump(logging.Filter):
