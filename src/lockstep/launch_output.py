@@ -10,6 +10,7 @@ has stopped every worker: never interleaved with the other ranks' output.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 from collections import deque
@@ -18,7 +19,9 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import LogsDest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-# torch fills ${rank} with the worker's global rank; matches torch's own `[rank1]:` style.
+# torch fills ${rank} with the worker's global rank. It is torch's own style: once a worker has a
+# process group, torch's excepthook prefixes its traceback lines the same way, so on the console
+# those lines carry the prefix twice (the failure report strips one).
 RANK_PREFIX_TEMPLATE = "[rank${rank}]: "
 
 # Local rank that no worker has: torch treats an empty filter as "show all", so
@@ -94,8 +97,6 @@ def _error_file_traceback(failure: ProcessFailure) -> list[str]:
 
 def describe_exit(exitcode: int) -> str:
     if exitcode < 0:
-        import signal
-
         try:
             return f"killed by signal {signal.Signals(-exitcode).name} (exit code {exitcode})"
         except ValueError:
