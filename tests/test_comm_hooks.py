@@ -320,11 +320,12 @@ def test_powersgd_matches_float64_reference_3_ranks(results_3):
 
 
 def test_training_at_3_ranks(results_3):
-    # Dividing before the sum, as lockstep's reducer does, keeps allreduce_hook bitwise equal to no hook at any
-    # world size. torch's reducer scales by the reciprocal instead (1/3 is inexact), so there it is 1 ulp off.
-    assert torch.equal(_flat(results_3, "lockstep/allreduce"), _flat(results_3, "lockstep/none"))
-    diff = (_flat(results_3, "torch/allreduce") - _flat(results_3, "torch/none")).abs().max()
-    assert diff <= 1e-6, diff
+    # Both reducers scale by the reciprocal (1/3 is inexact) and allreduce_hook divides, so at 3 ranks the hook is
+    # about 1 ulp off no hook on either DDP. (The two DDPs cut buckets differently, and gloo's 3-rank ring sums
+    # each element in an order that depends on its position in the bucket, so they too agree only to rounding.)
+    for kind in ("lockstep", "torch"):
+        diff = (_flat(results_3, f"{kind}/allreduce") - _flat(results_3, f"{kind}/none")).abs().max()
+        assert diff <= 1e-6, (kind, diff)
     base = _run(results_3, "torch/none")["loss"]
     assert abs(_run(results_3, "lockstep/fp16")["loss"] - base) <= TOLERANCES["fp16"] * base
     test_replicas_identical_for_every_hook(results_3)

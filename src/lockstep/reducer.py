@@ -180,7 +180,9 @@ class Reducer:
                 view.copy_(grad)
                 self.params[index].grad = view
         elif self.comm_hook is None:
-            torch.div(grad, self.divisor, out=view)  # the average's division, fused into the copy
+            # The average's scaling fused into the copy. A multiply by the reciprocal, as torch's reducer does
+            # (bit-equal to it at any world size) and cheaper than a divide.
+            torch.mul(grad, 1.0 / self.divisor, out=view)
         else:
             view.copy_(grad)  # a comm hook gets the plain local gradients, as in torch
         bucket.grads[slot] = grad
