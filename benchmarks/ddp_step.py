@@ -52,15 +52,20 @@ MODELS = {
 }
 
 
-def _contenders(build):
+def _contenders(build, bucket_view: bool):
     import lockstep
 
     torch.manual_seed(0)
-    return {
+    models = {
         "lockstep": lockstep.DistributedDataParallel(build()),
         "torch": nn.parallel.DistributedDataParallel(build()),
         "naive": lockstep.NaiveDistributedDataParallel(build()),
     }
+    if bucket_view:
+        # The zero-copy path: grads live in the buckets (and zero_grad keeps them there, set_to_none=False).
+        models["lockstep_view"] = lockstep.DistributedDataParallel(build(), gradient_as_bucket_view=True)
+        models["torch_view"] = nn.parallel.DistributedDataParallel(build(), gradient_as_bucket_view=True)
+    return models
 
 
 def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
@@ -71,7 +76,7 @@ def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
         report = {}
         for kind in args.models:
             build, batch = MODELS[kind]
-            models = _contenders(build)
+            models = _contenders(build, args.bucket_view)
             optims = {name: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for name, m in models.items()}
             gen = torch.Generator().manual_seed(rank)
             x, y = batch(gen)
@@ -84,7 +89,7 @@ def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
                     model, opt = models[name], optims[name]
                     dist.barrier()
                     start, cpu_start = time.perf_counter(), time.process_time()
-                    opt.zero_grad()
+                    opt.zero_grad(set_to_none=not name.endswith("_view"))
                     F.cross_entropy(model(x), y).backward()
                     opt.step()
                     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
@@ -96,7 +101,10 @@ def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
             cpu_medians = {name: statistics.median(t) * 1e3 for name, t in cpu_times.items()}
             params = sum(p.numel() for p in models["torch"].parameters())
             tensors = len(list(models["torch"].parameters()))
+            if args.bucket_view:
+                medians_view = medians["lockstep_view"] / medians["torch_view"]
             report[kind] = {"params": params, "tensors": tensors, "median_ms": medians, "cpu_median_ms": cpu_medians,
+                            **({"ratio_view_lockstep_over_torch": medians_view} if args.bucket_view else {}),
                             "ratio_lockstep_over_torch": medians["lockstep"] / medians["torch"],
                             "cpu_ratio_lockstep_over_torch": cpu_medians["lockstep"] / cpu_medians["torch"]}
         if rank == 0:
@@ -111,6 +119,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--models", default="mlp,transformer")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--bucket-view", action="store_true", help="also time gradient_as_bucket_view=True for both")
     args = parser.parse_args(argv)
     args.models = args.models.split(",")
     for kind in args.models:
@@ -144,6 +153,14 @@ def main(argv=None) -> int:
             f"{m['naive']:.1f} | {r['ratio_lockstep_over_torch']:.3f} | "
             f"{c['lockstep']:.1f} / {c['torch']:.1f} / {c['naive']:.1f} | {r['cpu_ratio_lockstep_over_torch']:.3f} |"
         )
+    for kind, r in report.items():
+        if "ratio_view_lockstep_over_torch" in r:
+            m = r["median_ms"]
+            lines.append(
+                f"\n{kind}, gradient_as_bucket_view=True: lockstep {m['lockstep_view']:.1f} ms, torch {m['torch_view']:.1f} ms, "
+                f"ratio {r['ratio_view_lockstep_over_torch']:.3f}; vs torch's default path: "
+                f"{m['lockstep_view'] / m['torch']:.3f}"
+            )
     text = "\n".join(lines)
     print(text)
     if args.out:
