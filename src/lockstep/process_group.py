@@ -10,6 +10,7 @@ gloo otherwise.
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -176,9 +177,16 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, env: dict | None
 
 
 def shutdown() -> None:
-    """Tear the default group down; safe to call when none exists (use it in ``finally``)."""
+    """Tear the default group down; safe to call when none exists (use it in ``finally``).
+
+    Collects garbage first and after: a DDP model lives in a reference cycle (its hooks point back
+    at the reducer), and a process group freed only during interpreter teardown has been seen to
+    abort the process at exit ("terminate called without an active exception").
+    """
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 def is_main() -> bool:
