@@ -7,13 +7,13 @@ small), and nothing starts before backward ends.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.ddp import DistributedDataParallel
 from lockstep.module_sync import broadcast_coalesced
 
 
@@ -57,11 +57,5 @@ class NaiveDistributedDataParallel(nn.Module):
             dist.all_reduce(p.grad, group=self.process_group)  # blocking: one collective per parameter
             p.grad.div_(self.world_size)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
+    # The same switch as the real DDP's: it only toggles require_backward_grad_sync.
+    no_sync = DistributedDataParallel.no_sync
