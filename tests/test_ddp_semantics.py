@@ -247,6 +247,24 @@ def _constructor_cases(rank):
     return out
 
 
+def _inplace_output(rank):
+    """Outputs are the module's own tensors: in-place ops on them work, under every mode."""
+    import lockstep
+
+    diffs = {}
+    for name, kw in {"default": {}, "static": {"static_graph": True}, "unused": {"find_unused_parameters": True}}.items():
+        grads = []
+        for cls in (lockstep.DistributedDataParallel, nn.parallel.DistributedDataParallel):
+            torch.manual_seed(3)
+            model = cls(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)), **kw)
+            out = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)))
+            out.mul_(2).relu_()
+            out.sum().backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        diffs[name] = (grads[0] - grads[1]).abs().max().item()
+    return diffs
+
+
 def _all_cases(rank, world_size):
     def branch_each_step(step, r, m):
         return {"branch": ["a", "b", "both"][(step + r) % 3]}
@@ -270,6 +288,7 @@ def _all_cases(rank, world_size):
         "mixed_dtype": _side_by_side(rank, MixedDtype),
         "dict_out": _side_by_side(rank, DictOut),
         "nosync_reference": _nosync_reference(),
+        "inplace": _inplace_output(rank),
         "errors": _unused_error_cases(rank),
         "join_initial": _join_case(rank, True),
         "join_active": _join_case(rank, False),
@@ -303,6 +322,11 @@ def test_replicas_identical(results, case):
 def test_find_unused_under_no_sync_synchronises_window_usage(results):
     # 'b' is used only in rank 0's first no_sync micro-batch: it must still be averaged (PyTorch #69031).
     assert torch.equal(results[0]["find_unused_nosync"]["flat"], results[0]["nosync_reference"])
+
+
+def test_in_place_ops_on_outputs(results):
+    for rank in range(2):
+        assert results[rank]["inplace"] == {"default": 0.0, "static": 0.0, "unused": 0.0}
 
 
 def test_bn_local_buffers_differ_but_params_agree(results):

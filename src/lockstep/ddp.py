@@ -21,7 +21,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from lockstep.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
 from lockstep.ddp_args import caps_from_list, reject_unsupported, resolve_buffer_sync, resolve_group
-from lockstep.graph import attach_sink
+from lockstep.graph import on_backward_start
 from lockstep.join import DDPJoinHook
 from lockstep.module_sync import broadcast_coalesced, syncable_buffers, verify_params_across_ranks
 from lockstep.reducer import Reducer
@@ -73,8 +73,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     Differences from torch's DDP, on purpose: a parameter without a gradient raises on every rank
     at the end of backward (naming the parameter and the rank) instead of hanging or failing only
-    on the next iteration; the sink that finds the end of backward returns views of the outputs,
-    not clones.
+    on the next iteration; the outputs are returned as the module made them (torch's ``_DDPSink``
+    clones them under static_graph / find_unused_parameters).
     """
 
     def __init__(
@@ -169,7 +169,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         outputs = self.module(*inputs, **kwargs)
         if synced and self.reducer is not None:
             self.reducer.prepare_for_backward(outputs)
-            outputs = attach_sink(outputs, self.reducer.queue_finalize)
+            on_backward_start(outputs, self.reducer.queue_finalize)
         return outputs
 
     def _will_sync_buffers(self) -> bool:

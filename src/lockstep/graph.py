@@ -2,11 +2,11 @@
 
 ``reachable_params`` walks the graph from a forward's outputs to the parameters'
 AccumulateGrad nodes (no clone of the outputs, unlike torch's fix that doubled
-memory, PyTorch #74115). ``attach_sink`` passes the outputs through an identity
-autograd Function whose backward runs first in the *outer* backward; it queues the
-end-of-backward callback there, so that callback fires after the whole backward
-even when activation checkpointing (``use_reentrant=True``) runs nested backwards,
-whose own graph tasks would otherwise end first.
+memory, PyTorch #74115). ``on_backward_start`` puts a pre-hook on the outputs'
+``grad_fn`` nodes, which run in the *outer* backward; the end-of-backward callback
+is queued there, so it fires after the whole backward even when activation
+checkpointing (``use_reentrant=True``) runs nested backwards, whose own graph tasks
+would otherwise end first. Unlike torch's ``_DDPSink`` nothing wraps the outputs.
 """
 
 from __future__ import annotations
@@ -57,36 +57,18 @@ def reachable_params(outputs: Any, index_of: dict[int, int]) -> set[int]:
     return used
 
 
-class _Sink(torch.autograd.Function):
-    """Identity on the outputs; its backward (the first node of backward to run) calls ``on_backward``."""
+def on_backward_start(outputs: Any, callback: Callable[[], None]) -> int:
+    """Call ``callback`` when backward first reaches a node that produced ``outputs``.
 
-    @staticmethod
-    def forward(ctx, on_backward: Callable[[], None], *tensors: torch.Tensor):
-        ctx.on_backward = on_backward
-        return tuple(t.view_as(t) for t in tensors)  # views: no copy of the outputs
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        ctx.on_backward()
-        return (None, *grads)
-
-
-def _replace(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return mapping.get(id(obj), obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_replace(o, mapping) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_replace(o, mapping) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _replace(v, mapping)) for k, v in obj.items())
-    return obj
-
-
-def attach_sink(outputs: Any, on_backward: Callable[[], None]) -> Any:
-    """Return ``outputs`` with its grad-requiring tensors routed through ``_Sink``; unchanged if there are none."""
-    tensors = [t for t in output_tensors(outputs) if t.requires_grad]
-    if not tensors:
-        return outputs
-    routed = _Sink.apply(on_backward, *tensors)
-    return _replace(outputs, {id(t): r for t, r in zip(tensors, routed)})
+    A pre-hook on each output's ``grad_fn``: it runs in the graph task of the user's own backward,
+    so a callback queued from it runs after that whole backward. Nothing is wrapped: the outputs
+    stay the module's own tensors (in-place ops on them keep working, no copy is made). Returns
+    the number of nodes hooked (0 when no output has a graph).
+    """
+    nodes = {}
+    for t in output_tensors(outputs):
+        if t.grad_fn is not None:
+            nodes[id(t.grad_fn)] = t.grad_fn
+    for node in nodes.values():
+        node.register_prehook(lambda grad_outputs: callback())
+    return len(nodes)

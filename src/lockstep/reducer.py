@@ -152,7 +152,7 @@ class Reducer:
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         self._hooks_fired = True
-        self.queue_finalize()  # no-op when the forward's sink already queued it
+        self.queue_finalize()  # no-op when the start of backward already queued it
         if self.usage.active and not self.usage.gradient_complete(index, self.names):
             return  # static graph: more pieces of this gradient are still to come
         if self._observed_order is not None:
