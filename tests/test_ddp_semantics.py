@@ -265,6 +265,26 @@ def _inplace_output(rank):
     return diffs
 
 
+def _forward_without_backward(rank):
+    """find_unused_parameters: a grad-enabled forward with no backward (different branches per rank) changes nothing."""
+    import lockstep
+
+    torch.manual_seed(5)
+    ours = lockstep.DistributedDataParallel(Branchy(), find_unused_parameters=True)
+    torch.manual_seed(5)
+    theirs = nn.parallel.DistributedDataParallel(Branchy(), find_unused_parameters=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    for step in range(4):
+        gen = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(4, 8, generator=gen), torch.randint(0, 4, (4,), generator=gen)
+        ours(x, branch="a" if rank == 0 else "b")  # a validation-style forward: outputs dropped, no backward
+        for model, opt in zip((ours, theirs), opts):
+            opt.zero_grad()
+            F.cross_entropy(model(x, branch="both"), y).backward()
+            opt.step()
+    return max((p - q).abs().max().item() for p, q in zip(ours.parameters(), theirs.parameters()))
+
+
 def _all_cases(rank, world_size):
     def branch_each_step(step, r, m):
         return {"branch": ["a", "b", "both"][(step + r) % 3]}
@@ -289,6 +309,7 @@ def _all_cases(rank, world_size):
         "dict_out": _side_by_side(rank, DictOut),
         "nosync_reference": _nosync_reference(),
         "inplace": _inplace_output(rank),
+        "forward_only": _forward_without_backward(rank),
         "errors": _unused_error_cases(rank),
         "join_initial": _join_case(rank, True),
         "join_active": _join_case(rank, False),
@@ -322,6 +343,10 @@ def test_replicas_identical(results, case):
 def test_find_unused_under_no_sync_synchronises_window_usage(results):
     # 'b' is used only in rank 0's first no_sync micro-batch: it must still be averaged (PyTorch #69031).
     assert torch.equal(results[0]["find_unused_nosync"]["flat"], results[0]["nosync_reference"])
+
+
+def test_forward_without_backward_launches_nothing(results):
+    assert [results[rank]["forward_only"] for rank in range(2)] == [0.0, 0.0]
 
 
 def test_in_place_ops_on_outputs(results):

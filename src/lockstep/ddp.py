@@ -169,7 +169,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         outputs = self.module(*inputs, **kwargs)
         if synced and self.reducer is not None:
             self.reducer.prepare_for_backward(outputs)
-            on_backward_start(outputs, self.reducer.queue_finalize)
+            on_backward_start(outputs, self.reducer.on_backward_start)
         return outputs
 
     def _will_sync_buffers(self) -> bool:

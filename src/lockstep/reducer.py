@@ -69,6 +69,7 @@ class Reducer:
         self.comm_hook_state: Any = None
         self.expect_hooks = False  # set by a synchronised forward: other backwards' hooks do nothing
         self._callback_queued = False
+        self._unused_at_start: list[int] = []
         self._hooks_fired = False
         self._observed_order: list[int] | None = []  # first synced backward's ready order, for the rebuild
         self.rebuild_pending = False
@@ -129,16 +130,22 @@ class Reducer:
             self.rebuild_buckets()
 
     def prepare_for_backward(self, outputs: Any) -> None:
-        """After a synchronised forward: hooks count; parameters known unused are ready at once."""
+        """After a synchronised forward: hooks count; note the parameters this backward will not reach."""
         self.expect_hooks = True
-        for i in self.usage.unused_before_backward(outputs, self._index_of):
-            self._mark_ready(i, self.params[i].grad)
+        # Marked ready only once backward starts: a forward with no backward (a validation pass
+        # with grad enabled) must not launch a bucket that the other ranks may never launch.
+        self._unused_at_start = self.usage.unused_before_backward(outputs, self._index_of)
 
-    def queue_finalize(self) -> None:
-        if not self._callback_queued:
-            # Runs once the whole backward is done: the only safe point to wait for the buckets.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-            self._callback_queued = True
+    def on_backward_start(self) -> None:
+        """The first node of backward ran (or the first hook fired): queue the end, mark the unused."""
+        if self._callback_queued:
+            return
+        # Runs once the whole backward is done: the only safe point to wait for the buckets.
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+        self._callback_queued = True
+        unused, self._unused_at_start = self._unused_at_start, []
+        for i in unused:
+            self._mark_ready(i, self.params[i].grad)
 
     # ------------------------------------------------------------- backward
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
@@ -152,7 +159,7 @@ class Reducer:
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         self._hooks_fired = True
-        self.queue_finalize()  # no-op when the start of backward already queued it
+        self.on_backward_start()  # no-op when the outputs' grad_fn pre-hook already ran it
         if self.usage.active and not self.usage.gradient_complete(index, self.names):
             return  # static graph: more pieces of this gradient are still to come
         if self._observed_order is not None:
