@@ -122,10 +122,12 @@ class Reducer:
     # ------------------------------------------------------------- forward
     def prepare_for_forward(self) -> None:
         """Start of a synchronised forward: finish a backward that could not, rebuild buckets once."""
-        if self._hooks_fired:
-            # The last backward ended with buckets never launched (a parameter got no gradient):
+        if self._hooks_fired or any(any(b.seen) for b in self.buckets):
+            # The last backward stopped half-way (an exception inside it) with buckets never launched:
             # launch them now so the other ranks' waits complete, and raise here as they raise there.
             self._finalize_backward()
+        elif self._callback_queued:
+            self._callback_queued = False  # a backward aborted before any gradient: nothing to finish
         if self.rebuild_pending:
             self.rebuild_buckets()
 
