@@ -285,6 +285,24 @@ def _forward_without_backward(rank):
     return max((p - q).abs().max().item() for p, q in zip(ours.parameters(), theirs.parameters()))
 
 
+def _aborted_backward(rank):
+    """An exception half-way through backward: the next forward finishes that reduction and raises, no hang."""
+    import lockstep
+
+    torch.manual_seed(0)
+    model = lockstep.DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)), bucket_cap_mb=1e-6)
+    def boom(grad):
+        raise ValueError("user hook failed")
+
+    out = model(torch.randn(4, 8))
+    model.module[2].weight.register_hook(boom)  # fires after the last layer's bias is reduced
+    first = _capture(lambda: out.sum().backward())
+    second = _capture(lambda: model(torch.randn(4, 8)))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return first, second, t.item()
+
+
 def _all_cases(rank, world_size):
     def branch_each_step(step, r, m):
         return {"branch": ["a", "b", "both"][(step + r) % 3]}
@@ -310,6 +328,7 @@ def _all_cases(rank, world_size):
         "nosync_reference": _nosync_reference(),
         "inplace": _inplace_output(rank),
         "forward_only": _forward_without_backward(rank),
+        "aborted": _aborted_backward(rank),
         "errors": _unused_error_cases(rank),
         "join_initial": _join_case(rank, True),
         "join_active": _join_case(rank, False),
@@ -343,6 +362,14 @@ def test_replicas_identical(results, case):
 def test_find_unused_under_no_sync_synchronises_window_usage(results):
     # 'b' is used only in rank 0's first no_sync micro-batch: it must still be averaged (PyTorch #69031).
     assert torch.equal(results[0]["find_unused_nosync"]["flat"], results[0]["nosync_reference"])
+
+
+def test_aborted_backward_raises_at_next_forward_without_hang(results):
+    for rank in range(2):
+        first, second, alive = results[rank]["aborted"]
+        assert first[0] == "ValueError" and "user hook failed" in first[1]
+        assert second[0] == "RuntimeError" and "received no gradient" in second[1] and "'0.weight'" in second[1]
+        assert alive == 2.0
 
 
 def test_forward_without_backward_launches_nothing(results):
