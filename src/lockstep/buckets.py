@@ -45,6 +45,8 @@ def assign_buckets(
 
     Per (device, dtype) a bucket is closed before a parameter that would take it past
     its cap, so no bucket exceeds its cap unless it holds a single larger parameter.
+    (Torch's DDP closes a bucket once it has passed the cap, so its buckets run over by up
+    to one parameter; both rules gave the same step time here.)
     The first bucket of each (device, dtype) has cap ``first_bucket_bytes``, later ones
     ``bucket_cap_bytes``; ``bucket_caps_bytes`` instead gives every bucket's cap in
     turn (the last one repeats). Buckets are numbered by where their first parameter
