@@ -10,6 +10,7 @@ against arithmetic, not only against another implementation.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 
 import pytest
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from dist_utils import run_ranks
 from lockstep.collectives import Peers, all_reduce, chunk_bounds, ring_all_reduce, tree_all_reduce
+from lockstep.collectives.ring import pick_segment_numel, receive_scratch
 
 SIZES = [0, 1, 2, 3, 7, 1001, 70_000]
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.int32]
@@ -74,6 +76,14 @@ def _cases(rank: int, world_size: int):
         fn = ring_all_reduce if algo == "ring" else tree_all_reduce
         fn(x, Peers.of(), segment_nbytes=40)
         out[(algo, "segmented", 1001)] = _check(x, rank, world_size, 1001, torch.float32, native, salt=2)
+    # Chunks between one and two segments long go as one message each (pick_segment_numel);
+    # the receive pool is then a chunk, carved from the scratch buffer the cases above grew.
+    x = _input(rank, 1001, torch.float32, salt=4)
+    native = x.clone()
+    dist.all_reduce(native)
+    chunk_numel = chunk_bounds(1001, world_size)[0][1]
+    ring_all_reduce(x, Peers.of(), segment_nbytes=4 * (chunk_numel * 2 // 3))
+    out[("ring", "whole-chunk", 1001)] = _check(x, rank, world_size, 1001, torch.float32, native, salt=4)
     # A parameter (a leaf that requires grad) is summed in place like torch's all_reduce does.
     for algo in ALGOS:
         param = torch.nn.Parameter(_input(rank, 1001, torch.float64, salt=3))
@@ -201,3 +211,30 @@ def test_chunk_bounds_cover_the_buffer_once():
             assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
             sizes = [hi - lo for lo, hi in bounds]
             assert max(sizes) - min(sizes) <= 1
+
+
+def test_short_chunks_go_whole_and_long_ones_in_segments():
+    mib_f32 = (1 << 20) // 4
+    # 2 ranks x 4 MiB: 2 MiB chunks go as one message; 3 MiB ones are cut into 1 MiB segments.
+    assert pick_segment_numel(2 * mib_f32, 1 << 20, 4) == 2 * mib_f32
+    assert pick_segment_numel(3 * mib_f32, 1 << 20, 4) == mib_f32
+    assert pick_segment_numel(500, 40, 4) == 10
+    assert pick_segment_numel(0, 40, 4) == 1
+    with pytest.raises(ValueError, match="segment_nbytes"):
+        pick_segment_numel(500, 0, 4)
+
+
+def test_receive_scratch_is_reused_per_thread_and_dtype():
+    like = torch.zeros(3)
+    a = receive_scratch(like, 1000)
+    b = receive_scratch(like, 500)
+    assert a.numel() == 1000 and b.numel() == 500 and a.data_ptr() == b.data_ptr()
+    grown = receive_scratch(like, 4000)
+    assert grown.numel() == 4000 and receive_scratch(like, 10).data_ptr() == grown.data_ptr()
+    other_dtype = receive_scratch(torch.zeros(3, dtype=torch.float64), 10)
+    assert other_dtype.dtype == torch.float64 and other_dtype.data_ptr() != grown.data_ptr()
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(receive_scratch(like, 10).data_ptr()))
+    worker.start()
+    worker.join()
+    assert seen and seen[0] != grown.data_ptr()  # another thread never gets this thread's buffer
