@@ -118,14 +118,20 @@ def ring_all_reduce(
     # way, which serialised the two directions (ring at 0.35x native at 256 MiB).
     # No deadlock: send k+depth waits only for receive k, which needs the left
     # neighbour's send k, which waits only for its receive k-depth, and so on down.
-    # They also go before this rank posts its receives, on purpose: when the
-    # receiver is already waiting, gloo writes the whole message from inside
-    # isend (about 1 ms for 2 MiB here), blocking this thread; sent first, the
-    # message is usually announced and later written by gloo's I/O thread while
-    # this one posts receives and adds. Posting receives first measured 10-30%
-    # slower at 4 MiB on 2 ranks.
-    for k in range(min(depth, len(first_sends))):
-        send_first(k)
+    #
+    # When they go is a trade-off measured on 2 ranks. When the receiver is
+    # already waiting, gloo writes the whole message from inside isend (about
+    # 1 ms for 2 MiB here), blocking this thread. With pipelined segments, sends
+    # go before this rank posts its receives: they are usually only announced,
+    # and written later by gloo's I/O thread while this one adds (receives first
+    # cost ~5-10% at 16 MiB). With one message per chunk, receives go first: sent
+    # first, a rank that left the starting line later wrote its whole chunk from
+    # isend before posting its receive, so the other direction waited for it
+    # (4 MiB: 0.71-1.01x native over six runs, 0.81-1.07x with receives first).
+    whole_chunks = stride == 1
+    if not whole_chunks:
+        for k in range(min(depth, len(first_sends))):
+            send_first(k)
     pool_numel = min(segment_numel, max_chunk)
     pool = receive_scratch(flat, depth * pool_numel).split(pool_numel)
     posted = deque()
@@ -136,6 +142,28 @@ def ring_all_reduce(
 
     for i in range(depth):
         post(i)
+
+    # The all-gather's receives, straight into `flat`, are posted now too. Posted
+    # after the reduce-scatter instead, the two directions of the last exchange
+    # serialised: a neighbour that was ahead wrote its whole message from inside
+    # isend (see above) before it posted its own receive, and only then could this
+    # rank's data start (4 MiB on 2 ranks, one side-by-side run: 0.79x native
+    # against 0.90x posted early). Nothing
+    # can land early: a chunk's finished value includes what this rank sent from
+    # that range, so it arrives only after the right neighbour has read all of
+    # those sends, i.e. after they have left the buffer.
+    ag_recvs = []
+    for s in range(n - 1):
+        step = n - 1 + s
+        ag_recvs.append(
+            [
+                (peers.irecv(flat[a:b], left, step * stride + k), flat[a:b])
+                for k, (a, b) in enumerate(chunk_segments[(r - s) % n])
+            ]
+        )
+    if whole_chunks:
+        for k in range(min(depth, len(first_sends))):
+            send_first(k)
     for i, (step, k, a, b) in enumerate(items):
         posted.popleft().wait()
         flat[a:b].add_(pool[i % depth][: b - a])
@@ -152,24 +180,11 @@ def ring_all_reduce(
         send_first(k)
 
     # --- all-gather: step s receives chunk (r-s) straight into `flat` ---
-    # Those chunks were sent during the reduce-scatter (steps 0..N-3); the left
-    # neighbour has consumed them by now, so these waits cost nothing in practice,
-    # but they make overwriting a buffer under an in-flight send impossible.
-    for step in range(n - 2):
-        wait_all(sends_by_step[step])
-    ag_recvs = []
-    for s in range(n - 1):
-        step = n - 1 + s
-        ag_recvs.append(
-            [
-                (peers.irecv(flat[a:b], left, step * stride + k), flat[a:b])
-                for k, (a, b) in enumerate(chunk_segments[(r - s) % n])
-            ]
-        )
+    # (receives posted before the reduce-scatter) and forwards it on the next step.
     for s in range(n - 1):
         for k, (work, dst) in enumerate(ag_recvs[s]):
             work.wait()
             if s + 1 < n - 1:  # forward it on the next step
                 sends_by_step[n + s].append(peers.isend(dst, right, (n + s) * stride + k))
-    for step in range(n - 2, 2 * n - 2):
-        wait_all(sends_by_step[step])
+    for step_sends in sends_by_step:
+        wait_all(step_sends)
