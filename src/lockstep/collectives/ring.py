@@ -76,7 +76,6 @@ def pick_segment_numel(chunk_numel: int, segment_nbytes: int, element_size: int)
     return max(1, chunk_numel) if chunk_numel <= 2 * segment_numel else segment_numel
 
 
-
 def ring_all_reduce(
     flat: torch.Tensor, peers: Peers, segment_nbytes: int = DEFAULT_SEGMENT_NBYTES
 ) -> None:
@@ -148,10 +147,10 @@ def ring_all_reduce(
     # serialised: a neighbour that was ahead wrote its whole message from inside
     # isend (see above) before it posted its own receive, and only then could this
     # rank's data start (4 MiB on 2 ranks, one side-by-side run: 0.79x native
-    # against 0.90x posted early). Nothing
-    # can land early: a chunk's finished value includes what this rank sent from
-    # that range, so it arrives only after the right neighbour has read all of
-    # those sends, i.e. after they have left the buffer.
+    # against 0.90x posted early). Nothing can land early: a chunk's finished
+    # value includes what this rank sent from that range, so it arrives only after
+    # the right neighbour has read all of those sends, i.e. after they have left
+    # the buffer.
     ag_recvs = []
     for s in range(n - 1):
         step = n - 1 + s
