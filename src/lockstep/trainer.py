@@ -241,7 +241,8 @@ class Trainer:
                     desc=f"epoch {self.epoch}", disable=not (self.is_writer and self.config.progress), leave=False)
 
     def _end_epoch(self) -> None:
-        totals = torch.tensor([self._loss_sum, float(self._loss_count)], dtype=torch.float64)
+        # On the training device: NCCL reduces CUDA tensors only.
+        totals = torch.tensor([self._loss_sum, float(self._loss_count)], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, group=self.group)  # one collective per epoch
         record = {"event": "epoch", "epoch": self.epoch, "step": self.step,
                   "train_loss": (totals[0] / totals[1]).item() if totals[1] else float("nan"),
@@ -268,7 +269,7 @@ class Trainer:
         batch_size = self.config.eval_batch_size or self.config.batch_size
         was_training = self.model.training
         self.model.eval()
-        sums = torch.zeros(4, dtype=torch.float64)
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # NCCL reduces CUDA tensors only
         for inputs, targets in self._loader(self.eval_data, sampler, batch_size, epoch=0):
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             with self._autocast():
