@@ -13,7 +13,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -127,9 +126,9 @@ def main(argv=None) -> int:
             parser.error(f"--models: unknown model {kind!r}; choose from {sorted(MODELS)}")
     if args.steps < 20:
         print("note: fewer than 20 timed steps; medians will be noisy", file=sys.stderr)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from lockstep.process_group import free_port
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, 2, port, args, queue)) for r in range(2)]

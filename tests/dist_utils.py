@@ -12,16 +12,13 @@ import io
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 from typing import Any, Callable, Sequence
 
+from lockstep.process_group import free_port
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 def _child(fn, rank, world_size, port, args, result_queue, backend, timeout_s, init, env):

@@ -111,13 +111,12 @@ def test_two_slurm_nodes_rendezvous_and_restart_together(tmp_path):
     Rank 1 fails once; both agents must restart the group together and finish. torch counts
     restarts per agent, so the other node may re-form the group without spending a restart.
     """
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from lockstep.process_group import free_port
+
+    port = free_port()
     base = {k: v for k, v in os.environ.items()
             if not k.startswith("SLURM_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     base.update(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost,localhost", SLURM_NNODES="2", MASTER_PORT=str(port))

@@ -116,11 +116,10 @@ def run(sizes, algorithms=ALGORITHMS, world_size=2, iters=20, min_iters=3, budge
     """Spawn ``world_size`` gloo ranks on this host and return the timing rows."""
     import multiprocessing as mp
     import queue as queue_mod
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from lockstep.process_group import free_port
+
+    port = free_port()
     cfg = dict(sizes=list(sizes), algorithms=list(algorithms), iters=iters, min_iters=min_iters,
                budget_s=budget_s, dtype=dtype, timeout_s=timeout_s)
     ctx = mp.get_context("spawn")

@@ -130,7 +130,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
-        self._comm_hook_registered = False
         self._sync_buffers = syncable_buffers(module)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if init_sync:
@@ -201,14 +200,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         if not callable(hook):
             raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
-        if self._comm_hook_registered:
-            raise RuntimeError("register_comm_hook: a communication hook is already registered (one per model)")
         if self.reducer is None:
             raise RuntimeError("register_comm_hook: the module has no parameter that requires grad")
+        if self.reducer.comm_hook is not None:
+            raise RuntimeError("register_comm_hook: a communication hook is already registered (one per model)")
         if self.reducer.num_syncs > 0:
             raise RuntimeError("register_comm_hook must be called before the first backward")
         self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
-        self._comm_hook_registered = True
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False) -> Join:
         """Context manager for uneven inputs: ranks out of data shadow the others' collectives (see ``lockstep.join``).

@@ -39,8 +39,9 @@ def reachable_params(outputs: Any, index_of: dict[int, int]) -> set[int]:
 
     Costs one Python visit per graph node, each forward (only with find_unused_parameters).
     """
-    stack = [t.grad_fn for t in output_tensors(outputs) if t.grad_fn is not None]
-    leaves = [t for t in output_tensors(outputs) if t.grad_fn is None and t.requires_grad]
+    tensors = output_tensors(outputs)
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    leaves = [t for t in tensors if t.grad_fn is None and t.requires_grad]
     used = {index_of[id(t)] for t in leaves if id(t) in index_of}
     seen = set()
     while stack:

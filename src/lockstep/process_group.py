@@ -13,6 +13,7 @@ import datetime
 import gc
 import logging
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,13 @@ def _int_var(env: dict, name: str, launcher_hint: str) -> int:
 _TORCHRUN_HINT = "torchrun / `lockstep launch` (torch.distributed.run)"
 _SLURM_HINT = "srun inside a SLURM allocation"
 _MPI_HINT = "OpenMPI's mpirun"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it); for single-node groups started here."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def detect_launch_env(env: dict | None = None) -> LaunchEnv:
@@ -131,16 +139,12 @@ def _pick_backend(local_rank: int, backend: str | None) -> tuple[str, torch.devi
     has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
     if backend is None:
         backend = "nccl" if has_gpu else "gloo"
-    if backend == "nccl":
-        if not has_gpu:
-            raise RuntimeError("backend='nccl' needs a CUDA GPU, and this process sees none; use backend='gloo'")
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    if backend == "nccl" and not has_gpu:
+        raise RuntimeError("backend='nccl' needs a CUDA GPU, and this process sees none; use backend='gloo'")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if has_gpu else torch.device("cpu")
+    if has_gpu:
         # Each rank must own its device before NCCL creates communicators, or all land on cuda:0.
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count()) if has_gpu else torch.device("cpu")
-        if has_gpu:
-            torch.cuda.set_device(device)
     return backend, device
 
 

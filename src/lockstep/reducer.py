@@ -266,7 +266,6 @@ class Reducer:
             if self._observed_order is not None and not self.buckets_rebuilt:
                 self.rebuild_pending = True
         finally:
-            self._missing_flag = False
             self._reset()
 
     def _copy_back(self, globally_used: list[bool] | None) -> None:
@@ -274,7 +273,7 @@ class Reducer:
             if globally_used is None and not self.gradient_as_bucket_view:
                 torch._foreach_copy_(bucket.grads, bucket.views)  # the common path: one call per bucket
                 continue
-            for slot, (i, grad, view) in enumerate(zip(bucket.plan.param_indices, bucket.grads, bucket.views)):
+            for i, grad, view in zip(bucket.plan.param_indices, bucket.grads, bucket.views):
                 if globally_used is not None and not globally_used[i]:
                     continue  # unused on every rank: leave .grad as it was (None stays None), as torch does
                 p = self.params[i]
