@@ -2,14 +2,14 @@
 
 A thin wrapper so the benchmark can be run from a checkout without the console
 script; all the logic (spawning ranks, timing, the alpha-beta fit, the plot) is in
-``lockstep.bench``. Results go to benchmarks/results/ as dated JSON, markdown and PNG.
+``lockstep.perf.bench``. Results go to benchmarks/results/ as dated JSON, markdown and PNG.
 
     python benchmarks/allreduce.py --min-size 4KiB --max-size 256MiB
 """
 
 import sys
 
-from lockstep.bench import cli_main
+from lockstep.perf.bench import cli_main
 
 if __name__ == "__main__":
     sys.exit(cli_main(["allreduce", *sys.argv[1:]]))

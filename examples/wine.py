@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import lockstep
-from lockstep.data import wine_datasets
+from lockstep.train.data import wine_datasets
 
 
 def parse_args() -> argparse.Namespace:

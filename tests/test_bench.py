@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from lockstep.bench import cli_main, parse_size, sizes_between, summarise
-from lockstep.costmodel import Link, allreduce_time_s
+from lockstep.perf.bench import cli_main, parse_size, sizes_between, summarise
+from lockstep.perf.costmodel import Link, allreduce_time_s
 
 
 @pytest.fixture(scope="module")

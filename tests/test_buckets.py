@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lockstep.buckets import MIB, assign_buckets
+from lockstep.ddp.buckets import MIB, assign_buckets
 
 
 def _params(*numels, dtype=torch.float32):

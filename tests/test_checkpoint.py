@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lockstep import checkpoint as ckpt
+from lockstep.train import checkpoint as ckpt
 
 
 class Unpicklable:

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from lockstep.checkpoint import list_checkpoints, load_checkpoint
-from lockstep.demo import cli_main
-from lockstep.metrics import read_metrics
+from lockstep.train.checkpoint import list_checkpoints, load_checkpoint
+from lockstep.train.demo import cli_main
+from lockstep.train.metrics import read_metrics
 
 EPOCHS = 3
 

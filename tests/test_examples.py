@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from lockstep.checkpoint import list_checkpoints, load_checkpoint
+from lockstep.train.checkpoint import list_checkpoints, load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 # --standalone: a free port, not the fixed 29500 that other jobs on this machine may hold

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from lockstep.launch import LaunchError, launch_function
+from lockstep.launch.launcher import LaunchError, launch_function
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "launch_scripts")

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_ranks
-from lockstep.costmodel import LINKS, Link, allreduce_time_s, fit_link
-from lockstep.plan import PlanConfig, cli_main, comm_time_s, make_plan, step_time_s
+from lockstep.perf.costmodel import LINKS, Link, allreduce_time_s, fit_link
+from lockstep.perf.plan import PlanConfig, cli_main, comm_time_s, make_plan, step_time_s
 
 
 def test_textbook_7b_mixed_adam_needs_112_gb_and_does_not_fit_80():

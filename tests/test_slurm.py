@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from lockstep.launch import parse_launch_args, slurm_script_main
+from lockstep.launch.launcher import parse_launch_args, slurm_script_main
 from lockstep.slurm import expand_nodelist, port_from_job_id, sbatch_script, slurm_launch_env
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "launch_scripts", "allreduce.py")
@@ -147,8 +147,8 @@ def test_two_slurm_nodes_rendezvous_and_restart_together(tmp_path):
 
 
 def test_agent_config_nodes_share_a_rendezvous_and_only_node_0_hosts_it(tmp_path):
-    from lockstep.launch_agent import LaunchOptions, _launch_config
-    from lockstep.launch_output import RankLogsSpecs
+    from lockstep.launch.agent import LaunchOptions, _launch_config
+    from lockstep.launch.output import RankLogsSpecs
 
     configs = [
         _launch_config(LaunchOptions(nproc_per_node=4, nnodes=2, node_rank=r, master_addr="node001", master_port=29500),

@@ -16,9 +16,9 @@ from torch.utils.data import TensorDataset
 
 from dist_utils import run_ranks
 from lockstep import Trainer, TrainerConfig
-from lockstep.checkpoint import list_checkpoints, load_checkpoint
-from lockstep.launch import launch_function
-from lockstep.metrics import measure_exposed_comm, read_metrics
+from lockstep.train.checkpoint import list_checkpoints, load_checkpoint
+from lockstep.launch.launcher import launch_function
+from lockstep.train.metrics import measure_exposed_comm, read_metrics
 
 N_TRAIN, N_EVAL = 150, 37  # neither divides evenly over 2 ranks x 8: padding and a short last batch
 

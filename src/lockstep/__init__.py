@@ -19,17 +19,30 @@ _EXPORTS = {
     "is_main": "process_group",
     "get_logger": "process_group",
     "DistEnv": "process_group",
-    "DistributedDataParallel": "ddp",
-    "NaiveDistributedDataParallel": "naive",
+    "DistributedDataParallel": "ddp.wrapper",
+    "NaiveDistributedDataParallel": "ddp.naive",
     "DistributedSampler": "sampler",
-    "Trainer": "trainer",
-    "TrainerConfig": "trainer",
+    "Trainer": "train.trainer",
+    "TrainerConfig": "train.trainer",
 }
 
 __all__ = sorted(_EXPORTS)
 
 
+# The parts, as subpackages (see the README's layout section for which may import which):
+#   process_group, sampler, slurm   set-up from the environment; the sampler
+#   collectives/   ring and tree all-reduce over send/recv
+#   comm_hooks/    the hook contract, allreduce / fp16 / bf16 / chain stages, PowerSGD
+#   ddp/           the DistributedDataParallel wrapper, its reducer, buckets, join, naive reference
+#   launch/        `lockstep launch` on torch's elastic agent, rank output, failure report
+#   perf/          cost model, plan, all-reduce benchmark
+#   train/         Trainer, checkpoint, metrics, data, demo
+_SUBPACKAGES = ("collectives", "comm_hooks", "ddp", "launch", "perf", "train")
+
+
 def __getattr__(name: str):
+    if name in _SUBPACKAGES:  # `lockstep.comm_hooks.chain` works after a bare `import lockstep`
+        return importlib.import_module(f"lockstep.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'lockstep' has no attribute {name!r}")

@@ -12,11 +12,11 @@ import sys
 
 # subcommand -> (module, function taking argv and returning an exit code, one-line help)
 SUBCOMMANDS = {
-    "launch": ("lockstep.launch", "cli_main", "run a script on N processes per node (torch's elastic agent)"),
-    "slurm-script": ("lockstep.launch", "slurm_script_main", "print a ready sbatch script"),
-    "demo": ("lockstep.demo", "cli_main", "train a small CNN on digits with DDP on 2 CPU processes"),
-    "bench": ("lockstep.bench", "cli_main", "benchmarks: `lockstep bench allreduce`"),
-    "plan": ("lockstep.plan", "cli_main", "memory and communication cost model"),
+    "launch": ("lockstep.launch.launcher", "cli_main", "run a script on N processes per node (torch's elastic agent)"),
+    "slurm-script": ("lockstep.launch.launcher", "slurm_script_main", "print a ready sbatch script"),
+    "demo": ("lockstep.train.demo", "cli_main", "train a small CNN on digits with DDP on 2 CPU processes"),
+    "bench": ("lockstep.perf.bench", "cli_main", "benchmarks: `lockstep bench allreduce`"),
+    "plan": ("lockstep.perf.plan", "cli_main", "memory and communication cost model"),
 }
 
 

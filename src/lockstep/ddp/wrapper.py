@@ -5,7 +5,7 @@ state_dict keys (``module.`` prefix). The wrapper itself does little: at
 construction it checks every rank built the same model and copies rank 0's state;
 each forward decides whether the coming backward is synchronised (not under
 ``no_sync``, not without grad) and broadcasts buffers. The reducer
-(``lockstep.reducer``) does the gradient averaging during backward.
+(``lockstep.ddp.reducer``) does the gradient averaging during backward.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from torch import nn
 
 from torch.distributed.algorithms.join import Join, Joinable
 
-from lockstep.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
-from lockstep.ddp_args import caps_from_list, reject_unsupported, resolve_buffer_sync, resolve_group
-from lockstep.graph import on_backward_start
-from lockstep.join import DDPJoinHook
-from lockstep.module_sync import broadcast_coalesced, syncable_buffers, verify_params_across_ranks
-from lockstep.reducer import Reducer
+from lockstep.ddp.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
+from lockstep.ddp.args import caps_from_list, reject_unsupported, resolve_buffer_sync, resolve_group
+from lockstep.ddp.graph import on_backward_start
+from lockstep.ddp.join import DDPJoinHook
+from lockstep.ddp.replicas import broadcast_coalesced, syncable_buffers, verify_params_across_ranks
+from lockstep.ddp.reducer import Reducer
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 
@@ -209,7 +209,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False) -> Join:
-        """Context manager for uneven inputs: ranks out of data shadow the others' collectives (see ``lockstep.join``).
+        """Context manager for uneven inputs: ranks out of data shadow the others' collectives (see ``lockstep.ddp.join``).
 
         Args:
             divide_by_initial_world_size: average over all ranks (True) or over the ranks still training.

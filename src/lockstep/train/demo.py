@@ -1,6 +1,6 @@
 """``lockstep demo``: a small CNN learns scikit-learn's handwritten digits with DDP on 2 CPU processes.
 
-The workers are started by ``lockstep.launch.launch_function`` (torch's elastic agent),
+The workers are started by ``lockstep.launch.launcher.launch_function`` (torch's elastic agent),
 each joins the gloo group with ``lockstep.init()`` and trains with ``lockstep.Trainer``.
 Rank 0 prints one line per epoch; the parent process then draws the loss and accuracy
 curves from ``metrics.jsonl`` and prints ``test accuracy 0.97`` as its last line.
@@ -45,22 +45,23 @@ def _print_epoch(trainer, record: dict) -> None:
 
 def train_worker(out_dir: str, epochs: int, batch_size: int, lr: float, seed: int) -> dict:
     """One rank of the demo (module-level: the launcher's workers import it by name)."""
-    import lockstep
-    from lockstep.data import digits_datasets
+    from lockstep.process_group import init, shutdown
+    from lockstep.train.data import digits_datasets
+    from lockstep.train.trainer import Trainer, TrainerConfig
 
     torch.set_num_threads(1)  # ranks share the machine's cores; more threads per rank only contend
-    env = lockstep.init(backend="gloo")
+    env = init(backend="gloo")
     try:
         torch.manual_seed(seed)
         train_data, test_data = digits_datasets(seed=seed)
         model = DigitsCNN()
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-        config = lockstep.TrainerConfig(
+        config = TrainerConfig(
             epochs=epochs, batch_size=batch_size, seed=seed, checkpoint_dir=out_dir, keep_last=1,
             metrics_path=os.path.join(out_dir, "metrics.jsonl"), log_every_steps=5,
             progress=sys.stderr.isatty(),  # a bar is noise in a log file or a test
         )
-        trainer = lockstep.Trainer(model, optimizer, nn.functional.cross_entropy, train_data, test_data, config,
+        trainer = Trainer(model, optimizer, nn.functional.cross_entropy, train_data, test_data, config,
                                    device=torch.device("cpu"), on_epoch_end=_print_epoch)
         summary = trainer.fit()
         comm = trainer.comm_report()
@@ -70,7 +71,7 @@ def train_worker(out_dir: str, epochs: int, batch_size: int, lr: float, seed: in
                   flush=True)
         return {"summary": summary, "comm": comm, "world_size": env.world_size}
     finally:
-        lockstep.shutdown()
+        shutdown()
 
 
 def plot_curves(metrics_path: Path, png_path: Path) -> None:
@@ -80,7 +81,7 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lockstep.metrics import read_metrics
+    from lockstep.train.metrics import read_metrics
 
     epochs = {r["epoch"]: r for r in read_metrics(metrics_path) if r.get("event") == "epoch"}  # last wins
     xs = [e + 1 for e in sorted(epochs)]
@@ -119,7 +120,7 @@ def cli_main(argv: Sequence[str]) -> int:
         ns = _parse(argv)
     except SystemExit as e:
         return int(e.code or 0)
-    from lockstep.launch import LaunchError, launch_function
+    from lockstep.launch.launcher import LaunchError, launch_function
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = Path(ns.out) if ns.out else Path("runs") / stamp

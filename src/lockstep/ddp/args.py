@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from lockstep.buckets import MIB
+from lockstep.ddp.buckets import MIB
 
 
 def reject_unsupported(

@@ -17,8 +17,8 @@ import signal
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
-from lockstep.launch_agent import LOOPBACK_ADDR, LaunchOptions, RendezvousFailed, run_agent
-from lockstep.launch_output import LaunchError
+from lockstep.launch.agent import LOOPBACK_ADDR, LaunchOptions, RendezvousFailed, run_agent
+from lockstep.launch.output import LaunchError
 from lockstep.slurm import sbatch_script, slurm_launch_env
 
 __all__ = [

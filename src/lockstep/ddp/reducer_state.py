@@ -15,8 +15,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from lockstep.buckets import BucketPlan
-from lockstep.graph import reachable_params
+from lockstep.ddp.buckets import BucketPlan
+from lockstep.ddp.graph import reachable_params
 
 
 class Bucket:

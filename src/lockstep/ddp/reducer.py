@@ -23,9 +23,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from lockstep.buckets import assign_buckets
-from lockstep.grad_bucket import GradBucket
-from lockstep.reducer_state import Bucket, UsageTracker, raise_missing_gradients
+from lockstep.ddp.buckets import assign_buckets
+from lockstep.ddp.grad_bucket import GradBucket
+from lockstep.ddp.reducer_state import Bucket, UsageTracker, raise_missing_gradients
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 

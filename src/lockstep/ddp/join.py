@@ -11,22 +11,32 @@ end identical.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from lockstep.module_sync import broadcast_coalesced
+from lockstep.ddp.replicas import broadcast_coalesced
 
-if TYPE_CHECKING:
-    from lockstep.ddp import DistributedDataParallel
+
+class JoinableDDP(Protocol):
+    """What the join hook reads of the wrapper; stated here so this module need not import it."""
+
+    module: torch.nn.Module
+    reducer: Any
+    process_group: dist.ProcessGroup
+    join_device: torch.device
+    _sync_buffers: list[torch.Tensor]
+    _divide_by_initial_world_size: bool
+
+    def _will_sync_buffers(self) -> bool: ...
 
 
 class DDPJoinHook(JoinHook):
     """What a joined rank does per round (``main_hook``) and once all have joined (``post_hook``)."""
 
-    def __init__(self, ddp: "DistributedDataParallel", divide_by_initial_world_size: bool):
+    def __init__(self, ddp: JoinableDDP, divide_by_initial_world_size: bool):
         self.ddp = ddp
         # The training ranks read this in forward: divide by everyone, or by the ranks still training.
         ddp._divide_by_initial_world_size = divide_by_initial_world_size

@@ -1,116 +1,21 @@
-"""Communication hooks for DistributedDataParallel: averaging, fp16/bf16 compression, PowerSGD, and chaining.
+"""Hooks and stages: ``allreduce_hook``, fp16/bf16 compression, error feedback, and ``chain``.
 
-A hook follows torch's contract, so it runs on lockstep's DDP and on
-``torch.nn.parallel.DistributedDataParallel`` alike: ``hook(state, bucket)``
-gets a bucket whose ``buffer()`` is the flat 1-D tensor of its local (not yet
-averaged) gradients and returns a ``torch.futures.Future`` of the averaged
-buffer. ``state`` is a process group, ``None`` for the default group, or a
-state object with a ``process_group`` attribute (``PowerSGDState``).
-
-The one idea beyond torch (which allows one hook per model): a *stage* is a
-function from a hook to a hook. Stages wrap whatever sits inside them, so they
-compose, and ``chain(stage_1, ..., stage_k, hook)`` reads outermost first::
-
-    model.register_comm_hook(None, chain(bf16_compress, allreduce_hook(algorithm="ring")))
-    model.register_comm_hook(PowerSGDState(None, 2), chain(fp16_compress, powersgd_hook))
-    model.register_comm_hook(None, chain(ErrorFeedback(), bf16_compress, allreduce_hook))
-
-``fp16_compress`` / ``bf16_compress`` cast the buffer, hand the inner hook a
-bucket whose ``buffer()`` and ``gradients()`` are the compressed tensor, and
-cast its averaged result back into the original buffer; ``ErrorFeedback()``
-remembers what the inner hook lost locally and adds it to the next step's
-gradients. Write a stage of your own with the ``@stage`` decorator. Every hook
-here averages by dividing first and summing second, as torch's hooks do, so
-``fp16_compress_hook = chain(fp16_compress, allreduce_hook)`` is torch's fp16
-hook bit for bit. A hook that issues several collectives must issue them in the
-same order on every rank: ours do so from the hook call itself, never from a
-Future callback, whose timing differs between ranks.
+A stage is a function from a hook to a hook; see the package docstring for how
+they compose.
 """
 
-from typing import Any, Callable, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lockstep.comm_hooks.base import (
+    BucketLike, Future, Hook, Stage, average_async, completed, gradient_offsets, group_of, tensor_of,
+)
+
 # No `from __future__ import annotations` here: torch's DDP compares a hook's annotations with
 # dist.GradBucket and Future[torch.Tensor] by value (DistributedDataParallel._check_comm_hook), and a
 # postponed annotation is a string that fails the check.
-
-__all__ = [
-    "ErrorFeedback", "PowerSGDState", "allreduce_hook", "bf16_compress", "bf16_compress_hook", "chain",
-    "fp16_compress", "fp16_compress_hook", "powersgd_hook", "stage",
-]
-
-Future = torch.futures.Future
-Hook = Callable[[Any, Any], Future]
-Stage = Callable[[Hook], Hook]
-
-
-class BucketLike(Protocol):
-    """What a hook may ask of a bucket: torch's ``dist.GradBucket`` surface."""
-
-    def index(self) -> int: ...
-    def buffer(self) -> torch.Tensor: ...
-    def is_last(self) -> bool: ...
-    def parameters(self) -> list[torch.Tensor]: ...
-    def gradients(self) -> list[torch.Tensor]: ...
-
-
-# ----------------------------------------------------------------- helpers
-def group_of(state: Any) -> dist.ProcessGroup | None:
-    """The process group a hook's ``state`` names (``None`` means the default group)."""
-    if state is None or isinstance(state, dist.ProcessGroup):
-        return state
-    if hasattr(state, "process_group"):
-        return state.process_group
-    raise TypeError(
-        f"comm hook state must be a ProcessGroup, None (the default group) or an object with a "
-        f"'process_group' attribute, got {type(state).__name__}"
-    )
-
-
-def completed(tensor: torch.Tensor) -> Future:
-    """A Future already holding ``tensor``: how a synchronous reduction honours the hook contract."""
-    fut: Future = torch.futures.Future()
-    fut.set_result(tensor)
-    return fut
-
-
-def tensor_of(value: Any) -> torch.Tensor:
-    """A hook's Future value is a tensor or, as torch's own hooks return, a list whose first item is one."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
-        return value[0]
-    raise TypeError(f"a comm hook's Future must hold a tensor or a list of tensors, got {type(value).__name__}")
-
-
-def gradient_offsets(bucket: Any) -> list[int]:
-    """Where each of ``bucket.gradients()`` starts in ``bucket.buffer()``, in elements.
-
-    Read from the views themselves rather than assumed contiguous: a reducer
-    may pad or append to its buffer, and a hook must not misplace a gradient.
-    """
-    buffer = bucket.buffer()
-    offsets = []
-    for i, grad in enumerate(bucket.gradients()):
-        offset = (grad.data_ptr() - buffer.data_ptr()) // buffer.element_size()
-        if grad.dtype != buffer.dtype or not 0 <= offset <= buffer.numel() - grad.numel():
-            raise RuntimeError(f"bucket {bucket.index()}: gradient {i} is not a view into the bucket's buffer")
-        offsets.append(offset)
-    return offsets
-
-
-def average_async(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> Future:
-    """Average ``tensor`` in place over ``group`` with the backend's own all-reduce; Future of ``tensor``.
-
-    Divides *before* summing, as torch's reducer does: the sum of world_size
-    low-precision values can overflow where their average would not, and the
-    result is bitwise what DDP computes without a hook, for every world size.
-    """
-    tensor.div_(dist.get_world_size(group))
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(lambda fut: tensor_of(fut.value()))
 
 
 # ----------------------------------------------------------------- allreduce
@@ -311,12 +216,3 @@ class ErrorFeedback:
 
         hook.__name__ = hook.__qualname__ = f"ErrorFeedback({_name(inner)})"
         return hook
-
-
-def __getattr__(name: str) -> Any:
-    # PowerSGD lives in its own module (it imports the helpers above); re-exported here lazily.
-    if name in ("PowerSGDState", "powersgd_hook"):
-        from lockstep import powersgd
-
-        return getattr(powersgd, name)
-    raise AttributeError(f"module 'lockstep.comm_hooks' has no attribute {name!r}")

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from lockstep.launch_output import RANK_PREFIX_TEMPLATE, RankLogsSpecs, failure_report
+from lockstep.launch.output import RANK_PREFIX_TEMPLATE, RankLogsSpecs, failure_report
 
 _SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # the agent stops the workers, then exits, on these
 LOOPBACK_ADDR = "127.0.0.1"  # single-node default: the rendezvous and MASTER_ADDR stay on loopback

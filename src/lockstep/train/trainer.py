@@ -2,7 +2,7 @@
 
 It wraps a model in lockstep's DistributedDataParallel, shards the data with
 DistributedSampler, accumulates gradients under ``no_sync``, and checkpoints through
-``lockstep.checkpoint``. The one idea: everything that decides what happens next —
+``lockstep.train.checkpoint``. The one idea: everything that decides what happens next —
 parameters, optimizer and scheduler state, step, each rank's sampler position and RNG
 states — goes into the checkpoint, and nothing else draws randomness (every DataLoader
 has its own generator), so a resumed run repeats an uninterrupted one bit for bit.
@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from lockstep import checkpoint as ckpt
-from lockstep.ddp import DistributedDataParallel
-from lockstep.metrics import MetricsLog, comm_report, comm_wait_share
+from lockstep.train import checkpoint as ckpt
+from lockstep.ddp.wrapper import DistributedDataParallel
+from lockstep.train.metrics import MetricsLog, comm_report, comm_wait_share
 from lockstep.sampler import DistributedSampler
 
 _AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -299,7 +299,7 @@ class Trainer:
 
     # -- reporting -------------------------------------------------------------------------
     def comm_report(self) -> dict:
-        """Share of step time spent in communication (see ``lockstep.metrics.comm_report``)."""
+        """Share of step time spent in communication (see ``lockstep.train.metrics.comm_report``)."""
         return comm_report(self)
 
     def summary(self) -> dict:

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.ddp import DistributedDataParallel
-from lockstep.module_sync import broadcast_coalesced
+from lockstep.ddp.wrapper import DistributedDataParallel
+from lockstep.ddp.replicas import broadcast_coalesced
 
 
 class NaiveDistributedDataParallel(nn.Module):

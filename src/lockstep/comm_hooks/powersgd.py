@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lockstep.comm_hooks import BucketLike, Future, average_async, completed
+from lockstep.comm_hooks.base import BucketLike, Future, average_async, completed
 
 
 @dataclass

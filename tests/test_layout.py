@@ -1,0 +1,159 @@
+"""The package's parts depend on each other one way only, with no import cycles, and every public
+name the README shows imports.
+
+Imports are read from the source (ast), lazy ones inside functions included, so a wrong-way import
+fails here before it can become a cycle at run time. The layers are the table in the README's
+"Layout" section; a part may import only parts on a lower layer.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "lockstep"
+
+# part -> layer. A part is a subpackage or a top-level module; a module may import parts of lower layers.
+LAYERS = {
+    "slurm": 0, "sampler": 0,
+    "process_group": 1,
+    "collectives": 2,
+    "comm_hooks": 3,
+    "ddp": 4, "diagnostics": 4,
+    "launch": 5, "perf": 5,
+    "train": 6,
+    "__init__": 7, "cli": 8, "__main__": 9,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+def part_of(module: str) -> str:
+    """``lockstep.ddp.reducer`` -> ``ddp``; ``lockstep.sampler`` -> ``sampler``; ``lockstep`` -> ``__init__``."""
+    pieces = module.split(".")
+    return pieces[1] if len(pieces) > 1 else "__init__"
+
+
+def is_module(name: str) -> bool:
+    rel = Path(*name.split(".")[1:]) if "." in name else Path()
+    return (PACKAGE / rel).with_suffix(".py").exists() or (PACKAGE / rel / "__init__.py").exists()
+
+
+def lockstep_imports(source: str) -> list[tuple[int, str]]:
+    """(line, imported lockstep module) for every import in ``source``, lazy ones included."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if alias.name.startswith("lockstep")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lockstep") and not node.level:
+            for alias in node.names:  # `from lockstep.train import checkpoint` imports a module
+                candidate = f"{node.module}.{alias.name}"
+                found.append((node.lineno, candidate if is_module(candidate) else node.module))
+    return found
+
+
+def wrong_way_imports(module: str, source: str) -> list[str]:
+    here = part_of(module)
+    bad = []
+    for line, target in lockstep_imports(source):
+        there = part_of(target)
+        if there != here and LAYERS[there] >= LAYERS[here]:
+            bad.append(f"{module}:{line} imports {target} ({here} is layer {LAYERS[here]}, {there} is layer {LAYERS[there]})")
+    return bad
+
+
+def all_modules() -> dict[str, str]:
+    return {module_name(p): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_every_part_has_a_layer():
+    assert {part_of(m) for m in all_modules()} <= set(LAYERS)
+
+
+def test_imports_point_down_the_layers():
+    bad = [b for module, source in all_modules().items() for b in wrong_way_imports(module, source)]
+    assert not bad, "wrong-way imports:\n" + "\n".join(bad)
+
+
+def test_checker_catches_a_wrong_way_import():
+    # The rule must be able to fail: the reducer reaching up into the Trainer, and a hook into the wrapper.
+    assert wrong_way_imports("lockstep.ddp.reducer", "from lockstep.train.trainer import Trainer\n")
+    assert wrong_way_imports("lockstep.comm_hooks.stages", "def f():\n    import lockstep.ddp.wrapper\n")
+    assert not wrong_way_imports("lockstep.train.trainer", "from lockstep.ddp.wrapper import DistributedDataParallel\n")
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles():
+    graph = {m: {t for _, t in lockstep_imports(src) if t != m} for m, src in all_modules().items()}
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+    assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+
+
+def test_modules_stay_readable():
+    # STYLE.md: a module near 300 lines, split before 500.
+    long = {m: src.count("\n") for m, src in all_modules().items() if src.count("\n") > 400}
+    assert not long, f"modules over 400 lines: {long}"
+
+
+def test_readme_layout_table_matches_layers():
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Layout"):]
+    for part, layer in LAYERS.items():
+        if part.startswith("__") or part == "cli":
+            continue
+        if (PACKAGE / part).is_dir() or (PACKAGE / f"{part}.py").exists():
+            assert re.search(rf"^\| {layer} \|[^|]*\b{part}\b", section, re.M), f"README layout table: {part} on layer {layer}"
+
+
+def readme_names() -> list[str]:
+    """Every dotted ``lockstep.*`` name and every ``from lockstep... import ...`` the README shows."""
+    text = (ROOT / "README.md").read_text()
+    names = set(re.findall(r"\blockstep(?:\.[A-Za-z_]\w*)+", text))
+    for module, parenthesised, single in re.findall(r"from (lockstep[\w.]*) import (?:\(([^)]*)\)|(.*))", text):
+        imported = re.sub(r"#.*", "", parenthesised or single)
+        for item in imported.split(","):
+            if item.split():
+                names.add(f"{module}.{item.split()[0]}")  # `Name as alias` -> Name
+    return sorted(n.rstrip(".") for n in names)
+
+
+@pytest.mark.parametrize("dotted", readme_names())
+def test_readme_name_imports(dotted):
+    pieces = dotted.split(".")
+    obj = importlib.import_module(pieces[0])
+    for i, piece in enumerate(pieces[1:], start=1):
+        try:
+            obj = getattr(obj, piece)
+        except AttributeError:
+            obj = importlib.import_module(".".join(pieces[: i + 1]))
