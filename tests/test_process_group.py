@@ -122,8 +122,8 @@ def test_real_groups_from_each_launcher():
     slurm_port = _port_in(20000, 40000)
     mpi_port = _port_in(40000, 50000)
     results = run_ranks(_init_from_each_launcher, 2, args=(slurm_port, mpi_port), init=False, timeout_s=120)
-    assert results[0]["log"] == "[rank0] INFO lockstep.train.trainer: step 1\n[rank0] WARNING lockstep.train.trainer: slow rank\n"
-    assert results[1]["log"] == "[rank1] WARNING lockstep.train.trainer: slow rank\n"  # INFO is rank 0's alone
+    assert results[0]["log"] == "[rank0] INFO lockstep.trainer: step 1\n[rank0] WARNING lockstep.trainer: slow rank\n"
+    assert results[1]["log"] == "[rank1] WARNING lockstep.trainer: slow rank\n"  # INFO is rank 0's alone
     for rank, per_launcher in enumerate(results):
         for launcher in ("torchrun", "slurm", "openmpi"):
             r, ws, local_rank, backend, device, total, main = per_launcher[launcher]
