@@ -57,3 +57,54 @@ def test_bad_arguments():
         assign_buckets(_params(1), [0], bucket_cap_bytes=0)
     with pytest.raises(ValueError, match="permutation"):
         assign_buckets(_params(1, 2), [0, 0], bucket_cap_bytes=10)
+
+
+class _Work:
+    def __init__(self, done=True):
+        self._done, self.waited = done, False
+
+    def done(self):
+        return self._done
+
+    def wait(self):
+        self.waited = True
+
+
+class _Bucket:
+    def __init__(self, index):
+        self.index, self.work = index, None
+
+
+def _launch_order(n, hooked=False, work_done=True):
+    from lockstep.ddp.launch_order import LaunchOrder
+
+    buckets, launched = [_Bucket(i) for i in range(n)], []
+
+    def launch(bucket):
+        launched.append(bucket.index)
+        bucket.work = _Work(work_done)
+
+    return LaunchOrder(buckets, launch, lambda: hooked), buckets, launched
+
+
+def test_launch_order_holds_a_bucket_ready_early_until_the_earlier_ones_launch():
+    order, _, launched = _launch_order(4)
+    order.mark_ready(2)
+    order.mark_ready(1)
+    assert launched == []  # bucket 0 is not ready: nothing may go before it on any rank
+    order.mark_ready(0)
+    assert launched == [0, 1, 2]
+    order.drain()
+    assert launched == [0, 1, 2, 3]
+    order.reset()
+    order.mark_ready(0)
+    assert launched == [0, 1, 2, 3, 0]
+
+
+def test_launch_order_with_a_hook_keeps_one_bucket_in_flight():
+    order, buckets, launched = _launch_order(3, hooked=True, work_done=False)
+    order.mark_ready(0)
+    order.mark_ready(1)
+    assert launched == [0]  # bucket 0's hook has not finished: bucket 1 waits
+    order.drain()
+    assert launched == [0, 1, 2] and buckets[0].work.waited and buckets[1].work.waited

@@ -23,7 +23,7 @@ _EXPORTS = {
     "NaiveDistributedDataParallel": "ddp.naive",
     "DistributedSampler": "sampler",
     "Trainer": "train.trainer",
-    "TrainerConfig": "train.trainer",
+    "TrainerConfig": "train.config",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -3,7 +3,7 @@
 One post-accumulate-grad hook per parameter copies the gradient into its bucket's
 flat buffer (pre-divided by the world size, fused into the copy); when a bucket's
 last gradient lands, its all-reduce is launched asynchronously, but only in bucket
-index order, because every rank must issue collectives in the same order. The end
+index order (``launch_order``), because every rank must issue collectives in the same order. The end
 of backward waits for the buckets and copies the averages back into ``param.grad``
 (one ``_foreach_copy_`` per bucket), or leaves them in place when ``param.grad``
 is a view of the bucket.
@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from lockstep.ddp.buckets import assign_buckets
 from lockstep.ddp.grad_bucket import GradBucket
+from lockstep.ddp.launch_order import LaunchOrder
 from lockstep.ddp.reducer_state import Bucket, UsageTracker, raise_missing_gradients
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
@@ -90,6 +91,7 @@ class Reducer:
             for slot, i in enumerate(bucket.plan.param_indices):
                 self._location[i] = (bucket.index, slot)
         self._sizes = [len(b.params) for b in self.buckets]
+        self._order = LaunchOrder(self.buckets, self._launch, lambda: self.comm_hook is not None)
         self._reset()
         if self.gradient_as_bucket_view:
             # Existing gradients move into the new buffers so no accumulated value is lost.
@@ -197,23 +199,7 @@ class Reducer:
         bucket.grads[slot] = grad
         self._pending[b] -= 1
         if self._pending[b] == 0:
-            self._ready[b] = True
-            # Launch in index order only: a later bucket that is ready first waits for the earlier ones.
-            while self._next_launch < len(self.buckets) and self._ready[self._next_launch]:
-                if self.comm_hook is not None and self._next_launch > 0 and not self.buckets[self._next_launch - 1].work.done():
-                    # A hook may issue collectives from its futures' callbacks (torch's PowerSGD does), on
-                    # another thread: one hooked bucket in flight at a time keeps every rank's order the same.
-                    break
-                self._launch(self.buckets[self._next_launch])
-                self._next_launch += 1
-
-    def _drain_launches(self) -> None:
-        """End of backward: launch the buckets still held back, each after the previous one is done."""
-        while self._next_launch < len(self.buckets):
-            if self.comm_hook is not None and self._next_launch > 0:
-                self.buckets[self._next_launch - 1].work.wait()
-            self._launch(self.buckets[self._next_launch])
-            self._next_launch += 1
+            self._order.mark_ready(b)
 
     def _launch(self, bucket: Bucket) -> None:
         if self.events is not None:
@@ -249,7 +235,7 @@ class Reducer:
             self._missing_flag = bool(missing)
             for i in missing:  # launch every bucket anyway: the other ranks are waiting in them
                 self._mark_ready(i, self.params[i].grad)
-            self._drain_launches()
+            self._order.drain()
             start = time.perf_counter()
             for bucket in self.buckets:
                 result = bucket.work.wait()
@@ -289,7 +275,7 @@ class Reducer:
         """A joined rank's stand-in for one backward: the same collectives, in the same order, with zeros."""
         for bucket in self.buckets:
             bucket.buffer.zero_()
-        self._drain_launches()
+        self._order.drain()
         for bucket in self.buckets:
             bucket.work.wait()
         self.usage.exchange_status([], self.comm_hook is not None, self.buckets[-1], self.process_group, joined=True)
@@ -297,8 +283,7 @@ class Reducer:
 
     def _reset(self) -> None:
         self._pending = list(self._sizes)
-        self._ready = [False] * len(self.buckets)
-        self._next_launch = 0
+        self._order.reset()
         self._missing_flag = False
         for bucket in self.buckets:
             bucket.reset()

@@ -13,70 +13,20 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from lockstep.train import checkpoint as ckpt
 from lockstep.ddp.wrapper import DistributedDataParallel
-from lockstep.train.metrics import MetricsLog, comm_report, comm_wait_share
 from lockstep.sampler import DistributedSampler
+from lockstep.train import checkpoint as ckpt
+from lockstep.train.config import _AUTOCAST_DTYPES, TrainerConfig
+from lockstep.train.evaluate import evaluate
+from lockstep.train.metrics import MetricsLog, comm_report, comm_wait_share
 
-_AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-@dataclass
-class TrainerConfig:
-    """How to train. Sizes are per rank; the global batch is batch_size * grad_accum_steps * world_size."""
-
-    epochs: int = 1  # passes over the training set
-    batch_size: int = 32  # samples per micro-batch, per rank
-    grad_accum_steps: int = 1  # micro-batches per optimizer step; all but the last run under no_sync
-    eval_batch_size: int | None = None  # defaults to batch_size
-    grad_clip_norm: float | None = None  # clip the all-reduced gradient's total norm to this
-    autocast_dtype: str | None = None  # "bfloat16": autocast forward and loss (CPU and CUDA)
-    warmup_steps: int = 0  # linear warm-up of the learning rate over this many optimizer steps
-    lr_scale_base_batch: int | None = None  # linear-scaling rule: lr *= global batch / this (Goyal et al. 2017)
-    seed: int = 0  # the samplers' shuffle seed (the same on every rank)
-    checkpoint_dir: str | None = None  # where ckpt-<step>.pt files go; None: no checkpoints
-    save_every_steps: int | None = None  # checkpoint every N optimizer steps (and always at the end)
-    keep_last: int = 3  # checkpoints kept; older ones are deleted
-    resume: bool = False  # continue from the newest checkpoint in checkpoint_dir, if there is one
-    metrics_path: str | None = None  # JSON lines written by global rank 0
-    log_every_steps: int = 10  # a metrics line every N steps
-    progress: bool = True  # a tqdm bar on global rank 0
-    num_workers: int = 0  # DataLoader workers per rank
-    max_steps: int | None = None  # stop after this many optimizer steps in total (resumed ones included)
-
-    def __post_init__(self):
-        positive = ["epochs", "batch_size", "grad_accum_steps", "keep_last", "log_every_steps"]
-        optional_positive = ["eval_batch_size", "save_every_steps", "lr_scale_base_batch", "max_steps"]
-        for name in positive + optional_positive:
-            value = getattr(self, name)
-            if value is None and name in optional_positive:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"TrainerConfig.{name} must be an int >= 1, got {value!r}")
-        for name in ("warmup_steps", "num_workers", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"TrainerConfig.{name} must be an int >= 0, got {value!r}")
-        if self.grad_clip_norm is not None and not (
-            isinstance(self.grad_clip_norm, (int, float)) and self.grad_clip_norm > 0
-        ):
-            raise ValueError(f"TrainerConfig.grad_clip_norm must be a number > 0, got {self.grad_clip_norm!r}")
-        if self.autocast_dtype is not None and self.autocast_dtype not in _AUTOCAST_DTYPES:
-            raise ValueError(
-                f"TrainerConfig.autocast_dtype must be None or one of {sorted(_AUTOCAST_DTYPES)}, "
-                f"got {self.autocast_dtype!r} (float16 would need a GradScaler, which the Trainer does not run)"
-            )
-        for name in ("resume", "save_every_steps"):
-            if getattr(self, name) and self.checkpoint_dir is None:
-                raise ValueError(f"TrainerConfig.{name} needs TrainerConfig.checkpoint_dir to be set")
-
+__all__ = ["Trainer", "TrainerConfig"]
 
 class Trainer:
     """Trains ``model`` on ``train_data`` (items ``(inputs, targets)``) on every rank of ``group``.
@@ -258,35 +208,10 @@ class Trainer:
         if self.on_epoch_end is not None:
             self.on_epoch_end(self, record)
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
-        """Loss (and accuracy for class-index targets) over the eval set, each sample counted once.
-
-        Runs the plain module (no DDP forward, so no collective per batch: ranks may hold one
-        sample more or less) and all-reduces [loss sum, correct, count, classified] at the end.
-        """
-        sampler = DistributedSampler(self.eval_data, self.world_size, self.rank, shuffle=False, pad=False)
-        batch_size = self.config.eval_batch_size or self.config.batch_size
-        was_training = self.model.training
-        self.model.eval()
-        sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # NCCL reduces CUDA tensors only
-        for inputs, targets in self._loader(self.eval_data, sampler, batch_size, epoch=0):
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
-            with self._autocast():
-                outputs = self.model(inputs)
-                loss = self.loss_fn(outputs, targets)
-            sums[0] += loss.double().item() * len(targets)
-            sums[2] += len(targets)
-            if outputs.ndim == 2 and targets.ndim == 1 and not targets.is_floating_point():
-                sums[1] += (outputs.argmax(dim=1) == targets).sum().item()
-                sums[3] += len(targets)
-        self.model.train(was_training)
-        dist.all_reduce(sums, group=self.group)
-        loss_sum, correct, count, classified = sums.tolist()
-        result = {"eval_loss": loss_sum / count if count else float("nan"), "eval_samples": int(count)}
-        if classified and classified == count:
-            result["eval_accuracy"] = correct / count
-        return result
+        """Loss (and accuracy for class-index targets) over the eval set, each sample counted once."""
+        return evaluate(self.model, self.loss_fn, self.eval_data, self._loader, self.world_size, self.rank,
+                        self.config.eval_batch_size or self.config.batch_size, self.device, self._autocast, self.group)
 
     # -- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self):

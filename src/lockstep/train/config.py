@@ -1,0 +1,59 @@
+"""TrainerConfig: how the Trainer trains, validated on construction so a typo fails before any rank starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class TrainerConfig:
+    """How to train. Sizes are per rank; the global batch is batch_size * grad_accum_steps * world_size."""
+
+    epochs: int = 1  # passes over the training set
+    batch_size: int = 32  # samples per micro-batch, per rank
+    grad_accum_steps: int = 1  # micro-batches per optimizer step; all but the last run under no_sync
+    eval_batch_size: int | None = None  # defaults to batch_size
+    grad_clip_norm: float | None = None  # clip the all-reduced gradient's total norm to this
+    autocast_dtype: str | None = None  # "bfloat16": autocast forward and loss (CPU and CUDA)
+    warmup_steps: int = 0  # linear warm-up of the learning rate over this many optimizer steps
+    lr_scale_base_batch: int | None = None  # linear-scaling rule: lr *= global batch / this (Goyal et al. 2017)
+    seed: int = 0  # the samplers' shuffle seed (the same on every rank)
+    checkpoint_dir: str | None = None  # where ckpt-<step>.pt files go; None: no checkpoints
+    save_every_steps: int | None = None  # checkpoint every N optimizer steps (and always at the end)
+    keep_last: int = 3  # checkpoints kept; older ones are deleted
+    resume: bool = False  # continue from the newest checkpoint in checkpoint_dir, if there is one
+    metrics_path: str | None = None  # JSON lines written by global rank 0
+    log_every_steps: int = 10  # a metrics line every N steps
+    progress: bool = True  # a tqdm bar on global rank 0
+    num_workers: int = 0  # DataLoader workers per rank
+    max_steps: int | None = None  # stop after this many optimizer steps in total (resumed ones included)
+
+    def __post_init__(self):
+        positive = ["epochs", "batch_size", "grad_accum_steps", "keep_last", "log_every_steps"]
+        optional_positive = ["eval_batch_size", "save_every_steps", "lr_scale_base_batch", "max_steps"]
+        for name in positive + optional_positive:
+            value = getattr(self, name)
+            if value is None and name in optional_positive:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainerConfig.{name} must be an int >= 1, got {value!r}")
+        for name in ("warmup_steps", "num_workers", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"TrainerConfig.{name} must be an int >= 0, got {value!r}")
+        if self.grad_clip_norm is not None and not (
+            isinstance(self.grad_clip_norm, (int, float)) and self.grad_clip_norm > 0
+        ):
+            raise ValueError(f"TrainerConfig.grad_clip_norm must be a number > 0, got {self.grad_clip_norm!r}")
+        if self.autocast_dtype is not None and self.autocast_dtype not in _AUTOCAST_DTYPES:
+            raise ValueError(
+                f"TrainerConfig.autocast_dtype must be None or one of {sorted(_AUTOCAST_DTYPES)}, "
+                f"got {self.autocast_dtype!r} (float16 would need a GradScaler, which the Trainer does not run)"
+            )
+        for name in ("resume", "save_every_steps"):
+            if getattr(self, name) and self.checkpoint_dir is None:
+                raise ValueError(f"TrainerConfig.{name} needs TrainerConfig.checkpoint_dir to be set")
