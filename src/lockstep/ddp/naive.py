@@ -35,6 +35,7 @@ class NaiveDistributedDataParallel(nn.Module):
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._expect = False
         self._queued = False
+        self._last_works: list = []
         broadcast_coalesced(list(module.parameters()) + list(module.buffers()), self.process_group)
         # Any hook will do to learn that backward is running; the work happens in the end-of-backward callback.
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
@@ -51,11 +52,14 @@ class NaiveDistributedDataParallel(nn.Module):
     def _all_reduce_grads(self) -> None:
         self._queued = False
         self._expect = False
+        works = []  # kept until the next backward: gloo's thread must not free them (see ddp/lifetime.py)
         for p in self._params:
             if p.grad is None:
                 raise RuntimeError("NaiveDistributedDataParallel: a parameter received no gradient")
-            dist.all_reduce(p.grad, group=self.process_group)  # blocking: one collective per parameter
+            works.append(dist.all_reduce(p.grad, group=self.process_group, async_op=True))
+            works[-1].wait()  # blocking: one collective per parameter, one after the other
             p.grad.div_(self.world_size)
+        self._last_works = works
 
     # The same switch as the real DDP's: it only toggles require_backward_grad_sync.
     no_sync = DistributedDataParallel.no_sync

@@ -13,11 +13,14 @@ launches on one rank while the others wait. Here the end of backward (or, on a r
 whose backward could not finish, its next forward) launches every bucket anyway,
 with a flag in one spare element of the last bucket, so all ranks learn of the
 problem from a collective they were issuing regardless, and all raise.
+
+What a reducer leaves behind (works, hooks) and when it goes: ``lifetime``.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -26,6 +29,7 @@ import torch.distributed as dist
 from lockstep.ddp.buckets import assign_buckets
 from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.launch_order import LaunchOrder
+from lockstep.ddp.lifetime import register_for_exit, remove_handles
 from lockstep.ddp.reducer_state import Bucket, UsageTracker, raise_missing_gradients
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
@@ -80,7 +84,10 @@ class Reducer:
         self.num_syncs = 0
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         self._build(list(reversed(range(len(self.params)))))
-        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+        self_ref = weakref.ref(self)  # the parameters outlive a dropped DDP object; its reducer must not
+        self._handles = [p.register_post_accumulate_grad_hook(_make_hook(self_ref, i)) for i, p in enumerate(self.params)]
+        weakref.finalize(self, remove_handles, self._handles)
+        register_for_exit(self)
 
     # ----------------------------------------------------------------- layout
     def _build(self, order: list[int]) -> None:
@@ -152,15 +159,6 @@ class Reducer:
             self._mark_ready(i, self.params[i].grad)
 
     # ------------------------------------------------------------- backward
-    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            if self.expect_hooks:
-                self._on_grad(index, param)
-            elif self.usage.track_window:
-                self.usage.used_in_window[index] = True  # no_sync micro-batch: synchronise this one later
-
-        return hook
-
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         self._hooks_fired = True
         self.on_backward_start()  # no-op when the outputs' grad_fn pre-hook already ran it
@@ -290,6 +288,23 @@ class Reducer:
         self.usage.reset_backward()
 
     def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        remove_handles(self._handles)
+
+    def release_works(self) -> None:
+        """Drop the finished works of the last backward, on the calling thread (see the module docstring)."""
+        for bucket in self.buckets:
+            bucket.work = None
+        self.usage.last_work = None
+
+
+def _make_hook(reducer_ref: weakref.ref, index: int) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        reducer = reducer_ref()
+        if reducer is None:
+            return
+        if reducer.expect_hooks:
+            reducer._on_grad(index, param)
+        elif reducer.usage.track_window:
+            reducer.usage.used_in_window[index] = True  # no_sync micro-batch: synchronise this one later
+
+    return hook

@@ -31,12 +31,14 @@ class Bucket:
         self.buffer = torch.zeros(plan.numel + 1, dtype=plan.dtype, device=plan.device)
         self.flat = self.buffer[: plan.numel]  # what a comm hook sees: the gradients only
         self.views = [self.flat[offset : offset + p.numel()].view(p.shape) for offset, p in zip(plan.offsets, self.params)]
+        # dist.Work (default all-reduce) or a Future (comm hook). Kept after the backward that launched it,
+        # until the next launch replaces it: see ``Reducer`` on why gloo's thread must never free it.
+        self.work: Any = None
         self.reset()
 
     def reset(self) -> None:
         self.grads: list[torch.Tensor | None] = [None] * len(self.params)
         self.seen = [False] * len(self.params)
-        self.work: Any = None  # dist.Work (default all-reduce) or a Future (comm hook)
 
 
 @dataclass
@@ -54,6 +56,7 @@ class UsageTracker:
         self.static_graph = static_graph
         self.active = find_unused_parameters or static_graph  # the default path skips all of this
         self.track_window = find_unused_parameters  # record no_sync usage (PyTorch #69031)
+        self.last_work: Any = None  # the status all-reduce of the last backward, kept (see exchange_status)
         self.used_in_window = [False] * num_params
         self.used = [False] * num_params
         self._static_first = static_graph
@@ -126,7 +129,9 @@ class UsageTracker:
         status = torch.tensor([int(bool(missing))] + ([int(u) for u in used] if need_bitmap else []), dtype=torch.int32)
         if dist.get_backend(group) == "nccl":
             status = status.to(last_bucket.buffer.device)
-        dist.all_reduce(status, group=group)
+        # Async and kept, like the buckets' works: launched from inside backward, it must be freed on this thread.
+        self.last_work = dist.all_reduce(status, group=group, async_op=True)
+        self.last_work.wait()
         values = status.tolist()
         self.used_in_window = [False] * self.num_params
         globally_used = [v > 0 for v in values[1:]] if need_bitmap else self._static_globally_used
