@@ -229,12 +229,16 @@ def _constructor_cases(rank):
         warnings.simplefilter("always")
         lockstep.DistributedDataParallel(nn.Linear(2, 2), broadcast_buffers=False)
     out["future_warning"] = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        both = lockstep.DistributedDataParallel(nn.Linear(2, 2), broadcast_buffers=True, forward_sync_buffers=False)
+    # As torch 2.13: forward_sync_buffers wins, with a FutureWarning that says so.
+    out["both"] = (both.forward_sync_buffers, both.broadcast_buffers, [str(w.message) for w in caught])
     for name, kw in {
         "mixed_precision": {"mixed_precision": object()},
         "skip_unused": {"skip_all_reduce_unused_params": True},
         "delay": {"delay_all_reduce_named_params": [("w", nn.Parameter(torch.ones(1)))]},
         "mesh_and_group": {"device_mesh": object(), "process_group": dist.group.WORLD},
-        "contradiction": {"broadcast_buffers": True, "forward_sync_buffers": False},
         "cap_list": {"bucket_cap_mb_list": [1, 0]},
     }.items():
         out[name] = _capture(lambda kw=kw: lockstep.DistributedDataParallel(nn.Linear(2, 2), **kw))
@@ -430,7 +434,9 @@ def test_constructor_arguments(results):
     assert "skip_all_reduce_unused_params" in c["skip_unused"][1]
     assert "delay_all_reduce_named_params" in c["delay"][1]
     assert "process_group or device_mesh" in c["mesh_and_group"][1]
-    assert "contradicts" in c["contradiction"][1]
+    forward_sync, alias, warned = c["both"]
+    assert forward_sync is False and alias is False
+    assert any("ignored when `forward_sync_buffers` is provided" in m for m in warned)
     assert "bucket_cap_mb_list" in c["cap_list"][1]
     # 0.001 MiB first (one 64x64 weight is 16 KiB: alone), then 0.02 MiB (~20 KiB): weight + bias per bucket.
     assert c["cap_list_layout"][0] == [7] and c["cap_list_layout"][1] == [6, 5]

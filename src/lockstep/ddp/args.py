@@ -58,21 +58,30 @@ def resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> 
     return process_group
 
 
-def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> bool:
-    """``forward_sync_buffers`` supersedes ``broadcast_buffers`` (torch 2.13); the old name still works, with a warning."""
+def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
+    """``(forward_sync_buffers, init_sync_buffers)`` as torch 2.13 resolves them.
+
+    ``forward_sync_buffers`` supersedes ``broadcast_buffers`` and wins when both are given;
+    either old name warns (FutureWarning, torch's text). Buffers are synced at construction
+    unless only the old ``broadcast_buffers=False`` was passed (rank-local buffers).
+    """
     if broadcast_buffers is not None:
-        if forward_sync_buffers is not None and bool(forward_sync_buffers) != bool(broadcast_buffers):
-            raise ValueError(
-                f"DistributedDataParallel: broadcast_buffers={broadcast_buffers} contradicts "
-                f"forward_sync_buffers={forward_sync_buffers}; pass forward_sync_buffers only"
-            )
-        warnings.warn(
-            "DistributedDataParallel: broadcast_buffers is superseded by forward_sync_buffers",
-            FutureWarning,
-            stacklevel=3,
-        )
-        return bool(broadcast_buffers)
-    return True if forward_sync_buffers is None else bool(forward_sync_buffers)
+        if forward_sync_buffers is not None:
+            message = ("Both `broadcast_buffers` and `forward_sync_buffers` were specified. `broadcast_buffers` is "
+                       "deprecated and its value is ignored when `forward_sync_buffers` is provided.")
+        else:
+            message = ("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. IMPORTANT: unlike "
+                       "`broadcast_buffers=False`, `forward_sync_buffers=False` still syncs buffers at init.")
+        warnings.warn(message, FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        return bool(forward_sync_buffers), True
+    effective = True if broadcast_buffers is None else bool(broadcast_buffers)
+    return effective, effective
+
+
+def ignored_names(module) -> set[str]:
+    """Parameter and buffer names to leave alone: torch's ``_ddp_params_and_buffers_to_ignore`` on the module."""
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
 
 def caps_from_list(bucket_cap_mb_list: Sequence[float] | None) -> list[int] | None:

@@ -44,12 +44,11 @@ class DDPJoinHook(JoinHook):
     def main_hook(self) -> None:
         ddp = self.ddp
         reducer = ddp.reducer
-        if reducer is not None and reducer.rebuild_pending:
+        if reducer.rebuild_pending:
             reducer.rebuild_buckets()
         if ddp._will_sync_buffers():
             broadcast_coalesced(ddp._sync_buffers, ddp.process_group)
-        if reducer is not None:
-            reducer.shadow_backward()
+        reducer.shadow_backward()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp

@@ -181,6 +181,12 @@ class Reducer:
         if self.events is not None:
             self.events.append(("ready", index))
         view = bucket.views[slot]
+        bucket.grads[slot] = grad
+        if grad is not None and grad.requires_grad:
+            # backward(create_graph=True): the bucket takes a detached copy (an out= op cannot be
+            # differentiated); the average goes back into the graph-carrying grad with a recorded copy_.
+            self._graph_grads = True
+            grad = grad.detach()
         if grad is None:
             view.zero_()  # no local gradient: this rank contributes zero
         elif self.gradient_as_bucket_view:
@@ -194,7 +200,6 @@ class Reducer:
             torch.mul(grad, 1.0 / self.divisor, out=view)
         else:
             view.copy_(grad)  # a comm hook gets the plain local gradients, as in torch
-        bucket.grads[slot] = grad
         self._pending[b] -= 1
         if self._pending[b] == 0:
             self._order.mark_ready(b)
@@ -220,7 +225,12 @@ class Reducer:
     def _finalize_backward(self) -> None:
         self._callback_queued = False
         self.expect_hooks = False
-        self._hooks_fired = False
+        hooks_fired, self._hooks_fired = self._hooks_fired, False
+        if not hooks_fired and not any(any(b.seen) for b in self.buckets):
+            # No parameter of this model got a gradient and nothing was launched (the loss did not depend
+            # on the model, torch.func.functional_call with other tensors): nothing to reduce, as in torch.
+            self._reset()
+            return
         try:
             if self.usage.in_static_first_iteration():
                 # Static graph, iteration 1: nothing was launched during backward; now every count is known.
@@ -228,11 +238,18 @@ class Reducer:
                 if self._observed_order is not None:
                     self._observed_order = order
                 for i in order + self.usage.static_unused:
-                    self._mark_ready(i, self.params[i].grad)
+                    b, slot = self._location[i]
+                    if not self.buckets[b].seen[slot]:  # find_unused_parameters marked the unused ones already
+                        self._mark_ready(i, self.params[i].grad)
             missing = [i for b in self.buckets for i, s in zip(b.plan.param_indices, b.seen) if not s]
-            self._missing_flag = bool(missing)
+            # With find_unused_parameters, a parameter reachable from the outputs that got no gradient (an
+            # output the loss did not use, an undefined gradient) is unused this time, as in torch, not an
+            # error: it contributes zeros and its .grad stays as it was where no rank used it.
+            self._missing_flag = bool(missing) and not self.usage.find_unused
             for i in missing:  # launch every bucket anyway: the other ranks are waiting in them
                 self._mark_ready(i, self.params[i].grad)
+            if not self._missing_flag:
+                missing = []
             self._order.drain()
             start = time.perf_counter()
             for bucket in self.buckets:
@@ -244,7 +261,7 @@ class Reducer:
             self.comm_wait_s += time.perf_counter() - start
             status = self.usage.exchange_status(missing, self.comm_hook is not None, self.buckets[-1], self.process_group)
             if status.any_missing:
-                raise_missing_gradients(missing, self.names, self.process_group)
+                raise_missing_gradients(missing, self.names, self.process_group, self.usage.static_graph)
             self._copy_back(status.globally_used)
             self.num_syncs += 1
             if self._observed_order is not None and not self.buckets_rebuilt:
@@ -254,7 +271,7 @@ class Reducer:
 
     def _copy_back(self, globally_used: list[bool] | None) -> None:
         for bucket in self.buckets:
-            if globally_used is None and not self.gradient_as_bucket_view:
+            if globally_used is None and not self.gradient_as_bucket_view and not self._graph_grads:
                 torch._foreach_copy_(bucket.grads, bucket.views)  # the common path: one call per bucket
                 continue
             for i, grad, view in zip(bucket.plan.param_indices, bucket.grads, bucket.views):
@@ -267,7 +284,7 @@ class Reducer:
                 elif grad is None or p.grad is None:
                     p.grad = view.clone()
                 else:
-                    grad.copy_(view)
+                    grad.copy_(view)  # recorded by autograd when the grad carries a graph (create_graph=True)
 
     def shadow_backward(self) -> None:
         """A joined rank's stand-in for one backward: the same collectives, in the same order, with zeros."""
@@ -283,6 +300,7 @@ class Reducer:
         self._pending = list(self._sizes)
         self._order.reset()
         self._missing_flag = False
+        self._graph_grads = False
         for bucket in self.buckets:
             bucket.reset()
         self.usage.reset_backward()

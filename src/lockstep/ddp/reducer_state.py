@@ -97,8 +97,8 @@ class UsageTracker:
         if self._counts[index] > expected:
             raise RuntimeError(
                 f"static_graph=True, but parameter {names[index]!r} received {self._counts[index]} gradient pieces in "
-                f"this backward and {expected} in the first iteration: the graph is not static. Use "
-                "find_unused_parameters=True instead."
+                f"this backward and {expected} in the first iteration: Your training graph has changed in this "
+                "iteration, so the graph is not static. Use find_unused_parameters=True instead."
             )
         return self._counts[index] == expected
 
@@ -141,19 +141,39 @@ class UsageTracker:
         return Status(values[0] > 0, globally_used)
 
 
-def raise_missing_gradients(missing: list[int], names: Sequence[str], group) -> None:
-    """Every rank calls this together: gather who missed what, raise the same error everywhere."""
-    mine = [names[i] for i in sorted(missing)]  # registration order reads best
+def raise_missing_gradients(missing: list[int], names: Sequence[str], group, static_graph: bool = False) -> None:
+    """Every rank calls this together: gather who missed what, raise the same error everywhere.
+
+    The text carries torch's key sentences for the same fault, so code and tests that match on
+    torch's message keep working; lockstep raises it at the end of the backward that missed the
+    gradients (on every rank) where torch raises at the next forward.
+    """
+    mine = sorted(missing)  # registration order reads best
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (dist.get_rank(), mine), group=group)
-    parts = [
-        f"rank {rank}: {', '.join(repr(n) for n in ranks_names[:20])}{' ...' if len(ranks_names) > 20 else ''}"
-        for rank, ranks_names in gathered
-        if ranks_names
-    ]
+    parts, indices = [], []
+    for rank, ranks_missing in gathered:
+        if ranks_missing:
+            shown = ", ".join(repr(names[i]) for i in ranks_missing[:20])
+            parts.append(f"rank {rank}: {shown}{' ...' if len(ranks_missing) > 20 else ''}")
+            indices.append(f"Parameter indices which did not receive grad for rank {rank}: {' '.join(map(str, ranks_missing))}")
+    if static_graph:
+        cause = (
+            "Expected to have finished reduction in the prior iteration before starting a new one. This error "
+            "indicates that your training graph has changed in this iteration, e.g., one parameter is used in first "
+            "iteration, but then got unused in the second iteration. this is not compatible with static_graph set "
+            "to True.\n" + "\n".join(indices)
+        )
+    else:
+        cause = (
+            "Expected to have finished reduction in the prior iteration before starting a new one. This error "
+            "indicates that your module has parameters that were not used in producing loss. You can enable unused "
+            "parameter detection by passing the keyword argument `find_unused_parameters=True` to "
+            "`torch.nn.parallel.DistributedDataParallel` (the unused set may change each iteration), or "
+            "static_graph=True (the same set every iteration), and by making sure all `forward` function outputs "
+            "participate in calculating loss.\n" + "\n".join(indices)
+        )
     raise RuntimeError(
         "DistributedDataParallel: parameters received no gradient in this backward, so the ranks could not "
-        f"average them ({'; '.join(parts)}). Every parameter must take part in the loss on every rank: pass "
-        "find_unused_parameters=True (the unused set may change each iteration) or static_graph=True (the same "
-        "set every iteration)."
+        f"average them ({'; '.join(parts)}). {cause}"
     )

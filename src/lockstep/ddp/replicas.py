@@ -83,10 +83,14 @@ def _broadcast_flat(chunk: list[torch.Tensor], group: dist.ProcessGroup, src: in
             offset += t.numel()
 
 
-def syncable_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Buffers of floating or integer dtype (BatchNorm statistics, step counters); bool and complex stay local."""
+def syncable_buffers(module: torch.nn.Module, ignore: frozenset[str] | set[str] = frozenset()) -> list[torch.Tensor]:
+    """Buffers of floating or integer dtype (BatchNorm statistics, step counters); bool and complex stay local.
+
+    Read afresh from the module each time (a module walk, tens of microseconds): a buffer may be
+    reassigned, not only changed in place, and the new tensor is the one to broadcast.
+    """
     return [
         b
-        for b in module.buffers()
-        if b.dtype.is_floating_point or (not b.dtype.is_complex and b.dtype != torch.bool)
+        for name, b in module.named_buffers()
+        if name not in ignore and (b.dtype.is_floating_point or (not b.dtype.is_complex and b.dtype != torch.bool))
     ]

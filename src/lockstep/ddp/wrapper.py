@@ -20,13 +20,19 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from lockstep.ddp.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
-from lockstep.ddp.args import caps_from_list, reject_unsupported, resolve_buffer_sync, resolve_group
+from lockstep.ddp.args import caps_from_list, ignored_names, reject_unsupported, resolve_buffer_sync, resolve_group
 from lockstep.ddp.graph import on_backward_start
 from lockstep.ddp.join import DDPJoinHook
 from lockstep.ddp.replicas import broadcast_coalesced, syncable_buffers, verify_params_across_ranks
 from lockstep.ddp.reducer import Reducer
 
 DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+def _default_group() -> dist.ProcessGroup:
+    if not dist.is_initialized():
+        raise RuntimeError("DistributedDataParallel: no default process group to load onto: call init_process_group first")
+    return dist.group.WORLD
 
 
 def _move_to(obj: Any, device: torch.device) -> Any:
@@ -121,35 +127,75 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.device_ids = device_ids
         self.output_device = output_device
         self.dim = dim
-        self.broadcast_buffers = resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
+        self.device_mesh = device_mesh
+        self.forward_sync_buffers, init_sync_buffers = resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.process_group = process_group
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.bucket_bytes_cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MIB)
+        self._bucket_caps_bytes = caps_from_list(bucket_cap_mb_list)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
-        self._sync_buffers = syncable_buffers(module)
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if init_sync:
-            verify_params_across_ranks(list(module.named_parameters()), process_group)
-            broadcast_coalesced(list(module.parameters()) + self._sync_buffers, process_group)
-        self.reducer = (
-            Reducer(
-                [p for _, p in named],
-                [n for n, _ in named],
-                process_group,
-                bucket_cap_bytes=max(1, self.bucket_bytes_cap),
-                first_bucket_bytes=DEFAULT_FIRST_BUCKET_BYTES,
-                gradient_as_bucket_view=gradient_as_bucket_view,
-                bucket_caps_bytes=caps_from_list(bucket_cap_mb_list),
-                find_unused_parameters=find_unused_parameters,
-                static_graph=static_graph,
+        self.parameters_to_ignore = ignored_names(module)
+        if not any(p.requires_grad for n, p in module.named_parameters() if n not in self.parameters_to_ignore):
+            raise RuntimeError(
+                "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a "
+                f"gradient. ({type(module).__name__} has {sum(1 for _ in module.parameters())} parameters, none of "
+                "which requires grad and is not ignored.)"
             )
-            if named
-            else None
+        if init_sync:
+            named_params = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
+            verify_params_across_ranks(named_params, process_group)
+            buffers = syncable_buffers(module, self.parameters_to_ignore) if init_sync_buffers else []
+            broadcast_coalesced([p for _, p in named_params] + buffers, process_group)
+        self.reducer = self._build_reducer()
+
+    def _build_reducer(self) -> Reducer:
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
+        return Reducer(
+            [p for _, p in named],
+            [n for n, _ in named],
+            self.process_group,
+            bucket_cap_bytes=max(1, self.bucket_bytes_cap),
+            first_bucket_bytes=DEFAULT_FIRST_BUCKET_BYTES,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            bucket_caps_bytes=self._bucket_caps_bytes,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
         )
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """The old name of ``forward_sync_buffers`` (torch 2.13 keeps it as this property)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
+        """As torch's: name parameters and buffers that DDP must neither synchronise nor reduce."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+
+    # ----------------------------------------------------------------- pickling
+    def __getstate__(self) -> dict:
+        """As torch's: the process group and the reducer stay behind; loading rebuilds them on the default group."""
+        if self.process_group is not dist.group.WORLD and self.process_group is not _default_group():
+            raise RuntimeError(
+                "DDP Pickling/Unpickling are only supported when using DDP with the default process group. That is, "
+                "when you have called init_process_group and have not passed process_group argument to DDP constructor"
+            )
+        state = dict(self.__dict__)
+        del state["process_group"], state["reducer"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.process_group = _default_group()
+        self.reducer = self._build_reducer()
 
     # ----------------------------------------------------------------- forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -160,19 +206,25 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_forward_param_sync = synced
         if synced:
             join_work = Join.notify_join_context(self)  # None unless inside model.join()
-            if self.reducer is not None:
-                self.reducer.divisor = self._join_divisor(join_work)
-                self.reducer.prepare_for_forward()  # before any other collective of this iteration
-            if self._will_sync_buffers():
-                broadcast_coalesced(self._sync_buffers, self.process_group)  # one collective per dtype, each forward
+            self.reducer.divisor = self._join_divisor(join_work)
+            self.reducer.prepare_for_forward()  # before any other collective of this iteration
+            if self.forward_sync_buffers and dist.get_world_size(self.process_group) > 1:
+                buffers = self._sync_buffers  # read afresh: one module walk per synchronised forward
+                if buffers:
+                    broadcast_coalesced(buffers, self.process_group)  # one collective per dtype
         outputs = self.module(*inputs, **kwargs)
-        if synced and self.reducer is not None:
+        if synced:
             self.reducer.prepare_for_backward(outputs)
             on_backward_start(outputs, self.reducer.on_backward_start)
         return outputs
 
+    @property
+    def _sync_buffers(self) -> list[torch.Tensor]:
+        """The module's buffers to broadcast, read afresh: a reassigned buffer is the new tensor (as torch)."""
+        return syncable_buffers(self.module, self.parameters_to_ignore)
+
     def _will_sync_buffers(self) -> bool:
-        return self.broadcast_buffers and bool(self._sync_buffers) and dist.get_world_size(self.process_group) > 1
+        return self.forward_sync_buffers and dist.get_world_size(self.process_group) > 1 and bool(self._sync_buffers)
 
     def _join_divisor(self, join_work: Any) -> int:
         world_size = dist.get_world_size(self.process_group)
@@ -200,8 +252,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         if not callable(hook):
             raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
-        if self.reducer is None:
-            raise RuntimeError("register_comm_hook: the module has no parameter that requires grad")
         if self.reducer.comm_hook is not None:
             raise RuntimeError("register_comm_hook: a communication hook is already registered (one per model)")
         if self.reducer.num_syncs > 0:
@@ -233,6 +283,4 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ----------------------------------------------------------- diagnostics
     def comm_stats(self) -> dict[str, float]:
         """Time this rank spent waiting for all-reduces at the end of backward (not hidden by overlap)."""
-        if self.reducer is None:
-            return {"comm_wait_s": 0.0, "steps": 0}
         return {"comm_wait_s": self.reducer.comm_wait_s, "steps": self.reducer.num_syncs}
