@@ -162,7 +162,8 @@ class Reducer:
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         self._hooks_fired = True
         self.on_backward_start()  # no-op when the outputs' grad_fn pre-hook already ran it
-        if self.usage.active and not self.usage.gradient_complete(index, self.names):
+        # A hook can fire with no gradient (an undefined gradient flowed back): not a use of the parameter.
+        if self.usage.active and not self.usage.gradient_complete(index, self.names, param.grad is not None):
             return  # static graph: more pieces of this gradient are still to come
         if self._observed_order is not None:
             self._observed_order.append(index)

@@ -84,9 +84,10 @@ class UsageTracker:
             return self.static_unused
         return []
 
-    def gradient_complete(self, index: int, names: Sequence[str]) -> bool:
+    def gradient_complete(self, index: int, names: Sequence[str], defined: bool = True) -> bool:
         """Record a hook firing; True when the parameter's gradient is whole and can be reduced."""
-        self.used[index] = True
+        if defined:
+            self.used[index] = True
         if not self.static_graph:
             return True
         self._counts[index] += 1

@@ -1,0 +1,376 @@
+"""The ten torch DDP behaviours lockstep once lacked, each checked against torch's own DDP (issue: drop-in).
+
+One 2-rank group runs every case with lockstep's class and with torch's side by side and
+returns what each did; the tests compare (exactly, where numbers are compared).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_utils import run_ranks
+
+IMPLS = ("lockstep", "torch")
+
+
+def _ddp_class(impl):
+    import lockstep
+
+    return lockstep.DistributedDataParallel if impl == "lockstep" else nn.parallel.DistributedDataParallel
+
+
+def _capture(fn):
+    try:
+        return ("ok", fn())
+    except Exception as e:  # noqa: BLE001 - the type and the text are the result
+        return (type(e).__name__, str(e))
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# ------------------------------------------------------------------ 1. pickle / deepcopy
+def _pickling(rank, impl):
+    DDP = _ddp_class(impl)
+    torch.manual_seed(rank)
+    model = DDP(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    copied = copy.deepcopy(model)
+    out = {}
+    for name, m in (("original", model), ("loaded", loaded), ("deepcopy", copied)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(10 * step + rank)
+            opt.zero_grad()
+            m(torch.randn(4, 6, generator=gen)).sum().backward()
+            opt.step()
+        out[name] = _params(m)
+    return out
+
+
+# ------------------------------------------------------------------ 2. no parameter requires grad
+def _no_grad_module(rank, impl):
+    frozen = nn.Linear(3, 3).requires_grad_(False)
+    return _capture(lambda: _ddp_class(impl)(frozen))
+
+
+# ------------------------------------------------------------------ 3. create_graph
+class _Square(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self):
+        return self.p.pow(2)
+
+
+def _create_graph(rank, impl):
+    model = _ddp_class(impl)(_Square())
+    grads = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            model().backward(create_graph=True)
+            grads.append(float(model.module.p.grad))
+    return {"requires_grad": all(p.requires_grad for p in model.parameters()), "grads": grads}
+
+
+# ------------------------------------------------------------------ 4. outputs the loss ignores
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.a = nn.Linear(8, 3)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.trunk(x))
+        return {"a": self.a(h), "b": self.b(h)}
+
+
+def _partial_outputs(rank, impl):
+    torch.manual_seed(0)
+    model = _ddp_class(impl)(_TwoHeads(), find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    none_after = []
+    for step in range(6):
+        gen = torch.Generator().manual_seed(10 * step + rank)
+        opt.zero_grad(set_to_none=True)
+        out = model(torch.randn(4, 6, generator=gen))
+        head = "a" if step % 3 else "b"  # the used set changes between iterations
+        out[head].sum().backward()
+        none_after.append([n for n, p in model.module.named_parameters() if p.grad is None])
+        opt.step()
+    return {"params": _params(model), "none": none_after}
+
+
+def _local_partial_outputs(world_size):
+    """The same training on one process over the global batch (the mean of the per-rank losses)."""
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(6):
+        opt.zero_grad(set_to_none=True)
+        head = "a" if step % 3 else "b"
+        loss = sum(model(torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + r)))[head].sum()
+                   for r in range(world_size)) / world_size
+        loss.backward()
+        opt.step()
+    return _params(model)
+
+
+# ------------------------------------------------------------------ 5. undefined gradients
+def _undefined_grads(rank, impl):
+    torch.manual_seed(0)
+    model = _ddp_class(impl)(nn.Linear(4, 4), find_unused_parameters=True)
+    local = copy.deepcopy(model.module)
+    out = model(torch.ones(2, 4))
+    torch._C._functions.UndefinedGrad()(out).sum().backward()
+    local_out = local(torch.ones(2, 4))
+    torch._C._functions.UndefinedGrad()(local_out).sum().backward()
+    return [(p.grad is None, q.grad is None) for p, q in zip(model.module.parameters(), local.parameters())]
+
+
+# ------------------------------------------------------------------ 6. one parameter, two names
+class _SharedBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(10, 5, bias=False)
+        self.bias = nn.Parameter(torch.zeros(5))
+        self.net1.bias = self.bias  # two names, one tensor, one gradient accumulator (PyTorch #41324)
+        self.net2 = nn.Linear(10, 5)
+
+    def forward(self, x):
+        return self.net2(x).sum()
+
+
+def _shared_parameter(rank, impl):
+    torch.manual_seed(0)
+    base = _SharedBias()
+    out = {}
+    for static in (True, False):
+        model = _ddp_class(impl)(copy.deepcopy(base), find_unused_parameters=True, static_graph=static)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            opt.zero_grad()
+            loss = model(torch.randn(20, 10, generator=torch.Generator().manual_seed(step + rank)))
+            loss /= 10  # in place on the output (PyTorch #61982)
+            loss.backward()
+            opt.step()
+        out[static] = _params(model)
+    return out
+
+
+# ------------------------------------------------------------------ 7. functional_call on the wrapper
+class _WithBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(1, 1)
+        self.register_buffer("buffer", torch.ones(1))
+
+    def forward(self, x):
+        return self.l1(x) + self.buffer
+
+
+def _functional_call(rank, impl):
+    model = _ddp_class(impl)(_WithBuffer())
+    x = torch.rand(1, 1)
+    weight = torch.tensor([[1.0]], requires_grad=True)
+    bias = torch.tensor([0.0], requires_grad=True)
+    before = (model.module.l1.weight.detach().clone(), model.module.buffer.clone())
+    res = torch.func.functional_call(model, {"module.l1.weight": weight, "module.l1.bias": bias,
+                                             "module.buffer": torch.tensor([0.0])}, x)
+    res.backward()
+    return {
+        "equal_input": torch.equal(res.detach(), x),
+        "unchanged": torch.equal(before[0], model.module.l1.weight) and torch.equal(before[1], model.module.buffer),
+        "grads": (weight.grad is not None, bias.grad is not None, model.module.l1.weight.grad is None),
+    }
+
+
+# ------------------------------------------------------------------ 8. torch 2.13's constructor API
+def _api(rank, impl):
+    DDP = _ddp_class(impl)
+    out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        both = DDP(nn.Linear(2, 2), broadcast_buffers=True, forward_sync_buffers=False)
+    out["both"] = (both.forward_sync_buffers, both.broadcast_buffers,
+                   any(issubclass(w.category, FutureWarning) for w in caught))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DDP(nn.Linear(2, 2), broadcast_buffers=False)
+    out["old_name_warns"] = any(issubclass(w.category, FutureWarning) for w in caught)
+    # forward_sync_buffers=False still syncs buffers at construction; broadcast_buffers=False does not.
+    for name, kw in (("forward_false", {"forward_sync_buffers": False}), ("broadcast_false", {"broadcast_buffers": False})):
+        bn = nn.BatchNorm1d(3)
+        bn.running_mean.fill_(float(rank))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            DDP(bn, **kw)
+        out[name] = float(bn.running_mean[0])
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    out["device_mesh"] = DDP(nn.Linear(2, 2), device_mesh=mesh).device_mesh is mesh
+    return out
+
+
+# ------------------------------------------------------------------ 9. a reassigned buffer
+class _Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("running", torch.zeros(1))
+
+    def forward(self, x):
+        return self.lin(x) + self.running
+
+
+def _reassigned_buffer(rank, impl):
+    model = _ddp_class(impl)(_Counter())
+    seen = []
+    for _ in range(3):
+        if rank == 0:
+            model.module.running = model.module.running + 1  # a new tensor object, not an in-place change
+        model(torch.ones(1, 2)).sum().backward()
+        seen.append(float(model.module.running))
+    return seen
+
+
+# ------------------------------------------------------------------ 10. torch's key sentences in the errors
+class _Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(3, 3)
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x, use_both=False):
+        return self.used(x) + (self.unused(x) if use_both else 0)
+
+
+def _errors(rank, impl):
+    DDP = _ddp_class(impl)
+    out = {}
+
+    def two_iterations(model, first, second):
+        # A third forward: torch raises there, lockstep at the end of the second backward (documented).
+        for use_both in (first, second, second):
+            model(torch.ones(2, 3), use_both=use_both).sum().backward()
+
+    out["unused"] = _capture(lambda: two_iterations(DDP(_Unused()), False, False))
+    # A static graph whose first iteration used a parameter the second does not use, and the reverse.
+    out["static_dropped"] = _capture(lambda: two_iterations(DDP(_Unused(), static_graph=True), True, False))
+    out["static_added"] = _capture(lambda: two_iterations(DDP(_Unused(), static_graph=True), False, True))
+    return out
+
+
+def _all_cases(rank, world_size):
+    cases = {
+        "pickling": _pickling, "no_grad_module": _no_grad_module, "create_graph": _create_graph,
+        "partial_outputs": _partial_outputs, "undefined_grads": _undefined_grads, "shared": _shared_parameter,
+        "functional_call": _functional_call, "api": _api, "reassigned_buffer": _reassigned_buffer,
+        "errors": _errors,
+    }
+    out = {name: {impl: fn(rank, impl) for impl in IMPLS} for name, fn in cases.items()}
+    out["local_partial_outputs"] = _local_partial_outputs(world_size)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_all_cases, 2, timeout_s=300)
+
+
+def _exact(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b)
+
+
+def test_pickle_and_deepcopy_train_again_like_torch(results):
+    for r in results:
+        ours, theirs = r["pickling"]["lockstep"], r["pickling"]["torch"]
+        for name in ("original", "loaded", "deepcopy"):
+            assert _exact(ours[name], theirs[name]), name
+        assert _exact(ours["loaded"], ours["original"]) and _exact(ours["deepcopy"], ours["original"])
+
+
+def test_module_without_trainable_parameters_is_refused_as_torch(results):
+    ours, theirs = results[0]["no_grad_module"]["lockstep"], results[0]["no_grad_module"]["torch"]
+    assert ours[0] == theirs[0] == "RuntimeError"
+    assert "doesn't have any parameter that requires a gradient" in ours[1]
+
+
+def test_create_graph_backward(results):
+    for r in results:
+        assert r["create_graph"]["lockstep"] == r["create_graph"]["torch"]
+        assert r["create_graph"]["lockstep"]["requires_grad"]
+
+
+def test_find_unused_with_outputs_the_loss_ignores(results):
+    local = results[0]["local_partial_outputs"]
+    for r in results:
+        ours, theirs = r["partial_outputs"]["lockstep"], r["partial_outputs"]["torch"]
+        assert _exact(ours["params"], theirs["params"]) and _exact(ours["params"], local)
+        assert ours["none"] == theirs["none"]
+        assert ours["none"][0] == ["a.weight", "a.bias"]  # unused head: .grad None, not zeros
+
+
+def test_undefined_gradients_stay_none(results):
+    for r in results:
+        assert r["undefined_grads"]["lockstep"] == r["undefined_grads"]["torch"]
+        assert all(ours == local for ours, local in r["undefined_grads"]["lockstep"])
+
+
+def test_parameter_under_two_names(results):
+    for r in results:
+        for static in (True, False):
+            assert _exact(r["shared"]["lockstep"][static], r["shared"]["torch"][static]), static
+
+
+def test_functional_call_on_the_wrapper(results):
+    for r in results:
+        assert r["functional_call"]["lockstep"] == r["functional_call"]["torch"]
+        assert r["functional_call"]["lockstep"] == {"equal_input": True, "unchanged": True, "grads": (True, True, True)}
+
+
+def test_torch_213_constructor_api(results):
+    for r in results:
+        assert r["api"]["lockstep"] == r["api"]["torch"]
+    ours = results[1]["api"]["lockstep"]
+    assert ours["both"] == (False, False, True) and ours["old_name_warns"] and ours["device_mesh"]
+    assert ours["forward_false"] == 0.0 and ours["broadcast_false"] == 1.0  # rank 1: synced, then not
+
+
+def test_reassigned_buffer_is_broadcast(results):
+    for r in results:
+        assert r["reassigned_buffer"]["lockstep"] == r["reassigned_buffer"]["torch"] == [1.0, 2.0, 3.0]
+
+
+def test_errors_carry_torch_key_sentences(results):
+    for r in results:
+        kind, text = r["errors"]["lockstep"]["unused"]
+        assert kind == "RuntimeError"
+        for sentence in ("Expected to have finished reduction in the prior iteration before starting a new one",
+                         "passing the keyword argument `find_unused_parameters=True`",
+                         "`forward` function outputs participate in calculating loss",
+                         "'unused.weight'", "rank 0", "rank 1"):
+            assert sentence in text, sentence
+        assert r["errors"]["torch"]["unused"][0] == "RuntimeError"
+        assert "Expected to have finished reduction" in r["errors"]["torch"]["unused"][1]
+        # torch's own test_invalid_static_graph matches these two texts.
+        dropped = ("Expected to have finished reduction in the prior iteration before starting a new one. This error "
+                   "indicates that your training graph has changed in this iteration")
+        for impl in IMPLS:
+            assert dropped in r["errors"][impl]["static_dropped"][1], impl
+            assert "Your training graph has changed in this iteration" in r["errors"][impl]["static_added"][1], impl
