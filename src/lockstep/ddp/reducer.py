@@ -31,11 +31,12 @@ from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.launch_order import LaunchOrder
 from lockstep.ddp.lifetime import register_for_exit, remove_handles
 from lockstep.ddp.reducer_state import Bucket, UsageTracker, raise_missing_gradients
+from lockstep.ddp.torch_surface import ReducerSurface
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 
-class Reducer:
+class Reducer(ReducerSurface):
     """Bucketed gradient averaging for one replica's parameters.
 
     Args:
@@ -140,12 +141,16 @@ class Reducer:
         if self.rebuild_pending:
             self.rebuild_buckets()
 
-    def prepare_for_backward(self, outputs: Any) -> None:
-        """After a synchronised forward: hooks count; note the parameters this backward will not reach."""
+    def prepare_after_forward(self, outputs: Any) -> None:
+        """After a synchronised forward: hooks count; note the parameters this backward will not reach.
+
+        ``outputs=None``: not known (torch's ``prepare_for_backward([])`` from a library), so nothing is
+        marked unused up front; with find_unused_parameters a parameter left without gradient is unused.
+        """
         self.expect_hooks = True
         # Marked ready only once backward starts: a forward with no backward (a validation pass
         # with grad enabled) must not launch a bucket that the other ranks may never launch.
-        self._unused_at_start = self.usage.unused_before_backward(outputs, self._index_of)
+        self._unused_at_start = [] if outputs is None else self.usage.unused_before_backward(outputs, self._index_of)
 
     def on_backward_start(self) -> None:
         """The first node of backward ran (or the first hook fired): queue the end, mark the unused."""

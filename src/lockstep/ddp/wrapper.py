@@ -25,6 +25,7 @@ from lockstep.ddp.graph import on_backward_start
 from lockstep.ddp.join import DDPJoinHook
 from lockstep.ddp.replicas import broadcast_coalesced, syncable_buffers, verify_params_across_ranks
 from lockstep.ddp.reducer import Reducer
+from lockstep.ddp.torch_surface import WrapperSurface, close_inherited, closed_message
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 
@@ -46,7 +47,7 @@ def _move_to(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParallel):
     """Data parallelism with bucketed all-reduce overlapped with backward.
 
     Args (as torch's):
@@ -106,7 +107,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
     ):
-        super().__init__()
+        # torch's __init__ never runs (it would build torch's C++ reducer): the subclass is for isinstance.
+        nn.Module.__init__(self)
         Joinable.__init__(self)
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -214,7 +216,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                     broadcast_coalesced(buffers, self.process_group)  # one collective per dtype
         outputs = self.module(*inputs, **kwargs)
         if synced:
-            self.reducer.prepare_for_backward(outputs)
+            self.reducer.prepare_after_forward(outputs)
             on_backward_start(outputs, self.reducer.on_backward_start)
         return outputs
 
@@ -284,3 +286,15 @@ class DistributedDataParallel(nn.Module, Joinable):
     def comm_stats(self) -> dict[str, float]:
         """Time this rank spent waiting for all-reduces at the end of backward (not hidden by overlap)."""
         return {"comm_wait_s": self.reducer.comm_wait_s, "steps": self.reducer.num_syncs}
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # nn.Module's: parameters, buffers, submodules (``.module``)
+        except AttributeError:
+            if name in _CLOSED:
+                raise AttributeError(closed_message(name)) from None
+            raise
+
+
+close_inherited(DistributedDataParallel, nn.parallel.DistributedDataParallel)
+_CLOSED = frozenset(n for n, v in vars(DistributedDataParallel).items() if type(v).__name__ == "_Closed")

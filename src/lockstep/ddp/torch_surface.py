@@ -1,0 +1,170 @@
+"""The part of torch's private DDP surface that libraries and torch's own tests reach, in lockstep's terms.
+
+lockstep's ``DistributedDataParallel`` subclasses ``torch.nn.parallel.DistributedDataParallel``
+so that ``isinstance(m, torch.nn.parallel.DistributedDataParallel)`` holds (Accelerate unwraps
+and syncs by it, Lightning registers hooks and tears down by it), but it never runs torch's
+``__init__``: there is no C++ reducer and no C++ logger behind it. So every method it would
+inherit from torch's class is either given lockstep's meaning here (``WrapperSurface``,
+``ReducerSurface``) or closed (``close_inherited``): reading it raises an AttributeError that
+names the method and says why, instead of a confusing failure deep inside torch's code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# torch's methods that work unchanged on lockstep's wrapper (they read only attributes it has).
+INHERITED_AS_IS = frozenset({
+    "_abc_impl", "_active_ddp_module", "_get_active_ddp_module", "_inside_ddp_forward", "_check_comm_hook",
+    "_set_ddp_sink_clone", "_distributed_rank", "train",
+})
+
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # torch's broadcast_bucket_size
+
+
+class _Closed:
+    """A class attribute that hides one of torch's inherited DDP methods behind a clear AttributeError."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type) -> Any:
+        raise AttributeError(closed_message(self.name))
+
+
+def closed_message(name: str) -> str:
+    return (
+        f"lockstep's DistributedDataParallel has no {name!r}: torch's DistributedDataParallel.{name} drives "
+        "torch's C++ reducer, which lockstep replaces (see the README, 'Recognised as torch's DDP')"
+    )
+
+
+def close_inherited(cls: type, torch_cls: type) -> None:
+    """Close every attribute of ``torch_cls`` that ``cls`` neither defines nor inherits as is."""
+    for name in vars(torch_cls):
+        if name.startswith("__") or name in INHERITED_AS_IS:
+            continue
+        if not any(name in vars(klass) for klass in cls.__mro__[: cls.__mro__.index(torch_cls)]):
+            setattr(cls, name, _Closed(name))
+
+
+class WrapperSurface:
+    """torch's private wrapper methods that Lightning, Accelerate and torch's tests call, with lockstep's meaning."""
+
+    broadcast_bucket_size = BROADCAST_BUCKET_BYTES
+
+    @property
+    def modules_buffers(self) -> list[torch.Tensor]:
+        """The buffers a synchronised forward broadcasts (torch's attribute of the same name)."""
+        return self._sync_buffers
+
+    @property
+    def bucket_bytes_cap_list(self) -> list[int] | None:
+        return self._bucket_caps_bytes
+
+    def will_sync_module_buffers(self) -> bool:
+        return self.require_forward_param_sync and self.forward_sync_buffers and len(self.modules_buffers) > 0
+
+    def _check_default_group(self) -> None:
+        if self.process_group is not dist.group.WORLD:
+            raise RuntimeError(
+                "DDP Pickling/Unpickling are only supported when using DDP with the default process group. That is, "
+                "when you have called init_process_group and have not passed process_group argument to DDP constructor"
+            )
+
+    def _set_static_graph(self) -> None:
+        """Turn on ``static_graph`` after construction, before the first backward (as torch's private API)."""
+        if self.static_graph:
+            return
+        self.reducer._set_static_graph()
+        self.static_graph = True
+
+    def _check_reducer_finalized(self) -> None:
+        self.reducer._check_reducer_finalized()
+
+    def _remove_autograd_hooks(self) -> None:
+        self.reducer._remove_autograd_hooks()
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        if sample_rate < 1:
+            raise ValueError("DDP runtime logging sample rate should be equal or greater than 1")
+        self._logging_sample_rate = sample_rate  # lockstep keeps no sampled runtime stats; accepted for scripts
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch's ``dist.BuiltinCommHookType`` ALLREDUCE / FP16_COMPRESS, as lockstep's equivalent hooks."""
+        from lockstep.comm_hooks import allreduce_hook, fp16_compress_hook
+
+        hooks = {"ALLREDUCE": allreduce_hook, "FP16_COMPRESS": fp16_compress_hook}
+        name = getattr(comm_hook_type, "name", str(comm_hook_type)).split(".")[-1]
+        if name not in hooks:
+            raise ValueError(f"_register_builtin_comm_hook: unknown comm hook type {comm_hook_type!r}")
+        self.register_comm_hook(self.process_group, hooks[name])
+
+    def _get_ddp_logging_data(self) -> dict:
+        """The keys of torch's logging data that have a meaning here (Lightning reads it at teardown)."""
+        reducer = self.reducer
+        return {
+            "module_name": type(self.module).__name__,
+            "device_ids": "" if self.device_ids is None else ", ".join(map(str, self.device_ids)),
+            "output_device": -1 if self.output_device is None else self.output_device,
+            "broadcast_buffers": int(self.forward_sync_buffers),
+            "bucket_cap_bytes": self.bucket_bytes_cap,
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "static_graph": int(self.static_graph),
+            "backend_name": dist.get_backend(self.process_group),
+            "world_size": dist.get_world_size(self.process_group),
+            "rank": dist.get_rank(self.process_group),
+            "iteration": reducer.num_syncs,
+            "num_buckets_reduced": len(reducer.buckets),
+            "bucket_sizes": ", ".join(str(b.flat.numel() * b.flat.element_size()) for b in reducer.buckets),
+            "comm_hook": getattr(reducer.comm_hook, "__qualname__", "") if reducer.comm_hook else "",
+            "has_rebuilt_buckets": int(reducer.buckets_rebuilt),
+            # torch sets this after iterations in which the set of used parameters never changed.
+            "can_set_static_graph": 0,
+            "dtypes": ", ".join(sorted({str(p.dtype).replace("torch.", "") for p in reducer.params})),
+            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in reducer.params),
+            "num_parameter_tensors": len(reducer.params),
+            "lockstep": 1,
+        }
+
+
+class ReducerSurface:
+    """torch's ``Reducer`` methods that Lightning and Accelerate call on ``ddp.reducer``."""
+
+    def _rebuild_buckets(self) -> bool:
+        """Rebuild now if a rebuild is due (torch's returns whether it rebuilt). A no-op after lockstep's forward."""
+        if not self.rebuild_pending:
+            return False
+        self.rebuild_buckets()
+        return True
+
+    def prepare_for_backward(self, outputs: Any) -> None:
+        """Make the coming backward synchronised, as torch's: Accelerate's ``trigger_sync_in_backward``
+        calls it after a forward run under ``no_sync`` and Lightning's manual optimisation after every
+        forward. Idempotent after lockstep's own forward prepared the backward. ``outputs`` empty (as
+        both libraries pass it) means the used parameters are unknown: any that gets no gradient is
+        taken as unused, not as an error.
+        """
+        if self.expect_hooks:
+            return
+        tensors = [t for t in outputs if isinstance(t, torch.Tensor)] if isinstance(outputs, (list, tuple)) else outputs
+        self.prepare_after_forward(tensors if tensors else None)
+
+    def _set_static_graph(self) -> None:
+        if self.num_syncs > 0 or self.expect_hooks:
+            raise RuntimeError("_set_static_graph must be called before the first forward/backward")
+        self.usage = type(self.usage)(len(self.params), self.usage.find_unused, True)
+
+    def _check_reducer_finalized(self) -> None:
+        if self._hooks_fired or any(any(b.seen) for b in self.buckets):
+            raise RuntimeError(
+                "Expected to have finished reduction in the prior iteration before starting a new one. The last "
+                "backward of this model stopped before every bucket was reduced."
+            )
+
+    def _remove_autograd_hooks(self) -> None:
+        self.remove_hooks()
