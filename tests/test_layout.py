@@ -25,7 +25,7 @@ LAYERS = {
     "collectives": 2,
     "comm_hooks": 3,
     "ddp": 4, "diagnostics": 4,
-    "launch": 5, "perf": 5,
+    "launch": 5, "perf": 5, "integrations": 5,
     "train": 6,
     "__init__": 7, "cli": 8, "__main__": 9,
 }

@@ -24,6 +24,7 @@ _EXPORTS = {
     "DistributedSampler": "sampler",
     "Trainer": "train.trainer",
     "TrainerConfig": "train.config",
+    "use_as_torch_ddp": "integrations.torch_ddp",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -37,7 +38,8 @@ __all__ = sorted(_EXPORTS)
 #   launch/        `lockstep launch` on torch's elastic agent, rank output, failure report
 #   perf/          cost model, plan, all-reduce benchmark
 #   train/         Trainer, checkpoint, metrics, data, demo
-_SUBPACKAGES = ("collectives", "comm_hooks", "ddp", "launch", "perf", "train")
+#   integrations/  use_as_torch_ddp() for Accelerate / Lightning / HF Trainer, a Lightning strategy
+_SUBPACKAGES = ("collectives", "comm_hooks", "ddp", "integrations", "launch", "perf", "train")
 
 
 def __getattr__(name: str):

@@ -45,6 +45,7 @@ class LaunchOptions:
     rdzv_timeout_s: int = 900  # how long the agents wait for all nodes to join before failing
     log_dir: str | None = None  # per-rank stdout/stderr files go here and stay; None: a temp dir kept only on failure
     source: str = "flags"  # "flags", "slurm" or "single": where the node layout came from
+    as_torch_ddp: bool = False  # workers build lockstep's DDP where libraries build torch's (LOCKSTEP_AS_TORCH_DDP=1)
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -119,6 +120,8 @@ def _agent_environment(options: LaunchOptions) -> Iterator[None]:
         # Workers write to files that the agent tails; unbuffered output reaches the console line by line.
         "PYTHONUNBUFFERED": "1",
     }
+    if options.as_torch_ddp:
+        updates["LOCKSTEP_AS_TORCH_DDP"] = "1"  # read in every worker at `import torch` (lockstep.integrations.autoload)
     if "OMP_NUM_THREADS" not in os.environ and options.nproc_per_node > 1:
         # As torchrun does: N workers each starting one thread per core would oversubscribe the CPUs.
         updates["OMP_NUM_THREADS"] = "1"
