@@ -195,7 +195,7 @@ def _unused_error_cases(rank):
     return out
 
 
-def _join_case(rank, divide, throw=False):
+def _join_case(rank, divide, throw=False, first_batches=10):
     import lockstep
 
     results = {}
@@ -204,7 +204,7 @@ def _join_case(rank, divide, throw=False):
         model = cls(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(rank)
-        batches = [(torch.randn(4, 8, generator=gen), torch.randint(0, 4, (4,), generator=gen)) for _ in range(10 + 3 * rank)]
+        batches = [(torch.randn(4, 8, generator=gen), torch.randint(0, 4, (4,), generator=gen)) for _ in range(first_batches + 3 * rank)]
         error = None
         try:
             with model.join(divide_by_initial_world_size=divide, throw_on_early_termination=throw):
@@ -337,6 +337,8 @@ def _all_cases(rank, world_size):
         "join_initial": _join_case(rank, True),
         "join_active": _join_case(rank, False),
         "join_throw": _join_case(rank, True, throw=True),
+        # rank 0 has no batch at all: it joins before its first backward, while rank 1 rebuilds its buckets
+        "join_at_once": _join_case(rank, True, first_batches=0),
         "constructor": _constructor_cases(rank),
     }
     return cases
@@ -412,7 +414,7 @@ def test_gradient_twice_without_static_graph(results):
         assert "activation checkpointing" in text and "static_graph=True" in text
 
 
-@pytest.mark.parametrize("case", ["join_initial", "join_active"])
+@pytest.mark.parametrize("case", ["join_initial", "join_active", "join_at_once"])
 def test_join_matches_torch_and_replicas_agree(results, case):
     for rank in range(2):
         diff, _ = results[rank][case]

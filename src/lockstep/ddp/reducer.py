@@ -301,6 +301,10 @@ class Reducer(ReducerSurface):
             bucket.work.wait()
         self.usage.exchange_status([], self.comm_hook is not None, self.buckets[-1], self.process_group, joined=True)
         self._reset()
+        # As after a real backward: the training ranks rebuild their buckets at their next forward (a
+        # broadcast), so a rank that joined before its own first backward must rebuild alongside them.
+        if self._observed_order is not None and not self.buckets_rebuilt:
+            self.rebuild_pending = True
 
     def _reset(self) -> None:
         self._pending = list(self._sizes)
