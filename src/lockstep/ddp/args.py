@@ -41,11 +41,16 @@ def reject_unsupported(
 def resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup:
     """The group to average over: ``process_group``, a 1-D ``device_mesh``'s group, or the default group."""
     if device_mesh is not None:
+        # RuntimeError and torch's sentences, as torch raises them (its tests match on them).
         if process_group is not None:
-            raise ValueError("DistributedDataParallel: pass either process_group or device_mesh, not both")
+            raise RuntimeError(
+                "Cannot specify both process_group and device_mesh arguments. "
+                "(DistributedDataParallel: pass either process_group or device_mesh, not both)"
+            )
         if getattr(device_mesh, "ndim", None) != 1:
-            raise ValueError(
-                f"DistributedDataParallel: device_mesh must be 1-D, got {getattr(device_mesh, 'ndim', '?')} dimensions"
+            raise RuntimeError(
+                f"Only 1D device mesh is supported, but got {device_mesh}. (DistributedDataParallel: device_mesh "
+                f"has {getattr(device_mesh, 'ndim', '?')} dimensions)"
             )
         return device_mesh.get_group()
     if process_group is None:

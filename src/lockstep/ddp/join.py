@@ -56,4 +56,5 @@ class DDPJoinHook(JoinHook):
         candidate = torch.tensor([dist.get_rank(ddp.process_group) if is_last_joiner else -1], device=ddp.join_device)
         dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=ddp.process_group)
         authoritative = int(candidate.item())
+        ddp._authoritative_rank = authoritative  # torch's attribute name: the rank whose state every rank takes
         broadcast_coalesced(list(ddp.module.parameters()) + ddp._sync_buffers, ddp.process_group, authoritative)

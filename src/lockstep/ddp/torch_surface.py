@@ -62,8 +62,9 @@ class WrapperSurface:
         return self._sync_buffers
 
     @property
-    def bucket_bytes_cap_list(self) -> list[int] | None:
-        return self._bucket_caps_bytes
+    def bucket_bytes_cap_list(self) -> list[int]:
+        """Per-bucket caps in bytes from ``bucket_cap_mb_list``; ``[]`` without one (torch's attribute)."""
+        return list(self._bucket_caps_bytes or [])
 
     def will_sync_module_buffers(self) -> bool:
         return self.require_forward_param_sync and self.forward_sync_buffers and len(self.modules_buffers) > 0

@@ -204,17 +204,21 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         if self.device_ids is not None:
             inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
-        # As torch: buffers and bucket rebuilds follow the synchronised forwards only (not no_sync, not eval).
-        self.require_forward_param_sync = synced
         if synced:
             join_work = Join.notify_join_context(self)  # None unless inside model.join()
             self.reducer.divisor = self._join_divisor(join_work)
             self.reducer.prepare_for_forward()  # before any other collective of this iteration
-            if self.forward_sync_buffers and dist.get_world_size(self.process_group) > 1:
-                buffers = self._sync_buffers  # read afresh: one module walk per synchronised forward
-                if buffers:
-                    broadcast_coalesced(buffers, self.process_group)  # one collective per dtype
+        # As torch: buffers follow the *previous* forward. They are broadcast when it was synchronised
+        # (so also in an eval or no_sync forward right after a training step), which is what keeps
+        # BatchNorm statistics bit-identical to torch's under gradient accumulation.
+        if self.require_forward_param_sync and self.forward_sync_buffers and dist.get_world_size(self.process_group) > 1:
+            buffers = self._sync_buffers  # read afresh: one module walk per such forward
+            if buffers:
+                broadcast_coalesced(buffers, self.process_group)  # one collective per dtype
         outputs = self.module(*inputs, **kwargs)
+        # Read again: Lightning sets require_backward_grad_sync inside the module's forward (training_step).
+        synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self.require_forward_param_sync = synced
         if synced:
             self.reducer.prepare_after_forward(outputs)
             on_backward_start(outputs, self.reducer.on_backward_start)
