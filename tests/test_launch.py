@@ -6,6 +6,7 @@ test instead of stalling the suite. Worker scripts live in tests/launch_scripts/
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import signal
@@ -52,6 +53,20 @@ def script(name: str) -> str:
     return os.path.join(SCRIPTS, name)
 
 
+def expected_master_addr() -> str:
+    """The MASTER_ADDR a one-node launch gives its workers.
+
+    torch hands LaunchConfig.local_addr (our 127.0.0.1) on to the workers only where
+    RendezvousStoreInfo.build takes a local_addr; older torch (2.4) always publishes
+    this host's FQDN, as torchrun does there.
+    """
+    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+    if "local_addr" in inspect.signature(RendezvousStoreInfo.build).parameters:
+        return "127.0.0.1"
+    return socket.getfqdn()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Independent launches run side by side: each costs seconds of mostly idle start-up and rendezvous."""
@@ -89,9 +104,10 @@ def runs(tmp_path_factory):
 def test_two_ranks_allreduce_end_to_end_with_rank_prefixes(runs):
     proc, _ = runs["end_to_end"]
     assert proc.returncode == 0, proc.stderr
+    master = expected_master_addr()
     for rank in (0, 1):
         # the prefix names the rank that actually printed the line: it is not just a counter
-        assert (f"[rank{rank}]: allreduce rank={rank} world=2 local_rank={rank} master=127.0.0.1 sum=3 "
+        assert (f"[rank{rank}]: allreduce rank={rank} world=2 local_rank={rank} master={master} sum=3 "
                 f"args=['--flag', 'x']") in proc.stdout.splitlines()
         assert f"[rank{rank}]: stderr line from rank {rank}" in proc.stderr.splitlines()
     assert "lockstep launch:" not in proc.stderr  # no failure report, no restart notice
@@ -145,7 +161,8 @@ def test_taken_port_fails_fast_naming_the_rendezvous_flags(runs):
     port = runs["port"]
     assert proc.returncode == 1 and elapsed_s < 30
     assert f"rendezvous at 127.0.0.1:{port} (--master-addr/--master-port) failed" in proc.stderr
-    assert "address already in use" in proc.stderr and "Traceback" not in proc.stderr
+    # torch's wording varies: "Address already in use" (errno text, 2.4) or "address already in use" (2.14)
+    assert "address already in use" in proc.stderr.lower() and "Traceback" not in proc.stderr
 
 
 def test_missing_node_fails_after_the_rendezvous_timeout(runs):
@@ -273,3 +290,27 @@ def test_launch_function_rejects_unpicklable_functions_and_bad_sizes():
         launch_function(lambda: 1)
     with pytest.raises(ValueError, match="--nproc-per-node"):
         launch_function(allreduce_rank, args=(1.0,), nproc_per_node=0)
+
+
+def test_launch_config_passes_only_the_fields_this_torch_has(monkeypatch, tmp_path):
+    """torch 2.4's LaunchConfig has no signals_to_handle / shutdown_timeout (2.11: no shutdown_timeout)."""
+    import dataclasses
+
+    import torch.distributed.launcher.api as launcher_api
+
+    from lockstep.launch.agent import LaunchOptions, _launch_config
+    from lockstep.launch.output import RankLogsSpecs
+
+    options = LaunchOptions(nproc_per_node=2)
+    logs = RankLogsSpecs(str(tmp_path))
+    current = _launch_config(options, logs)
+    newer = {"signals_to_handle", "shutdown_timeout"} & {f.name for f in dataclasses.fields(current)}
+    for dropped in ({"signals_to_handle", "shutdown_timeout"}, {"shutdown_timeout"}):
+        kept = [f.name for f in dataclasses.fields(launcher_api.LaunchConfig) if f.name not in dropped]
+        older = dataclasses.make_dataclass("LaunchConfig", [(n, object, dataclasses.field(default=None)) for n in kept])
+        monkeypatch.setattr(launcher_api, "LaunchConfig", older)
+        config = _launch_config(options, logs)  # a TypeError here is the bug this guards against
+        assert config.nproc_per_node == 2 and config.logs_specs is logs
+        assert not dropped & {f.name for f in dataclasses.fields(config)}
+    if "shutdown_timeout" in newer:
+        assert current.shutdown_timeout == 15

@@ -10,6 +10,8 @@ into our one-block ``LaunchError``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import logging
 import os
 import shutil
@@ -23,6 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 from lockstep.launch.output import RANK_PREFIX_TEMPLATE, RankLogsSpecs, failure_report
 
 _SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # the agent stops the workers, then exits, on these
+_SHUTDOWN_TIMEOUT_S = 15  # SIGTERM, then SIGKILL after this long: a stuck worker cannot hold the launcher
 LOOPBACK_ADDR = "127.0.0.1"  # single-node default: the rendezvous and MASTER_ADDR stay on loopback
 
 
@@ -73,6 +76,20 @@ class LaunchOptions:
         return self.nnodes * self.nproc_per_node
 
 
+def launch_config_fields() -> frozenset[str]:
+    """The keyword arguments this torch's ``LaunchConfig`` accepts.
+
+    Its fields differ between releases (torch 2.4 has neither ``signals_to_handle`` nor
+    ``shutdown_timeout``; 2.11 has the first only), so we ask the class rather than
+    compare version numbers.
+    """
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if dataclasses.is_dataclass(LaunchConfig):
+        return frozenset(f.name for f in dataclasses.fields(LaunchConfig) if f.init)
+    return frozenset(inspect.signature(LaunchConfig).parameters)
+
+
 def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -81,7 +98,7 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
     if not run_id:
         # Every node must name the same rendezvous: derive it from what they share. One node can be unique.
         run_id = f"lockstep-{uuid.uuid4().hex[:12]}" if single else f"lockstep-{options.master_addr}-{options.master_port}"
-    return LaunchConfig(
+    kwargs: dict[str, Any] = dict(
         min_nodes=options.nnodes,
         max_nodes=options.nnodes,  # fixed size: the rendezvous closes as soon as every node joined
         nproc_per_node=options.nproc_per_node,
@@ -103,9 +120,14 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
         logs_specs=logs,
         # On one node the workers' MASTER_ADDR is loopback; across nodes torch uses this host's FQDN.
         local_addr=options.master_addr if single else None,
-        signals_to_handle=_SIGNALS_TO_HANDLE,
-        shutdown_timeout=15,  # SIGTERM, then SIGKILL after this long: a stuck worker cannot hold the launcher
     )
+    # Passed only where this torch's LaunchConfig has the field. Without signals_to_handle the agent
+    # handles the same four signals (hard-coded, or from TORCHELASTIC_SIGNALS_TO_HANDLE, which
+    # _agent_environment sets); without shutdown_timeout it waits torch's default 30 s before SIGKILL.
+    optional = {"signals_to_handle": _SIGNALS_TO_HANDLE, "shutdown_timeout": _SHUTDOWN_TIMEOUT_S}
+    fields = launch_config_fields()
+    kwargs.update((name, value) for name, value in optional.items() if name in fields)
+    return LaunchConfig(**kwargs)
 
 
 @contextlib.contextmanager
@@ -119,6 +141,9 @@ def _agent_environment(options: LaunchOptions) -> Iterator[None]:
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         # Workers write to files that the agent tails; unbuffered output reaches the console line by line.
         "PYTHONUNBUFFERED": "1",
+        # Where LaunchConfig has no signals_to_handle field, torch's process context reads this variable
+        # (or, older still, hard-codes the same four signals); where it has one, torch sets it itself.
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": _SIGNALS_TO_HANDLE,
     }
     if options.as_torch_ddp:
         updates["LOCKSTEP_AS_TORCH_DDP"] = "1"  # read in every worker at `import torch` (lockstep.integrations.autoload)
@@ -127,7 +152,7 @@ def _agent_environment(options: LaunchOptions) -> Iterator[None]:
         updates["OMP_NUM_THREADS"] = "1"
     # torch's launch_agent sets this variable and installs handlers for these signals without undoing
     # either; launch_function runs in the caller's process, whose Ctrl-C must behave as before afterwards.
-    saved = {k: os.environ.get(k) for k in [*updates, "TORCHELASTIC_SIGNALS_TO_HANDLE"]}
+    saved = {k: os.environ.get(k) for k in updates}
     handled = [getattr(signal, name) for name in _SIGNALS_TO_HANDLE.split(",") if hasattr(signal, name)]
     in_main_thread = threading.current_thread() is threading.main_thread()
     saved_handlers = {sig: signal.getsignal(sig) for sig in handled} if in_main_thread else {}
