@@ -40,6 +40,9 @@ def _loop(launcher: str, ending: str, runs: int) -> list[str]:
     return failures
 
 
+# A run costs ~7 s here (three interpreters import torch); the file-wide 300 s limit would cut
+# CI's 50-run loops short, so the limit grows with the number of runs.
+@pytest.mark.timeout(60 + 20 * RUNS)
 @pytest.mark.parametrize(
     "launcher, ending",
     [
