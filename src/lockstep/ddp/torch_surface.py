@@ -155,6 +155,15 @@ class ReducerSurface:
         tensors = [t for t in outputs if isinstance(t, torch.Tensor)] if isinstance(outputs, (list, tuple)) else outputs
         self.prepare_after_forward(tensors if tensors else None)
 
+    def _delay_all_reduce(self) -> None:
+        """torch's first-iteration flush of a static graph (Lightning calls it after a manual backward).
+
+        Nothing is left to flush here: lockstep reduces every bucket by the end of the backward, first
+        iteration included, so this only checks that it is not called while a backward is running.
+        """
+        if self._callback_queued or self._hooks_fired:
+            raise RuntimeError("Reducer._delay_all_reduce was called while a backward was running; call it after backward returns")
+
     def _set_static_graph(self) -> None:
         if self.num_syncs > 0 or self.expect_hooks:
             raise RuntimeError("_set_static_graph must be called before the first forward/backward")

@@ -1,0 +1,90 @@
+"""Accelerate / Lightning / Fabric with lockstep's DDP swapped in train bit-identically to torch's DDP (2 CPU ranks).
+
+Each case runs the same script twice (IMPL=torch, IMPL=lockstep) under the library's own launcher and
+compares every rank's final state_dict with torch.equal. Skipped when the library is not installed.
+Cost on 2 cores: ~70 s (accelerate), ~100 s (lightning, 4 fits x 2), ~30 s (fabric).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent / "library_scripts"
+PY = sys.executable
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: int = 400) -> None:
+    full = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    proc = subprocess.run(cmd, cwd=HERE, env=full, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def _assert_identical(a: Path, b: Path) -> None:
+    sa, sb = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
+    ra, rb = sa.pop("__report__"), sb.pop("__report__")
+    assert "lockstep" in str(rb["class"]) and "lockstep" not in str(ra["class"])
+    # the scripts' own checks (resume equal, saved keys, checkpoint reload): true with both DDPs
+    flags = {k: v for k, v in rb.items() if isinstance(v, bool)}
+    assert all(flags.values()) and flags == {k: v for k, v in ra.items() if isinstance(v, bool)}, (ra, rb)
+    assert sorted(sa) == sorted(sb)
+    assert [k for k in sa if not torch.equal(sa[k], sb[k])] == []
+
+
+# Loads every checkpoint file in a process where ``import lockstep`` fails: a pickled lockstep class
+# would raise there, and a "module." key would mean the wrapper's names leaked into the file.
+_LOAD_WITHOUT_LOCKSTEP = """
+import sys, pathlib
+sys.modules["lockstep"] = None
+import torch
+from safetensors.torch import load_file
+files = [p for p in pathlib.Path(sys.argv[1]).rglob("*") if p.suffix in (".ckpt", ".bin", ".pt", ".pth", ".safetensors")]
+assert files, "no checkpoint file under " + sys.argv[1]
+for p in files:
+    obj = load_file(p) if p.suffix == ".safetensors" else torch.load(p, weights_only=False)
+    sd = obj.get("state_dict", obj) if isinstance(obj, dict) else {}
+    bad = [k for k in sd if isinstance(k, str) and k.startswith("module.")]
+    assert not bad, (str(p), bad[:3])
+print(len(files), "files loaded")
+"""
+
+
+def _loads_without_lockstep(directory: Path) -> None:
+    proc = subprocess.run([PY, "-c", _LOAD_WITHOUT_LOCKSTEP, str(directory)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "files loaded" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("env_hook", [False, True], ids=["use_as_torch_ddp", "env_var"])
+def test_accelerate_bit_identical(tmp_path, env_hook):
+    pytest.importorskip("accelerate")
+    launch = [PY, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no", "accelerate_run.py"]
+    for impl in ("torch", "lockstep"):
+        extra = {"LOCKSTEP_AS_TORCH_DDP": "1"} if env_hook and impl == "lockstep" else {}
+        _run(launch, {"IMPL": impl, "OUT": str(tmp_path / f"{impl}.pt"), "CKPT_DIR": str(tmp_path / impl), **extra})
+    _assert_identical(tmp_path / "torch.pt", tmp_path / "lockstep.pt")
+    _loads_without_lockstep(tmp_path / "lockstep")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "lockstep_ddp"])
+def test_lightning_bit_identical(tmp_path, strategy):
+    pytest.importorskip("lightning")
+    for impl in ("torch", "lockstep"):
+        s = "ddp" if impl == "torch" else strategy
+        _run([PY, "lightning_run.py"], {"IMPL": impl, "STRATEGY": s, "OUT": str(tmp_path / impl), "CKPT_DIR": str(tmp_path / impl)})
+    for rank in (0, 1):
+        _assert_identical(tmp_path / f"torch.rank{rank}.pt", tmp_path / f"lockstep.rank{rank}.pt")
+    _loads_without_lockstep(tmp_path / "lockstep")
+
+
+def test_fabric_bit_identical(tmp_path):
+    pytest.importorskip("lightning")
+    for impl in ("torch", "lockstep"):
+        _run([PY, "fabric_run.py"], {"IMPL": impl, "OUT": str(tmp_path / impl)})
+    for rank in (0, 1):
+        _assert_identical(tmp_path / f"torch.rank{rank}.pt", tmp_path / f"lockstep.rank{rank}.pt")
