@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -17,6 +18,9 @@ from lockstep.process_group import free_port
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "exit_scripts", "train_then_exit.py")
 RUNS = int(os.environ.get("LOCKSTEP_EXIT_RUNS", "3"))
+# Runs at once: CI's long loops use 2 (each run's three interpreters start one after the other, so two
+# runs side by side take ~14 s where two in a row take ~19 s; the crowding also varies exit timing).
+JOBS = int(os.environ.get("LOCKSTEP_EXIT_JOBS", "1"))
 BIN = os.path.dirname(sys.executable)
 
 
@@ -28,16 +32,20 @@ def _command(launcher: str, ending: str) -> list[str]:
     return [sys.executable, SCRIPT, "lockstep", ending, "spawn"]
 
 
+def _one(launcher: str, ending: str, i: int) -> str | None:
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(_command(launcher, ending), capture_output=True, text=True, timeout=180, env=env)
+    trained = proc.stdout.count("trained") if not ending.startswith("quick") else 2
+    if proc.returncode != 0 or trained != 2:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
+        return f"run {i}: exit {proc.returncode}, {trained} ranks trained: " + " | ".join(tail)
+    return None
+
+
 def _loop(launcher: str, ending: str, runs: int) -> list[str]:
-    failures = []
-    for i in range(runs):
-        env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(_command(launcher, ending), capture_output=True, text=True, timeout=180, env=env)
-        trained = proc.stdout.count("trained") if not ending.startswith("quick") else 2
-        if proc.returncode != 0 or trained != 2:
-            tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
-            failures.append(f"run {i}: exit {proc.returncode}, {trained} ranks trained: " + " | ".join(tail))
-    return failures
+    with ThreadPoolExecutor(max_workers=max(1, JOBS)) as pool:
+        outcomes = list(pool.map(lambda i: _one(launcher, ending, i), range(runs)))
+    return [o for o in outcomes if o is not None]
 
 
 # A run costs ~7 s here (three interpreters import torch); the file-wide 300 s limit would cut

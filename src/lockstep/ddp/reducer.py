@@ -30,6 +30,7 @@ from lockstep.ddp.buckets import assign_buckets
 from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.launch_order import LaunchOrder
 from lockstep.ddp.lifetime import register_for_exit, remove_handles
+from lockstep.ddp.observe import StepObserver
 from lockstep.ddp.reducer_state import Bucket, UsageTracker, raise_missing_gradients
 from lockstep.ddp.torch_surface import ReducerSurface
 
@@ -80,7 +81,9 @@ class Reducer(ReducerSurface):
         self._observed_order: list[int] | None = []  # first synced backward's ready order, for the rebuild
         self.rebuild_pending = False
         self.buckets_rebuilt = False
-        self.events: list[tuple] | None = None  # diagnostics: ("ready", i) / ("launch", b); None = off
+        self.events: list[tuple] | None = None  # tests: ("ready", i) / ("launch", b); None = off
+        self.observer: StepObserver | None = None  # diagnostics (``observe``); None = off
+        self.launch_seq = 0  # launches issued since construction: the same on every rank, step after step
         self.comm_wait_s = 0.0
         self.num_syncs = 0
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
@@ -159,6 +162,8 @@ class Reducer(ReducerSurface):
         # Runs once the whole backward is done: the only safe point to wait for the buckets.
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         self._callback_queued = True
+        if self.observer is not None:
+            self.observer.backward_start()
         unused, self._unused_at_start = self._unused_at_start, []
         for i in unused:
             self._mark_ready(i, self.params[i].grad)
@@ -208,11 +213,23 @@ class Reducer(ReducerSurface):
             view.copy_(grad)  # a comm hook gets the plain local gradients, as in torch
         self._pending[b] -= 1
         if self._pending[b] == 0:
+            if self.observer is not None:
+                self.observer.bucket_ready(b)
             self._order.mark_ready(b)
 
     def _launch(self, bucket: Bucket) -> None:
         if self.events is not None:
             self.events.append(("launch", bucket.index))
+        self.launch_seq += 1
+        bucket.seq = self.launch_seq
+        observer = self.observer
+        if observer is not None:
+            observer.bucket_launch(bucket.index, bucket.flat.numel(), bucket.seq)
+        self._issue(bucket)
+        if observer is not None:
+            observer.bucket_launched(bucket.index, bucket.seq)
+
+    def _issue(self, bucket: Bucket) -> None:
         if self.comm_hook is not None:
             bucket.work = self.comm_hook(self.comm_hook_state, GradBucket(bucket, len(self.buckets)))
             if not isinstance(bucket.work, torch._C.Future):  # torch.futures.Future and the C++ futures of get_future()
@@ -258,8 +275,13 @@ class Reducer(ReducerSurface):
                 missing = []
             self._order.drain()
             start = time.perf_counter()
+            observer = self.observer
             for bucket in self.buckets:
+                if observer is not None:
+                    observer.wait_start(bucket.index, bucket.seq)
                 result = bucket.work.wait()
+                if observer is not None:
+                    observer.wait_end(bucket.index, bucket.seq)
                 if self.comm_hook is not None:
                     tensor = result[0] if isinstance(result, (list, tuple)) else result
                     if tensor.data_ptr() != bucket.flat.data_ptr():
@@ -270,6 +292,8 @@ class Reducer(ReducerSurface):
                 raise_missing_gradients(missing, self.names, self.process_group, self.usage.static_graph)
             self._copy_back(status.globally_used)
             self.num_syncs += 1
+            if observer is not None:
+                observer.backward_end(self.num_syncs)
             if self._observed_order is not None and not self.buckets_rebuilt:
                 self.rebuild_pending = True
         finally:

@@ -22,7 +22,7 @@ from lockstep.ddp.graph import reachable_params
 class Bucket:
     """Runtime state of one bucket: a flat buffer (+1 spare element for the status flag), views, in-flight work."""
 
-    __slots__ = ("index", "plan", "buffer", "flat", "views", "params", "grads", "seen", "work")
+    __slots__ = ("index", "plan", "buffer", "flat", "views", "params", "grads", "seen", "work", "seq")
 
     def __init__(self, index: int, plan: BucketPlan, params: Sequence[torch.nn.Parameter]):
         self.index = index
@@ -34,6 +34,7 @@ class Bucket:
         # dist.Work (default all-reduce) or a Future (comm hook). Kept after the backward that launched it,
         # until the next launch replaces it: see ``Reducer`` on why gloo's thread must never free it.
         self.work: Any = None
+        self.seq = 0  # the reducer's launch count when this bucket was last issued (diagnostics)
         self.reset()
 
     def reset(self) -> None:

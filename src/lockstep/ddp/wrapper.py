@@ -204,6 +204,9 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         if self.device_ids is not None:
             inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        observer = self.reducer.observer
+        if observer is not None:
+            observer.forward_start()
         if synced:
             join_work = Join.notify_join_context(self)  # None unless inside model.join()
             self.reducer.divisor = self._join_divisor(join_work)
@@ -216,6 +219,8 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
             if buffers:
                 broadcast_coalesced(buffers, self.process_group)  # one collective per dtype
         outputs = self.module(*inputs, **kwargs)
+        if observer is not None:
+            observer.forward_end()
         # Read again: Lightning sets require_backward_grad_sync inside the module's forward (training_step).
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         self.require_forward_param_sync = synced
