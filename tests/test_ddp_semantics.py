@@ -195,30 +195,38 @@ def _unused_error_cases(rank):
     return out
 
 
-def _join_case(rank, divide, throw=False, first_batches=10):
+def _join_case(rank, divide, throw=False, first_batches=10, bn_no_sync=False):
+    import contextlib
+
     import lockstep
 
     results = {}
     for name, cls in (("ours", lockstep.DistributedDataParallel), ("torch", nn.parallel.DistributedDataParallel)):
         torch.manual_seed(7)
-        model = cls(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+        middle = nn.BatchNorm1d(16) if bn_no_sync else nn.ReLU()
+        model = cls(nn.Sequential(nn.Linear(8, 16), middle, nn.Linear(16, 4)))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(rank)
         batches = [(torch.randn(4, 8, generator=gen), torch.randint(0, 4, (4,), generator=gen)) for _ in range(first_batches + 3 * rank)]
         error = None
         try:
             with model.join(divide_by_initial_world_size=divide, throw_on_early_termination=throw):
-                for x, y in batches:
-                    opt.zero_grad()
-                    F.cross_entropy(model(x), y).backward()
-                    opt.step()
+                for i, (x, y) in enumerate(batches):
+                    # bn_no_sync: every other micro-batch under no_sync (the joined rank must skip the shadow
+                    # backward then) and BatchNorm buffers broadcast from the highest rank still training
+                    quiet = model.no_sync() if bn_no_sync and i % 2 == 0 else contextlib.nullcontext()
+                    with quiet:
+                        F.cross_entropy(model(x), y).backward()
+                    if not (bn_no_sync and i % 2 == 0):
+                        opt.step()
+                        opt.zero_grad()
         except RuntimeError as e:
             error = str(e)
-        results[name] = ([p.detach().clone() for p in model.parameters()], error)
+        results[name] = ([t.detach().clone() for t in model.state_dict().values()], error)
     if throw:
         return results["ours"][1], results["torch"][1]
-    diff = max((p - q).abs().max().item() for p, q in zip(results["ours"][0], results["torch"][0]))
-    return diff, torch.cat([p.reshape(-1) for p in results["ours"][0]])
+    diff = max((p.double() - q.double()).abs().max().item() for p, q in zip(results["ours"][0], results["torch"][0]))
+    return diff, torch.cat([p.reshape(-1).double() for p in results["ours"][0]])
 
 
 def _constructor_cases(rank):
@@ -339,6 +347,7 @@ def _all_cases(rank, world_size):
         "join_throw": _join_case(rank, True, throw=True),
         # rank 0 has no batch at all: it joins before its first backward, while rank 1 rebuilds its buckets
         "join_at_once": _join_case(rank, True, first_batches=0),
+        "join_bn_no_sync": _join_case(rank, True, bn_no_sync=True),
         "constructor": _constructor_cases(rank),
     }
     return cases
@@ -414,7 +423,7 @@ def test_gradient_twice_without_static_graph(results):
         assert "activation checkpointing" in text and "static_graph=True" in text
 
 
-@pytest.mark.parametrize("case", ["join_initial", "join_active", "join_at_once"])
+@pytest.mark.parametrize("case", ["join_initial", "join_active", "join_at_once", "join_bn_no_sync"])
 def test_join_matches_torch_and_replicas_agree(results, case):
     for rank in range(2):
         diff, _ = results[rank][case]

@@ -163,13 +163,6 @@ def _count_line(tests: dict) -> str:
 # Included tests that lockstep does not pass yet: open gaps, not exclusions. Each is expected to fail
 # (strict: once one passes, this list must shrink), and tests/README.md names what is missing.
 KNOWN_GAPS = {
-    "test_ddp_apply_optim_in_backward": "optimizer in backward (_apply_optimizer_in_backward) not overlapped with the reduction",
-    "test_ddp_apply_optim_in_backward_grad_as_bucket_view_false": "optimizer in backward",
-    "test_ddp_apply_optim_in_backward_ignored_params": "optimizer in backward",
-    "test_ddp_broadcast_buffer_via_hook": "buffer comm hooks (_register_buffer_comm_hook)",
-    "test_ddp_buffer_hook_allreduce": "buffer comm hooks (_register_buffer_comm_hook)",
-    "test_ddp_buffer_hook_allreduce_return_future": "buffer comm hooks (_register_buffer_comm_hook)",
-    "test_ddp_uneven_inputs": "_authoritative_rank after join reads None in one of its cases (join itself works)",
 }
 
 @pytest.mark.parametrize("name", INCLUDED)

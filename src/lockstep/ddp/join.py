@@ -7,6 +7,12 @@ training iteration issues (bucket rebuild, buffer broadcast, bucket all-reduces,
 status), so nobody waits for a partner that left. When everyone has joined, the
 rank that trained longest broadcasts its parameters and buffers, and all replicas
 end identical.
+
+Inside a join context every forward follows torch's protocol, collective for collective: the
+"not joined" all-reduce, the bucket rebuild (once), the buffers broadcast from the highest rank
+still training (``common_rank``: one all-reduce and a host read, only inside join), and a
+one-element all-reduce telling the joined ranks whether this iteration's backward synchronises
+(so ``no_sync`` micro-batches work under join: the joined ranks skip the shadow backward).
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ class JoinableDDP(Protocol):
     join_device: torch.device
     _sync_buffers: list[torch.Tensor]
     _divide_by_initial_world_size: bool
+    require_forward_param_sync: bool
+    forward_sync_buffers: bool
 
     def _will_sync_buffers(self) -> bool: ...
 
@@ -40,15 +48,19 @@ class DDPJoinHook(JoinHook):
         self.ddp = ddp
         # The training ranks read this in forward: divide by everyone, or by the ranks still training.
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
+        ddp._join_used = True  # reported as torch's logging key join_uneven_inputs
 
     def main_hook(self) -> None:
         ddp = self.ddp
         reducer = ddp.reducer
         if reducer.rebuild_pending:
             reducer.rebuild_buckets()
-        if ddp._will_sync_buffers():
-            broadcast_coalesced(ddp._sync_buffers, ddp.process_group)
-        reducer.shadow_backward()
+        if ddp.require_forward_param_sync and ddp._will_sync_buffers():
+            broadcast_coalesced(ddp._sync_buffers, ddp.process_group, common_rank(ddp, False))
+        should_sync = backward_sync_round(ddp, False, joined=True)
+        ddp.require_forward_param_sync = should_sync
+        if should_sync:
+            reducer.shadow_backward()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
@@ -57,4 +69,30 @@ class DDPJoinHook(JoinHook):
         dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=ddp.process_group)
         authoritative = int(candidate.item())
         ddp._authoritative_rank = authoritative  # torch's attribute name: the rank whose state every rank takes
-        broadcast_coalesced(list(ddp.module.parameters()) + ddp._sync_buffers, ddp.process_group, authoritative)
+        buffers = ddp._sync_buffers if ddp.forward_sync_buffers else []
+        broadcast_coalesced(list(ddp.module.parameters()) + buffers, ddp.process_group, authoritative)
+
+
+def common_rank(ddp: JoinableDDP, candidate: bool) -> int:
+    """The highest rank (in the DDP's group) among those passing ``candidate=True``: rank 0 may have
+    joined with stale buffers, so under join the buffers come from a rank still training, as torch's.
+    Costs one all-reduce and a host read, only inside a join context.
+    """
+    rank = torch.tensor([dist.get_rank(ddp.process_group) if candidate else -1], device=ddp.join_device)
+    dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=ddp.process_group)
+    return int(rank.item())
+
+
+def backward_sync_round(ddp: JoinableDDP, synced: bool, joined: bool) -> bool:
+    """One all-reduce per forward inside join: does any training rank synchronise this backward?
+
+    A training rank does not wait (its work is kept until the next round, see ``lifetime``); a
+    joined rank waits and returns the answer.
+    """
+    flag = torch.ones(1, device=ddp.join_device) if synced and not joined else torch.zeros(1, device=ddp.join_device)
+    work = dist.all_reduce(flag, group=ddp.process_group, async_op=True)
+    if not joined:
+        ddp._join_sync_work = work
+        return synced
+    work.wait()
+    return bool(flag.item() != 0)

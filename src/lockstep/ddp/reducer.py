@@ -31,6 +31,7 @@ from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.launch_order import LaunchOrder
 from lockstep.ddp.lifetime import register_for_exit, remove_handles
 from lockstep.ddp.observe import StepObserver
+from lockstep.ddp.optim_in_backward import step_optimizers_in_backward
 from lockstep.ddp.reducer_state import Bucket, UsageTracker, raise_missing_gradients
 from lockstep.ddp.torch_surface import ReducerSurface
 
@@ -83,6 +84,8 @@ class Reducer(ReducerSurface):
         self.buckets_rebuilt = False
         self.events: list[tuple] | None = None  # tests: ("ready", i) / ("launch", b); None = off
         self.observer: StepObserver | None = None  # diagnostics (``observe``); None = off
+        self.optimizers_in_backward = False  # torch's _apply_optimizer_in_backward on these parameters
+        self.post_backward_futures: list = []  # a buffer comm hook's futures, waited for at the end of backward
         self.launch_seq = 0  # launches issued since construction: the same on every rank, step after step
         self.comm_wait_s = 0.0
         self.num_syncs = 0
@@ -286,11 +289,17 @@ class Reducer(ReducerSurface):
                     tensor = result[0] if isinstance(result, (list, tuple)) else result
                     if tensor.data_ptr() != bucket.flat.data_ptr():
                         bucket.flat.copy_(tensor.view(-1))
+            if self.post_backward_futures:
+                futures, self.post_backward_futures = self.post_backward_futures, []
+                for future in futures:
+                    future.wait()
             self.comm_wait_s += time.perf_counter() - start
             status = self.usage.exchange_status(missing, self.comm_hook is not None, self.buckets[-1], self.process_group)
             if status.any_missing:
                 raise_missing_gradients(missing, self.names, self.process_group, self.usage.static_graph)
             self._copy_back(status.globally_used)
+            if self.optimizers_in_backward:
+                step_optimizers_in_backward(self.params)
             self.num_syncs += 1
             if observer is not None:
                 observer.backward_end(self.num_syncs)

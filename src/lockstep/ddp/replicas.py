@@ -89,8 +89,13 @@ def syncable_buffers(module: torch.nn.Module, ignore: frozenset[str] | set[str] 
     Read afresh from the module each time (a module walk, tens of microseconds): a buffer may be
     reassigned, not only changed in place, and the new tensor is the one to broadcast.
     """
-    return [
-        b
+    return list(named_syncable_buffers(module, ignore).values())
+
+
+def named_syncable_buffers(module: torch.nn.Module, ignore: frozenset[str] | set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """``syncable_buffers`` by qualified name (what a buffer comm hook receives)."""
+    return {
+        name: b
         for name, b in module.named_buffers()
         if name not in ignore and (b.dtype.is_floating_point or (not b.dtype.is_complex and b.dtype != torch.bool))
-    ]
+    }

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.ddp.replicas import broadcast_coalesced, named_syncable_buffers
+
 # torch's methods that work unchanged on lockstep's wrapper (they read only attributes it has).
 INHERITED_AS_IS = frozenset({
     "_abc_impl", "_active_ddp_module", "_get_active_ddp_module", "_inside_ddp_forward", "_check_comm_hook",
@@ -104,6 +106,35 @@ class WrapperSurface:
             raise ValueError(f"_register_builtin_comm_hook: unknown comm hook type {comm_hook_type!r}")
         self.register_comm_hook(self.process_group, hooks[name])
 
+    def _register_buffer_comm_hook(self, state: Any, hook: Any, comm_hook_location: Any = None) -> None:
+        """torch's buffer comm hook: ``hook(state, {name: buffer})`` replaces the buffers' broadcast.
+
+        It runs where the broadcast would (a forward after a synchronised one), before the module's
+        forward with ``_BufferCommHookLocation.PRE_FORWARD`` or after it (POST_FORWARD, the default).
+        Futures it returns are waited for at the end of the next backward, as torch's.
+        """
+        if not callable(hook):
+            raise AssertionError(f"hook must be callable, got {type(hook).__name__}")
+        pre = getattr(comm_hook_location, "name", "POST_FORWARD") == "PRE_FORWARD"
+        self._buffer_hook = (hook, state, pre)
+
+    @property
+    def named_module_buffers(self) -> dict[str, torch.Tensor]:
+        return named_syncable_buffers(self.module, self.parameters_to_ignore)
+
+    def _default_broadcast_coalesced(self, bufs: Any = None, bucket_size: Any = None, authoritative_rank: int = 0) -> None:
+        """Broadcast ``bufs`` (default: the module's buffers) from ``authoritative_rank``; the chunk size is lockstep's."""
+        broadcast_coalesced(self._sync_buffers if bufs is None else list(bufs), self.process_group, authoritative_rank)
+
+    def _run_buffer_hook(self) -> None:
+        hook, state, _ = self._buffer_hook
+        buffers = self.named_module_buffers
+        if not buffers:
+            return  # as torch: no buffers, no hook call
+        futures = hook(state, buffers)
+        if futures is not None:
+            self.reducer.post_backward_futures.extend(futures)
+
     def _get_ddp_logging_data(self) -> dict:
         """The keys of torch's logging data that have a meaning here (Lightning reads it at teardown)."""
         reducer = self.reducer
@@ -124,6 +155,7 @@ class WrapperSurface:
             "bucket_sizes": ", ".join(str(b.flat.numel() * b.flat.element_size()) for b in reducer.buckets),
             "comm_hook": getattr(reducer.comm_hook, "__qualname__", "") if reducer.comm_hook else "",
             "has_rebuilt_buckets": int(reducer.buckets_rebuilt),
+            "join_uneven_inputs": int(getattr(self, "_join_used", False)),  # set once a join hook was built
             # torch sets this after iterations in which the set of used parameters never changed.
             "can_set_static_graph": 0,
             "dtypes": ", ".join(sorted({str(p.dtype).replace("torch.", "") for p in reducer.params})),

@@ -22,7 +22,8 @@ from torch.distributed.algorithms.join import Join, Joinable
 from lockstep.ddp.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
 from lockstep.ddp.args import caps_from_list, ignored_names, reject_unsupported, resolve_buffer_sync, resolve_group
 from lockstep.ddp.graph import on_backward_start
-from lockstep.ddp.join import DDPJoinHook
+from lockstep.ddp.optim_in_backward import take_over_optimizers_in_backward
+from lockstep.ddp.join import DDPJoinHook, backward_sync_round, common_rank
 from lockstep.ddp.replicas import broadcast_coalesced, syncable_buffers, verify_params_across_ranks
 from lockstep.ddp.reducer import Reducer
 from lockstep.ddp.torch_surface import WrapperSurface, close_inherited, closed_message
@@ -110,6 +111,8 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         # torch's __init__ never runs (it would build torch's C++ reducer): the subclass is for isinstance.
         nn.Module.__init__(self)
         Joinable.__init__(self)
+        self._buffer_hook: tuple | None = None  # set by _register_buffer_comm_hook
+        self._lazy_init_done = False  # the first forward's set-up (optimizers in backward)
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
@@ -207,20 +210,38 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         observer = self.reducer.observer
         if observer is not None:
             observer.forward_start()
+        if not self._lazy_init_done:
+            # As torch's lazy init: _apply_optimizer_in_backward may be called after construction.
+            self._lazy_init_done = True
+            self.reducer.optimizers_in_backward = take_over_optimizers_in_backward(self.reducer.params)
+        in_join = self._join_config.enable  # inside model.join() (torch's flag; it stays set after, as torch's)
+        join_work = Join.notify_join_context(self) if in_join else None  # every forward, as torch
         if synced:
-            join_work = Join.notify_join_context(self)  # None unless inside model.join()
             self.reducer.divisor = self._join_divisor(join_work)
             self.reducer.prepare_for_forward()  # before any other collective of this iteration
+        elif self.reducer.rebuild_pending and torch.is_grad_enabled():
+            # As torch: the one-time rebuild happens in the next forward with grad, no_sync included,
+            # which is where a joined rank's shadow rebuilds too.
+            self.reducer.rebuild_buckets()
         # As torch: buffers follow the *previous* forward. They are broadcast when it was synchronised
         # (so also in an eval or no_sync forward right after a training step), which is what keeps
         # BatchNorm statistics bit-identical to torch's under gradient accumulation.
-        if self.require_forward_param_sync and self.forward_sync_buffers and dist.get_world_size(self.process_group) > 1:
+        sync_buffers = self.require_forward_param_sync and self.forward_sync_buffers and dist.get_world_size(self.process_group) > 1
+        buffer_hook = self._buffer_hook  # torch's _register_buffer_comm_hook: (hook, state, before forward?)
+        if sync_buffers and buffer_hook is None:
             buffers = self._sync_buffers  # read afresh: one module walk per such forward
             if buffers:
-                broadcast_coalesced(buffers, self.process_group)  # one collective per dtype
+                src = common_rank(self, True) if in_join else 0  # under join: a rank still training
+                broadcast_coalesced(buffers, self.process_group, src)  # one collective per dtype
+        elif sync_buffers and buffer_hook[2]:
+            self._run_buffer_hook()
+        if in_join:
+            backward_sync_round(self, synced, joined=False)
         outputs = self.module(*inputs, **kwargs)
         if observer is not None:
             observer.forward_end()
+        if sync_buffers and buffer_hook is not None and not buffer_hook[2]:
+            self._run_buffer_hook()
         # Read again: Lightning sets require_backward_grad_sync inside the module's forward (training_step).
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         self.require_forward_param_sync = synced
