@@ -109,8 +109,8 @@ def main() -> None:
 
     # Uneven inputs (JOIN=1): rank 1 gets one batch fewer; Join shadows the missing collectives. accelerate's own
     # join_uneven_inputs is a no-op on CPU (multi_device is GPU/XPU/... only), so torch's Join is used directly.
-    # Parameters stay bit-identical; BatchNorm buffers do not (torch broadcasts them from the highest rank
-    # not joined, lockstep from rank 0): a lockstep/torch difference outside this issue.
+    # Parameters and BatchNorm buffers stay bit-identical to torch's (buffers come from the highest rank
+    # still training, as torch's).
     before_join = {}
     if os.environ.get("JOIN", "0") == "1":
         from torch.distributed.algorithms.join import Join
