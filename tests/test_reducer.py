@@ -1,4 +1,7 @@
-"""Reducer behaviour seen from outside: overlap, rebuild from the observed order, bad input, compatibility."""
+"""Reducer behaviour seen from outside: overlap (with and without comm hooks), rebuild from the observed order,
+bad input, compatibility."""
+
+import time
 
 import pytest
 import torch
@@ -42,6 +45,66 @@ def _overlap(rank, world_size):
         _step(model, x, y)
         per_iteration.append(list(model.reducer.events))
     return per_iteration, model.reducer.bucket_layout(), model.comm_stats()
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps first: this rank reaches every bucket late."""
+
+    @staticmethod
+    def forward(ctx, x, delay_s):
+        ctx.delay_s = delay_s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.delay_s)
+        return grad, None
+
+
+HOOK_DELAY_S = 0.5
+
+
+def _hook_overlap(rank, world_size):
+    """Per hook: 3 steps at 4 buckets; in step 2 rank 0 is late, in step 1 rank 1, so the other rank's buckets
+    cannot complete while its backward goes on. Recorded: events, and at each launch how many earlier
+    buckets of this backward were still in flight."""
+    import lockstep
+    from lockstep.ddp.observe import StepObserver
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    class InFlight(StepObserver):
+        def __init__(self, reducer):
+            self.reducer, self.counts = reducer, []
+
+        def bucket_launch(self, bucket_index, numel, seq):
+            self.counts.append(sum(not b.work.done() for b in self.reducer.buckets[:bucket_index]))
+
+    def unknown(state, bucket):  # torch's all-reduce hook behind a wrapper the reducer cannot know
+        return default_hooks.allreduce_hook(state, bucket)
+
+    hooks = {"fp16": lockstep.comm_hooks.fp16_compress_hook, "torch_fp16": default_hooks.fp16_compress_hook,
+             "unknown": unknown}
+    gen = torch.Generator().manual_seed(rank)
+    data = [(torch.randn(4, 256, generator=gen), torch.randint(0, 10, (4,), generator=gen)) for _ in range(3)]
+    out = {}
+    for name, hook in hooks.items():
+        model = lockstep.DistributedDataParallel(_big_mlp(), bucket_cap_mb=1)
+        model.register_comm_hook(None, hook)
+        observer = model.reducer.observer = InFlight(model.reducer)
+        steps = []
+        for step, (x, y) in enumerate(data):
+            model.reducer.events = []
+            observer.counts = []
+            loss = F.cross_entropy(model(x), y)
+            _SlowBackward.apply(loss, HOOK_DELAY_S if step == 2 - rank else 0.0).backward()
+            steps.append((model.reducer.events, observer.counts, model.reducer.bucket_layout()))
+        out[name] = {"steps": steps, "grads": [p.grad.clone() for p in model.parameters()]}  # summed over the 3 steps
+    torch_ddp = nn.parallel.DistributedDataParallel(_big_mlp(), bucket_cap_mb=1)
+    torch_ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    for x, y in data:
+        F.cross_entropy(torch_ddp(x), y).backward()
+    out["torch_ddp_grads"] = [p.grad.clone() for p in torch_ddp.parameters()]
+    return out
 
 
 def _rebuild(rank, world_size):
@@ -117,7 +180,8 @@ def _compat(rank, world_size):
 
 
 def _all_cases(rank, world_size):
-    return {"overlap": _overlap(rank, world_size), "rebuild": _rebuild(rank, world_size),
+    return {"overlap": _overlap(rank, world_size), "hook_overlap": _hook_overlap(rank, world_size),
+            "rebuild": _rebuild(rank, world_size),
             "bad": _bad_input(rank, world_size), "compat": _compat(rank, world_size)}
 
 
@@ -137,6 +201,45 @@ def test_overlap_a_bucket_launches_before_the_last_gradient(results):
             # Buckets launch in index order on every rank.
             assert [e[1] for e in events if e[0] == "launch"] == list(range(len(layout)))
         assert stats["steps"] == 2 and stats["comm_wait_s"] >= 0.0
+
+
+def _launch_before_next_ready(events, layout):
+    """For each bucket k but the last two: k+1 launched before bucket k+2's last gradient was ready."""
+    position = {e: i for i, e in enumerate(events)}
+    return all(
+        position[("launch", k + 1)] < max(position[("ready", i)] for i in layout[k + 2]) for k in range(len(layout) - 2)
+    )
+
+
+def test_hooks_issuing_collectives_up_front_keep_every_bucket_in_flight(results):
+    # Rank r's peer (1 - r) is late in step 1 + r: there, with an up-front hook (ours, torch's fp16 hook), each bucket
+    # launches as soon as it is ready, while the earlier ones are still in flight, overlapping backward.
+    for rank in range(2):
+        res = results[rank]["hook_overlap"]
+        for name in ("fp16", "torch_fp16"):
+            events, in_flight, layout = res[name]["steps"][1 + rank]
+            assert len(layout) == 4, layout
+            assert [e[1] for e in events if e[0] == "launch"] == [0, 1, 2, 3], (name, events)
+            assert max(in_flight) >= 2, (name, rank, in_flight)
+            assert _launch_before_next_ready(events, layout), (name, rank, events)
+
+
+def test_unknown_hook_keeps_one_bucket_in_flight(results):
+    # A hook the reducer cannot vouch for may issue collectives from callbacks: one bucket at a time, always.
+    for rank in range(2):
+        for events, in_flight, layout in results[rank]["hook_overlap"]["unknown"]["steps"]:
+            assert in_flight == [0] * len(layout), (rank, in_flight)
+        events, _, layout = results[rank]["hook_overlap"]["unknown"]["steps"][1 + rank]
+        assert not _launch_before_next_ready(events, layout), events  # held back while the late peer sleeps
+
+
+def test_overlapped_hooks_bitwise_equal_torchs_ddp(results):
+    for rank in range(2):
+        res = results[rank]["hook_overlap"]
+        for name in ("fp16", "torch_fp16"):
+            assert all(torch.equal(a, b) for a, b in zip(res[name]["grads"], res["torch_ddp_grads"])), name
+        # the unknown hook is a plain average: different from fp16 (so the comparison above can fail)
+        assert not all(torch.equal(a, b) for a, b in zip(res["unknown"]["grads"], res["torch_ddp_grads"]))
 
 
 def test_rebuild_follows_observed_order(results):

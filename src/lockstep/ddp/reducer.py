@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from lockstep.comm_hooks.base import issues_collectives_up_front
 from lockstep.ddp.buckets import assign_buckets
 from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.launch_order import LaunchOrder
@@ -102,7 +103,7 @@ class Reducer(ReducerSurface):
             for slot, i in enumerate(bucket.plan.param_indices):
                 self._location[i] = (bucket.index, slot)
         self._sizes = [len(b.params) for b in self.buckets]
-        self._order = LaunchOrder(self.buckets, self._launch, lambda: self.comm_hook is not None)
+        self._order = LaunchOrder(self.buckets, self._launch, self._hook_one_in_flight)
         self._reset()
         if self.gradient_as_bucket_view:
             # Existing gradients move into the new buffers so no accumulated value is lost.
@@ -111,6 +112,11 @@ class Reducer(ReducerSurface):
                     if p.grad is not None:
                         view.copy_(p.grad)
                         p.grad = view
+
+    def _hook_one_in_flight(self) -> bool:
+        """A registered hook not known to issue its collectives up front: one of its buckets in flight at a time."""
+        hook = self.comm_hook
+        return hook is not None and not issues_collectives_up_front(hook)
 
     def bucket_layout(self) -> list[list[int]]:
         """Parameter indices (into ``params``) of each bucket, in launch order."""
