@@ -107,6 +107,67 @@ def _hook_overlap(rank, world_size):
     return out
 
 
+AUTO_STEPS = 10
+
+
+def _auto(rank, world_size):
+    """bucket_cap_mb=AutoBucketCap(3 caps, 1+1 steps each) against a fixed 25 MB cap and torch's DDP, 10 SGD steps."""
+    import logging
+
+    import lockstep
+    from lockstep.ddp.autotune import AutoBucketCap
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("lockstep.ddp.autotune")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    config = AutoBucketCap(caps_mb=(0.01, 1.0, None), warmup_steps=1, timed_steps=1)
+    models = {
+        "auto": lockstep.DistributedDataParallel(_big_mlp(), bucket_cap_mb=config),
+        "fixed": lockstep.DistributedDataParallel(_big_mlp()),
+        "torch": nn.parallel.DistributedDataParallel(_big_mlp()),
+    }
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for k, m in models.items()}
+    gen = torch.Generator().manual_seed(rank)
+    layouts = []
+    for _ in range(AUTO_STEPS):
+        x, y = torch.randn(8, 256, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+        for name, model in models.items():
+            opts[name].zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opts[name].step()
+        layouts.append(models["auto"].reducer.bucket_layout())
+    models["auto"](x)  # the forward after the last trial step decides
+    logger.removeHandler(handler)
+    # Uneven inputs: rank 0 joins after 2 steps, while the trials still switch layouts (it shadows them).
+    joined = {}
+    for name, model in {"auto": lockstep.DistributedDataParallel(_big_mlp(), bucket_cap_mb=config),
+                        "torch": nn.parallel.DistributedDataParallel(_big_mlp())}.items():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with model.join():
+            for _ in range(2 if rank == 0 else AUTO_STEPS):
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+        joined[name] = [p.detach().clone() for p in model.parameters()]
+    errors = {}
+    for name, build in {"word": lambda: lockstep.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb="fast"),
+                        "with_list": lambda: lockstep.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb="auto",
+                                                                              bucket_cap_mb_list=[1.0]),
+                        "config": lambda: AutoBucketCap(caps_mb=(0,))}.items():
+        try:
+            build()
+        except ValueError as e:
+            errors[name] = str(e)
+    return {
+        "params": {k: [p.detach().clone() for p in m.parameters()] for k, m in models.items()},
+        "layouts": layouts, "final": models["auto"].reducer.bucket_layout(),
+        "result": models["auto"].reducer.tuner.result, "joined": joined, "logs": [r.getMessage() for r in records], "errors": errors,
+    }
+
+
 def _rebuild(rank, world_size):
     import lockstep
 
@@ -181,7 +242,7 @@ def _compat(rank, world_size):
 
 def _all_cases(rank, world_size):
     return {"overlap": _overlap(rank, world_size), "hook_overlap": _hook_overlap(rank, world_size),
-            "rebuild": _rebuild(rank, world_size),
+            "rebuild": _rebuild(rank, world_size), "auto": _auto(rank, world_size),
             "bad": _bad_input(rank, world_size), "compat": _compat(rank, world_size)}
 
 
@@ -240,6 +301,53 @@ def test_overlapped_hooks_bitwise_equal_torchs_ddp(results):
             assert all(torch.equal(a, b) for a, b in zip(res[name]["grads"], res["torch_ddp_grads"])), name
         # the unknown hook is a plain average: different from fp16 (so the comparison above can fail)
         assert not all(torch.equal(a, b) for a, b in zip(res["unknown"]["grads"], res["torch_ddp_grads"]))
+
+
+def test_auto_bucket_cap_tries_each_cap_then_keeps_rank_0s_fastest(results):
+    from lockstep.ddp.buckets import MIB, assign_buckets
+
+    r0, r1 = results[0]["auto"], results[1]["auto"]
+    assert r0["result"] == r1["result"] and r0["final"] == r1["final"] and r0["layouts"] == r1["layouts"]
+    result = r0["result"]
+    medians = result["median_step_s"]
+    assert len(medians) == 3 and all(0 < m < 10 for m in medians), result
+    assert result["chosen_mb"] == result["caps_mb"][medians.index(min(medians))]
+    # Steps 2-7 ran the trials (two steps per cap): three different layouts, one parameter per bucket at 10 KB.
+    trial_layouts = r0["layouts"][1:7]
+    assert trial_layouts[0] == trial_layouts[1] and len(trial_layouts[0]) == 6
+    assert len({str(layout) for layout in trial_layouts}) == 3
+    order = [i for bucket in trial_layouts[0] for i in bucket]
+    assert trial_layouts[4] == trial_layouts[5] == [order]  # one bucket, in the same order
+    assert r0["layouts"][7:] == [r0["final"]] * 3
+    # The kept layout is the chosen cap's, over the observed order.
+    cap = 1 << 62 if result["chosen_mb"] is None else int(result["chosen_mb"] * MIB)
+    params = [p for p in r0["params"]["auto"]]
+    plans = assign_buckets(params, order, cap, bucket_caps_bytes=[min(MIB, cap), cap] if cap < 1 << 62 else [cap])
+    assert r0["final"] == [plan.param_indices for plan in plans]
+    # Logged once, on rank 0, with the choice and the times.
+    assert len(r0["logs"]) == 1 and not r1["logs"]
+    assert "bucket_cap_mb='auto' chose" in r0["logs"][0] and "10 KB" not in r0["logs"][0], r0["logs"]
+
+
+def test_auto_bucket_cap_trains_bit_identical_to_a_fixed_cap(results):
+    for rank in range(2):
+        params = results[rank]["auto"]["params"]
+        for other in ("fixed", "torch"):
+            assert all(torch.equal(a, b) for a, b in zip(params["auto"], params[other])), (rank, other)
+        assert not all(torch.equal(a, b) for a, b in zip(params["auto"], _big_mlp().parameters()))  # it trained
+
+
+def test_auto_bucket_cap_with_a_joined_rank(results):
+    for rank in range(2):
+        joined = results[rank]["auto"]["joined"]
+        assert all(torch.equal(a, b) for a, b in zip(joined["auto"], joined["torch"])), rank
+
+
+def test_auto_bucket_cap_bad_input(results):
+    errors = results[0]["auto"]["errors"]
+    assert "bucket_cap_mb must be a number > 0 or 'auto', got 'fast'" in errors["word"]
+    assert "bucket_cap_mb_list" in errors["with_list"]
+    assert "AutoBucketCap.caps_mb" in errors["config"]
 
 
 def test_rebuild_follows_observed_order(results):

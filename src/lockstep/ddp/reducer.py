@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.comm_hooks.base import issues_collectives_up_front
+from lockstep.ddp.autotune import AutoBucketCap, BucketTuner
 from lockstep.ddp.buckets import assign_buckets
 from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.launch_order import LaunchOrder
@@ -49,6 +50,7 @@ class Reducer(ReducerSurface):
         gradient_as_bucket_view: make ``param.grad`` a view into the bucket buffer (no copy back).
         find_unused_parameters: find, after each forward, the parameters its graph does not reach.
         static_graph: learn unused parameters and hook counts in the first iteration, reuse them after.
+        auto_buckets: try these caps over the first steps and keep the fastest (``autotune``); None: fixed caps.
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class Reducer(ReducerSurface):
         bucket_caps_bytes: Sequence[int] | None = None,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
+        auto_buckets: AutoBucketCap | None = None,
     ):
         self.params = list(params)
         self.names = list(names)
@@ -87,6 +90,8 @@ class Reducer(ReducerSurface):
         self.launch_seq = 0  # launches issued since construction: the same on every rank, step after step
         self.comm_wait_s = 0.0
         self.num_syncs = 0
+        self.rounds = 0  # synchronised backwards completed, a joined rank's shadows included: the same on every rank
+        self.tuner = BucketTuner(auto_buckets, first_bucket_bytes) if auto_buckets is not None else None
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         self._build(list(reversed(range(len(self.params)))))
         self_ref = weakref.ref(self)  # the parameters outlive a dropped DDP object; its reducer must not
@@ -96,6 +101,7 @@ class Reducer(ReducerSurface):
 
     # ----------------------------------------------------------------- layout
     def _build(self, order: list[int]) -> None:
+        self._param_order = order
         plans = assign_buckets(self.params, order, self.bucket_cap_bytes, self.first_bucket_bytes, self.bucket_caps_bytes)
         self.buckets = [Bucket(b, plan, self.params) for b, plan in enumerate(plans)]
         self._location = [(0, 0)] * len(self.params)
@@ -138,6 +144,18 @@ class Reducer(ReducerSurface):
         self._build(order_t.tolist())
         self.buckets_rebuilt = True
 
+    def relayout(self, bucket_caps_bytes: list[int]) -> None:
+        """New buckets with these caps, in the current order (the auto-tuner's trials; every rank at the same round)."""
+        self.bucket_caps_bytes = bucket_caps_bytes
+        self._build(self._param_order)
+
+    def between_steps(self) -> None:
+        """Before a round's collectives, on every rank (a forward, or a joined rank's shadow): rebuild, tune."""
+        if self.rebuild_pending:
+            self.rebuild_buckets()
+        if self.tuner is not None and not self.tuner.done:
+            self.tuner.between_steps(self, hook_known=not self._hook_one_in_flight())
+
     # ------------------------------------------------------------- forward
     def prepare_for_forward(self) -> None:
         """Start of a synchronised forward: finish a backward that could not, rebuild buckets once."""
@@ -147,8 +165,7 @@ class Reducer(ReducerSurface):
             self._finalize_backward()
         elif self._callback_queued:
             self._callback_queued = False  # a backward aborted before any gradient: nothing to finish
-        if self.rebuild_pending:
-            self.rebuild_buckets()
+        self.between_steps()
 
     def prepare_after_forward(self, outputs: Any) -> None:
         """After a synchronised forward: hooks count; note the parameters this backward will not reach.
@@ -298,6 +315,7 @@ class Reducer(ReducerSurface):
                 raise_missing_gradients(missing, self.names, self.process_group, self.usage.static_graph)
             self._copy_back(status.globally_used)
             self.num_syncs += 1
+            self.rounds += 1
             if observer is not None:
                 observer.backward_end(self.num_syncs)
             if self._observed_order is not None and not self.buckets_rebuilt:
@@ -331,6 +349,7 @@ class Reducer(ReducerSurface):
             bucket.work.wait()
         self.usage.exchange_status([], self.comm_hook is not None, self.buckets[-1], self.process_group, joined=True)
         self._reset()
+        self.rounds += 1
         # As after a real backward: the training ranks rebuild their buckets at their next forward (a
         # broadcast), so a rank that joined before its own first backward must rebuild alongside them.
         if self._observed_order is not None and not self.buckets_rebuilt:
