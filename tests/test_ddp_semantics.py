@@ -182,6 +182,20 @@ def _unused_error_cases(rank):
     out["one_rank_misses"] = _capture(lambda: run({0: "both", 1: "a"}))
     out["all_miss_same"] = _capture(lambda: run({0: "a", 1: "a"}))
 
+    def deferred():
+        # The CUDA path (the flag read one backward late, no host sync) forced on CPU: the backward that misses
+        # a gradient passes, the next one raises on every rank, naming that backward's parameters.
+        torch.manual_seed(0)
+        model = lockstep.DistributedDataParallel(Branchy())
+        model.reducer.usage.flag.deferred = True
+        x = torch.randn(4, 8)
+        model(x, branch="both").sum().backward()  # nothing missing: nothing raised later either
+        model(x, branch={0: "a", 1: "both"}[rank]).sum().backward()
+        out["deferred_first"] = "passed"
+        model(x, branch="both").sum().backward()
+
+    out["deferred"] = _capture(deferred)
+
     def double_fire():
         torch.manual_seed(0)
         model = lockstep.DistributedDataParallel(Repeated(ckpt="reentrant"))
@@ -404,6 +418,15 @@ def test_unused_parameter_errors_name_parameter_and_rank(results):
         assert "rank 1: 'b.weight', 'b.bias'" in text and "rank 0:" not in text
         kind, text = errors["all_miss_same"]
         assert "rank 0: 'b.weight', 'b.bias'" in text and "rank 1: 'b.weight', 'b.bias'" in text
+
+
+def test_missing_gradient_read_one_backward_late_raises_on_every_rank(results):
+    for rank in range(2):
+        errors = results[rank]["errors"]
+        assert errors["deferred_first"] == "passed"
+        kind, text = errors["deferred"]
+        assert kind == "RuntimeError" and "received no gradient in the previous backward" in text
+        assert "rank 0: 'b.weight', 'b.bias'" in text and "rank 1:" not in text
 
 
 def test_gradient_twice_without_static_graph(results):

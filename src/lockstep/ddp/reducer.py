@@ -312,7 +312,7 @@ class Reducer(ReducerSurface):
             self.comm_wait_s += time.perf_counter() - start
             status = self.usage.exchange_status(missing, self.comm_hook is not None, self.buckets[-1], self.process_group)
             if status.any_missing:
-                raise_missing_gradients(missing, self.names, self.process_group, self.usage.static_graph)
+                raise_missing_gradients(status.missing, self.names, self.process_group, self.usage.static_graph, status.late)
             self._copy_back(status.globally_used)
             self.num_syncs += 1
             self.rounds += 1
