@@ -194,13 +194,15 @@ class Reducer(ReducerSurface):
     # ------------------------------------------------------------- backward
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         self._hooks_fired = True
-        self.on_backward_start()  # no-op when the outputs' grad_fn pre-hook already ran it
+        if not self._callback_queued:  # usually queued already by the outputs' grad_fn pre-hook
+            self.on_backward_start()
+        grad = param.grad  # read once: a property into C++, per parameter per step
         # A hook can fire with no gradient (an undefined gradient flowed back): not a use of the parameter.
-        if self.usage.active and not self.usage.gradient_complete(index, self.names, param.grad is not None):
+        if self.usage.active and not self.usage.gradient_complete(index, self.names, grad is not None):
             return  # static graph: more pieces of this gradient are still to come
         if self._observed_order is not None:
             self._observed_order.append(index)
-        self._mark_ready(index, param.grad)
+        self._mark_ready(index, grad)
 
     def _mark_ready(self, index: int, grad: torch.Tensor | None) -> None:
         b, slot = self._location[index]
