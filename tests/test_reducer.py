@@ -126,6 +126,8 @@ def _auto(rank, world_size):
     config = AutoBucketCap(caps_mb=(0.01, 1.0, None), warmup_steps=1, timed_steps=1)
     models = {
         "auto": lockstep.DistributedDataParallel(_big_mlp(), bucket_cap_mb=config),
+        # the trials move gradients that live in the buckets (kept by zero_grad(set_to_none=False)) with them
+        "auto_view": lockstep.DistributedDataParallel(_big_mlp(), bucket_cap_mb=config, gradient_as_bucket_view=True),
         "fixed": lockstep.DistributedDataParallel(_big_mlp()),
         "torch": nn.parallel.DistributedDataParallel(_big_mlp()),
     }
@@ -135,7 +137,7 @@ def _auto(rank, world_size):
     for _ in range(AUTO_STEPS):
         x, y = torch.randn(8, 256, generator=gen), torch.randint(0, 10, (8,), generator=gen)
         for name, model in models.items():
-            opts[name].zero_grad()
+            opts[name].zero_grad(set_to_none=name != "auto_view")
             F.cross_entropy(model(x), y).backward()
             opts[name].step()
         layouts.append(models["auto"].reducer.bucket_layout())
@@ -324,15 +326,15 @@ def test_auto_bucket_cap_tries_each_cap_then_keeps_rank_0s_fastest(results):
     params = [p for p in r0["params"]["auto"]]
     plans = assign_buckets(params, order, cap, bucket_caps_bytes=[min(MIB, cap), cap] if cap < 1 << 62 else [cap])
     assert r0["final"] == [plan.param_indices for plan in plans]
-    # Logged once, on rank 0, with the choice and the times.
-    assert len(r0["logs"]) == 1 and not r1["logs"]
+    # Logged once per model (two tuned here: auto, auto_view), on rank 0, with the choice and the times.
+    assert len(r0["logs"]) == 2 and not r1["logs"]
     assert "bucket_cap_mb='auto' chose" in r0["logs"][0] and "10 KB" not in r0["logs"][0], r0["logs"]
 
 
 def test_auto_bucket_cap_trains_bit_identical_to_a_fixed_cap(results):
     for rank in range(2):
         params = results[rank]["auto"]["params"]
-        for other in ("fixed", "torch"):
+        for other in ("fixed", "torch", "auto_view"):
             assert all(torch.equal(a, b) for a, b in zip(params["auto"], params[other])), (rank, other)
         assert not all(torch.equal(a, b) for a, b in zip(params["auto"], _big_mlp().parameters()))  # it trained
 
