@@ -327,7 +327,8 @@ class Reducer(ReducerSurface):
 
     def _copy_back(self, globally_used: list[bool] | None) -> None:
         for bucket in self.buckets:
-            if globally_used is None and not self.gradient_as_bucket_view and not self._graph_grads:
+            # (Not after a missing gradient, whose None grad gets a clone: only when its error is deferred, on CUDA.)
+            if globally_used is None and not self.gradient_as_bucket_view and not self._graph_grads and not self._missing_flag:
                 torch._foreach_copy_(bucket.grads, bucket.views)  # the common path: one call per bucket
                 continue
             for i, grad, view in zip(bucket.plan.param_indices, bucket.grads, bucket.views):

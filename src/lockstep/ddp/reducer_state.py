@@ -166,12 +166,23 @@ class UsageTracker:
         """Agree across ranks on missing gradients and on which parameters any rank used.
 
         Costs nothing extra on the common path (the flag travelled in the last bucket; one host read,
-        one backward late on CUDA: ``MissingFlag``); otherwise one all-reduce of ``1 + num_params``
-        int32 values, read at once (a host sync on CUDA).
+        one backward late on CUDA: ``MissingFlag``); with a comm hook, one all-reduce of the flag, read
+        the same way; with a usage bitmap, one all-reduce of ``1 + num_params`` int32 values, read at
+        once (a host sync on CUDA: find_unused_parameters and static graph's first exchange).
         """
         need_bitmap = self.find_unused or self._static_exchange_due
         if not (need_bitmap or comm_hook):
             status = self.flag.read(last_bucket.buffer, missing)
+            status.globally_used = self._static_globally_used
+            return status
+        if not need_bitmap:
+            # A comm hook's buckets carry no flag: one all-reduce of the flag alone, read as the last bucket's
+            # would be. Filled on the device (no host-to-device copy, which would synchronise the stream).
+            device = last_bucket.buffer.device if dist.get_backend(group) == "nccl" else "cpu"
+            flag = torch.full((1,), int(bool(missing)), dtype=torch.int32, device=device)
+            self.last_work = dist.all_reduce(flag, group=group, async_op=True)  # kept: see below
+            self.last_work.wait()
+            status = self.flag.read(flag, missing)
             status.globally_used = self._static_globally_used
             return status
         used = [False] * self.num_params
