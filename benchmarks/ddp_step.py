@@ -1,10 +1,24 @@
-"""Step time of lockstep's DDP against torch's C++ DDP and the naive reducer, side by side in one run.
+"""Step time of lockstep's DDP against torch's C++ DDP, side by side in one run, with the floor no DDP can beat.
 
-2 ranks on gloo, ``torch.set_num_threads(1)`` each. Every iteration runs one training
-step of each contender, in a rotating order (so none always goes first), after a
-barrier; rank 0's wall time per step is recorded and the medians are compared.
+Ranks on gloo, ``--threads`` intra-op threads each. Contenders (``--contenders``, all by default):
 
-    python benchmarks/ddp_step.py [--steps 30] [--warmup 5] [--models mlp,transformer] [--out benchmarks/results]
+    compute        the module alone, no DDP: the compute-alone floor (forward, backward, SGD step)
+    torch          torch's DDP with its defaults (25 MB buckets)
+    torch_fp16     torch's DDP with torch's fp16_compress_hook
+    lockstep_25    lockstep's DDP, fixed 25 MB cap (its default)
+    lockstep_auto  lockstep's DDP, bucket_cap_mb="auto" (tuned alone before the timed steps)
+    lockstep_fp16  lockstep's DDP with lockstep.comm_hooks.fp16_compress_hook
+    naive          lockstep's naive reducer (one blocking all-reduce per parameter), off by default
+
+Every iteration runs one training step of each contender, in a rotating order (none always
+goes first), each after a barrier; rank 0's wall time per step is recorded. Timed iterations
+are cut into ``--blocks`` blocks: a contender's figure is the median of its per-block medians,
+and a ratio is the median over blocks of the per-block ratio (paired in time, so slow drift of
+a shared machine's load cancels), with the blocks' range beside it. Also timed, alone: the
+all-reduce of the model's gradients (one flat buffer, and 25 MB chunks in flight together),
+the all-reduce-alone floor.
+
+    python benchmarks/ddp_step.py [--models mlp,cnn,transformer] [--threads 1] [--blocks 5] [--block-steps 8]
 """
 
 from __future__ import annotations
@@ -31,6 +45,18 @@ def mlp_10m() -> nn.Module:
     )
 
 
+def cnn() -> nn.Module:
+    """A small VGG-like CNN with BatchNorm: 20 parameter tensors, ~1.2M parameters (buffers broadcast each step)."""
+    def block(c_in: int, c_out: int) -> list[nn.Module]:
+        return [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()]
+
+    return nn.Sequential(
+        *block(3, 32), *block(32, 64), nn.MaxPool2d(2), *block(64, 128), *block(128, 128), nn.MaxPool2d(2),
+        *block(128, 256), *block(256, 256), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(256, 256), nn.ReLU(),
+        nn.Linear(256, 10),
+    )
+
+
 class Transformer(nn.Module):
     """Embedding + 4 encoder layers + head: 52 parameter tensors, ~2.2M parameters."""
 
@@ -47,128 +73,196 @@ class Transformer(nn.Module):
 
 MODELS = {
     "mlp": (mlp_10m, lambda g: (torch.randn(32, 1024, generator=g), torch.randint(0, 10, (32,), generator=g))),
+    "cnn": (cnn, lambda g: (torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))),
     "transformer": (Transformer, lambda g: (torch.randint(0, 1000, (16, 32), generator=g), torch.randint(0, 10, (16,), generator=g))),
 }
+CONTENDERS = ("compute", "torch", "torch_fp16", "lockstep_25", "lockstep_auto", "lockstep_fp16", "naive")
+DEFAULT_CONTENDERS = CONTENDERS[:-1]
+# (numerator, denominator) pairs reported; the issue's targets are auto and 25 MB vs torch, fp16 vs torch's fp16.
+RATIOS = (("lockstep_25", "torch"), ("lockstep_auto", "torch"), ("lockstep_fp16", "torch_fp16"), ("torch", "compute"))
 
 
-def _contenders(build, bucket_view: bool):
+def _build(name: str, build):
     import lockstep
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     torch.manual_seed(0)
-    models = {
-        "lockstep": lockstep.DistributedDataParallel(build()),
-        "torch": nn.parallel.DistributedDataParallel(build()),
-        "naive": lockstep.NaiveDistributedDataParallel(build()),
-    }
-    if bucket_view:
-        # The zero-copy path: grads live in the buckets (and zero_grad keeps them there, set_to_none=False).
-        models["lockstep_view"] = lockstep.DistributedDataParallel(build(), gradient_as_bucket_view=True)
-        models["torch_view"] = nn.parallel.DistributedDataParallel(build(), gradient_as_bucket_view=True)
-    return models
+    module = build()
+    if name == "compute":
+        return module
+    if name.startswith("torch"):
+        model = nn.parallel.DistributedDataParallel(module)
+        if name == "torch_fp16":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return model
+    if name == "naive":
+        return lockstep.NaiveDistributedDataParallel(module)
+    model = lockstep.DistributedDataParallel(module, bucket_cap_mb="auto" if name == "lockstep_auto" else None)
+    if name == "lockstep_fp16":
+        model.register_comm_hook(None, lockstep.comm_hooks.fp16_compress_hook)
+    return model
+
+
+def _step(model, opt, x, y) -> None:
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def _allreduce_alone(numel: int, reps: int) -> dict[str, float]:
+    """Median seconds to all-reduce ``numel`` fp32 values: one buffer, and 25 MB chunks all in flight."""
+    flat = torch.randn(numel)
+    chunk = 25 * 1024 * 1024 // 4
+    out: dict[str, list[float]] = {"one_buffer_ms": [], "chunks_25mb_ms": []}
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(flat)
+        out["one_buffer_ms"].append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        works = [dist.all_reduce(piece, async_op=True) for piece in flat.split(chunk)]
+        for work in works:
+            work.wait()
+        out["chunks_25mb_ms"].append(time.perf_counter() - start)
+    return {k: statistics.median(v) * 1e3 for k, v in out.items()}
+
+
+def _summarise(times: dict[str, list[float]], blocks: int) -> dict:
+    """Median of per-block medians per contender; per-block paired ratios (median, min, max)."""
+    per_block = {}
+    for name, t in times.items():
+        size = len(t) // blocks
+        per_block[name] = [statistics.median(t[b * size : (b + 1) * size]) for b in range(blocks)]
+    medians = {name: statistics.median(v) * 1e3 for name, v in per_block.items()}
+    ratios = {}
+    for num, den in RATIOS:
+        if num in per_block and den in per_block:
+            r = [a / b for a, b in zip(per_block[num], per_block[den])]
+            ratios[f"{num}/{den}"] = {"median": statistics.median(r), "min": min(r), "max": max(r)}
+    return {"median_ms": medians, "block_medians_ms": {k: [x * 1e3 for x in v] for k, v in per_block.items()},
+            "ratios": ratios}
 
 
 def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         report = {}
         for kind in args.models:
             build, batch = MODELS[kind]
-            models = _contenders(build, args.bucket_view)
+            models = {name: _build(name, build) for name in args.contenders}
             optims = {name: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for name, m in models.items()}
-            gen = torch.Generator().manual_seed(rank)
-            x, y = batch(gen)
+            x, y = batch(torch.Generator().manual_seed(rank))
+            auto = models.get("lockstep_auto")
+            if auto is not None:  # its trials, alone; the schedule counts steps, so every rank runs as many
+                while not auto.reducer.tuner.done:  # the forward after the last trial step decides
+                    _step(auto, optims["lockstep_auto"], x, y)
             times: dict[str, list[float]] = {name: [] for name in models}
-            cpu_times: dict[str, list[float]] = {name: [] for name in models}
             names = list(models)
-            for it in range(args.warmup + args.steps):
-                order = names[it % len(names):] + names[: it % len(names)]
-                for name in order:
-                    model, opt = models[name], optims[name]
+            total = args.warmup + args.blocks * args.block_steps
+            for it in range(total):
+                shift = it % len(names)
+                for name in names[shift:] + names[:shift]:
                     dist.barrier()
-                    start, cpu_start = time.perf_counter(), time.process_time()
-                    opt.zero_grad(set_to_none=not name.endswith("_view"))
-                    F.cross_entropy(model(x), y).backward()
-                    opt.step()
-                    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+                    start = time.perf_counter()
+                    _step(models[name], optims[name], x, y)
+                    elapsed = time.perf_counter() - start
                     if it >= args.warmup:
                         times[name].append(elapsed)
-                        cpu_times[name].append(cpu)
-            medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-            # CPU time of this process (all its threads, gloo's included): less sensitive to a busy machine.
-            cpu_medians = {name: statistics.median(t) * 1e3 for name, t in cpu_times.items()}
-            params = sum(p.numel() for p in models["torch"].parameters())
-            tensors = len(list(models["torch"].parameters()))
-            if args.bucket_view:
-                medians_view = medians["lockstep_view"] / medians["torch_view"]
-            report[kind] = {"params": params, "tensors": tensors, "median_ms": medians, "cpu_median_ms": cpu_medians,
-                            **({"ratio_view_lockstep_over_torch": medians_view} if args.bucket_view else {}),
-                            "ratio_lockstep_over_torch": medians["lockstep"] / medians["torch"],
-                            "cpu_ratio_lockstep_over_torch": cpu_medians["lockstep"] / cpu_medians["torch"]}
+            summary = _summarise(times, args.blocks)
+            params = list(build().parameters())
+            numel = sum(p.numel() for p in params)
+            summary.update(params=numel, tensors=len(params), allreduce_alone=_allreduce_alone(numel, args.allreduce_reps))
+            if auto is not None:
+                summary["auto"] = auto.reducer.tuner.result
+            report[kind] = summary
         if rank == 0:
             queue.put(report)
     finally:
         dist.destroy_process_group()
 
 
+def _markdown(report: dict, args, load: tuple[float, ...]) -> str:
+    lines = [
+        f"# DDP step time, {args.world_size} ranks x {args.threads} thread(s), gloo, torch {torch.__version__} "
+        f"({datetime.datetime.now():%Y-%m-%d %H:%M})",
+        "",
+        f"{args.blocks} blocks of {args.block_steps} interleaved steps after {args.warmup} warm-up; load average "
+        f"before: {' / '.join(f'{v:.2f}' for v in load)}. Step ms = median of block medians; ratio = median of "
+        "per-block ratios [min-max over blocks].",
+        "",
+    ]
+    names = [c for c in CONTENDERS if any(c in r["median_ms"] for r in report.values())]
+    lines += ["| model | params | tensors | " + " | ".join(f"{n} ms" for n in names) + " | all-reduce alone ms (1 buffer / 25 MB chunks) |",
+              "|---|---|---|" + "---|" * len(names) + "---|"]
+    for kind, r in report.items():
+        cells = " | ".join(f"{r['median_ms'][n]:.1f}" if n in r["median_ms"] else "-" for n in names)
+        ar = r["allreduce_alone"]
+        lines.append(f"| {kind} | {r['params'] / 1e6:.1f}M | {r['tensors']} | {cells} | "
+                     f"{ar['one_buffer_ms']:.1f} / {ar['chunks_25mb_ms']:.1f} |")
+    ratio_names = sorted({k for r in report.values() for k in r["ratios"]}, key=[f"{a}/{b}" for a, b in RATIOS].index)
+    lines += ["", "| model | " + " | ".join(ratio_names) + " | auto chose |", "|---|" + "---|" * len(ratio_names) + "---|"]
+    for kind, r in report.items():
+        cells = " | ".join(
+            f"{r['ratios'][k]['median']:.3f} [{r['ratios'][k]['min']:.3f}-{r['ratios'][k]['max']:.3f}]" if k in r["ratios"] else "-"
+            for k in ratio_names
+        )
+        auto = r.get("auto") or {}
+        chose = "-" if "chosen_mb" not in auto else ("one bucket" if auto["chosen_mb"] is None else f"{auto['chosen_mb']:g} MB")
+        lines.append(f"| {kind} | {cells} | {chose} |")
+    lines += ["", "The floor: a DDP step cannot beat `compute`; with nothing to overlap on (1 thread per rank, no spare",
+              "core) it tends to compute + the part of the all-reduce that backward cannot hide."]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--models", default="mlp,transformer")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    parser.add_argument("--bucket-view", action="store_true", help="also time gradient_as_bucket_view=True for both")
+    parser.add_argument("--models", default="mlp,cnn,transformer")
+    parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS), help=f"from {','.join(CONTENDERS)}")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--blocks", type=int, default=5)
+    parser.add_argument("--block-steps", type=int, default=8, help="interleaved iterations per block")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--allreduce-reps", type=int, default=10)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="'' to write nothing")
     args = parser.parse_args(argv)
     args.models = args.models.split(",")
+    args.contenders = args.contenders.split(",")
     for kind in args.models:
         if kind not in MODELS:
             parser.error(f"--models: unknown model {kind!r}; choose from {sorted(MODELS)}")
-    if args.steps < 20:
-        print("note: fewer than 20 timed steps; medians will be noisy", file=sys.stderr)
+    for name in args.contenders:
+        if name not in CONTENDERS:
+            parser.error(f"--contenders: unknown contender {name!r}; choose from {list(CONTENDERS)}")
+    if args.threads < 1 or args.world_size < 2 or args.blocks < 1 or args.block_steps < 1:
+        parser.error("--threads and --blocks and --block-steps must be >= 1, --world-size >= 2")
+    if args.blocks * args.block_steps < 20:
+        print("note: fewer than 20 timed steps per contender; medians will be noisy", file=sys.stderr)
     from lockstep.process_group import free_port
 
+    load = os.getloadavg()
     port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, args, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
     for p in procs:
         p.start()
-    report = queue.get(timeout=1800)
+    report = queue.get(timeout=3600)
     for p in procs:
         p.join()
-    lines = [
-        f"# DDP step time, 2 ranks x 1 thread, gloo, torch {torch.__version__} ({datetime.date.today()})",
-        "",
-        f"medians of {args.steps} steps after {args.warmup} warm-up, contenders interleaved",
-        "",
-        "| model | params | tensors | lockstep ms | torch DDP ms | naive ms | lockstep/torch | CPU ms lockstep / torch / naive | CPU lockstep/torch |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for kind, r in report.items():
-        m, c = r["median_ms"], r["cpu_median_ms"]
-        lines.append(
-            f"| {kind} | {r['params'] / 1e6:.1f}M | {r['tensors']} | {m['lockstep']:.1f} | {m['torch']:.1f} | "
-            f"{m['naive']:.1f} | {r['ratio_lockstep_over_torch']:.3f} | "
-            f"{c['lockstep']:.1f} / {c['torch']:.1f} / {c['naive']:.1f} | {r['cpu_ratio_lockstep_over_torch']:.3f} |"
-        )
-    for kind, r in report.items():
-        if "ratio_view_lockstep_over_torch" in r:
-            m = r["median_ms"]
-            lines.append(
-                f"\n{kind}, gradient_as_bucket_view=True: lockstep {m['lockstep_view']:.1f} ms, torch {m['torch_view']:.1f} ms, "
-                f"ratio {r['ratio_view_lockstep_over_torch']:.3f}; vs torch's default path: "
-                f"{m['lockstep_view'] / m['torch']:.3f}"
-            )
-    text = "\n".join(lines)
+    text = _markdown(report, args, load)
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        stamp = datetime.datetime.now().strftime("%Y-%m-%d")
-        with open(os.path.join(args.out, f"ddp_step_{stamp}.md"), "w") as f:
+        stem = f"ddp_step_{datetime.datetime.now():%Y-%m-%d_%H%M%S}_n{args.world_size}_t{args.threads}"
+        with open(os.path.join(args.out, stem + ".md"), "w") as f:
             f.write(text + "\n")
-        with open(os.path.join(args.out, f"ddp_step_{stamp}.json"), "w") as f:
-            json.dump({"steps": args.steps, "warmup": args.warmup, "torch": torch.__version__, "results": report}, f, indent=2)
+        with open(os.path.join(args.out, stem + ".json"), "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "out"}, "torch": torch.__version__,
+                       "load_average_1_5_15": load, "results": report}, f, indent=2)
     return 0
 
 

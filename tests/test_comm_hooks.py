@@ -456,3 +456,28 @@ def test_bad_settings_name_the_field():
         powersgd_hook(None, HandBucket(torch.zeros(4), [torch.zeros(4)]))
     with pytest.raises(TypeError, match="state must be a ProcessGroup"):
         allreduce_hook("world", HandBucket(torch.zeros(4), [torch.zeros(4)]))
+
+
+def test_which_hooks_issue_their_collectives_up_front():
+    # The reducer keeps every bucket in flight only for these (tests/test_reducer.py shows the overlap).
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from lockstep.comm_hooks import collectives_up_front, issues_collectives_up_front
+
+    up_front = [allreduce_hook, fp16_compress_hook, bf16_compress_hook, powersgd_hook,
+                chain(ErrorFeedback(), bf16_compress, allreduce_hook), chain(fp16_compress, powersgd_hook),
+                default_hooks.allreduce_hook, default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook]
+    assert all(issues_collectives_up_front(h) for h in up_front)
+
+    def mine(state, bucket):
+        return allreduce_hook(state, bucket)
+
+    @stage
+    def passthrough(inner):
+        return lambda state, bucket: inner(state, bucket)
+
+    unknown = [mine, torch_powersgd.powerSGD_hook, default_hooks.fp16_compress_wrapper(torch_powersgd.powerSGD_hook),
+               chain(fp16_compress, mine), chain(passthrough, allreduce_hook)]
+    assert not any(issues_collectives_up_front(h) for h in unknown)
+    assert collectives_up_front(mine) is mine and issues_collectives_up_front(mine)
+    assert issues_collectives_up_front(chain(bf16_compress, mine))  # a stage passes its inner hook's declaration on

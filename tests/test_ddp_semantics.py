@@ -178,9 +178,42 @@ def _unused_error_cases(rank):
         x = torch.randn(4, 8)
         model(x, branch=branch_of_rank[rank]).sum().backward()
 
+    def run_hooked(branch_of_rank):
+        torch.manual_seed(0)
+        model = lockstep.DistributedDataParallel(Branchy())
+        model.register_comm_hook(None, lockstep.comm_hooks.fp16_compress_hook)
+        model(torch.randn(4, 8), branch=branch_of_rank[rank]).sum().backward()
+
     out["each_misses_one"] = _capture(lambda: run({0: "a", 1: "b"}))
     out["one_rank_misses"] = _capture(lambda: run({0: "both", 1: "a"}))
     out["all_miss_same"] = _capture(lambda: run({0: "a", 1: "a"}))
+
+    def deferred():
+        # The CUDA path (the flag read one backward late, no host sync) forced on CPU: the backward that misses
+        # a gradient passes, the next one raises on every rank, naming that backward's parameters.
+        torch.manual_seed(0)
+        model = lockstep.DistributedDataParallel(Branchy())
+        model.reducer.usage.flag.deferred = True
+        x = torch.randn(4, 8)
+        model(x, branch="both").sum().backward()  # nothing missing: nothing raised later either
+        model(x, branch={0: "a", 1: "both"}[rank]).sum().backward()
+        out["deferred_first"] = "passed"
+        model(x, branch="both").sum().backward()
+
+    out["deferred"] = _capture(deferred)
+
+    def deferred_hooked():  # the same with a comm hook: its flag travels in an all-reduce of its own
+        torch.manual_seed(0)
+        model = lockstep.DistributedDataParallel(Branchy())
+        model.register_comm_hook(None, lockstep.comm_hooks.fp16_compress_hook)
+        model.reducer.usage.flag.deferred = True
+        x = torch.randn(4, 8)
+        model(x, branch={0: "a", 1: "both"}[rank]).sum().backward()
+        out["deferred_hooked_first"] = "passed"
+        model(x, branch="both").sum().backward()
+
+    out["deferred_hooked"] = _capture(deferred_hooked)
+    out["hooked_at_once"] = _capture(lambda: run_hooked({0: "a", 1: "both"}))
 
     def double_fire():
         torch.manual_seed(0)
@@ -413,6 +446,18 @@ def test_unused_parameter_errors_name_parameter_and_rank(results):
         assert "rank 1: 'b.weight', 'b.bias'" in text and "rank 0:" not in text
         kind, text = errors["all_miss_same"]
         assert "rank 0: 'b.weight', 'b.bias'" in text and "rank 1: 'b.weight', 'b.bias'" in text
+
+
+def test_missing_gradient_read_one_backward_late_raises_on_every_rank(results):
+    for rank in range(2):
+        errors = results[rank]["errors"]
+        for case in ("deferred", "deferred_hooked"):
+            assert errors[f"{case}_first"] == "passed"
+            kind, text = errors[case]
+            assert kind == "RuntimeError" and "received no gradient in the previous backward" in text, case
+            assert "rank 0: 'b.weight', 'b.bias'" in text and "rank 1:" not in text, case
+        kind, text = errors["hooked_at_once"]  # CPU, not forced: this backward
+        assert "received no gradient in this backward" in text and "rank 0: 'b.weight', 'b.bias'" in text
 
 
 def test_gradient_twice_without_static_graph(results):

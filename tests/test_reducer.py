@@ -1,4 +1,7 @@
-"""Reducer behaviour seen from outside: overlap, rebuild from the observed order, bad input, compatibility."""
+"""Reducer behaviour seen from outside: overlap (with and without comm hooks), rebuild from the observed order,
+bad input, compatibility."""
+
+import time
 
 import pytest
 import torch
@@ -42,6 +45,129 @@ def _overlap(rank, world_size):
         _step(model, x, y)
         per_iteration.append(list(model.reducer.events))
     return per_iteration, model.reducer.bucket_layout(), model.comm_stats()
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps first: this rank reaches every bucket late."""
+
+    @staticmethod
+    def forward(ctx, x, delay_s):
+        ctx.delay_s = delay_s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.delay_s)
+        return grad, None
+
+
+HOOK_DELAY_S = 0.5
+
+
+def _hook_overlap(rank, world_size):
+    """Per hook: 3 steps at 4 buckets; in step 2 rank 0 is late, in step 1 rank 1, so the other rank's buckets
+    cannot complete while its backward goes on. Recorded: events, and at each launch how many earlier
+    buckets of this backward were still in flight."""
+    import lockstep
+    from lockstep.ddp.observe import StepObserver
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    class InFlight(StepObserver):
+        def __init__(self, reducer):
+            self.reducer, self.counts = reducer, []
+
+        def bucket_launch(self, bucket_index, numel, seq):
+            self.counts.append(sum(not b.work.done() for b in self.reducer.buckets[:bucket_index]))
+
+    def unknown(state, bucket):  # torch's all-reduce hook behind a wrapper the reducer cannot know
+        return default_hooks.allreduce_hook(state, bucket)
+
+    hooks = {"fp16": lockstep.comm_hooks.fp16_compress_hook, "torch_fp16": default_hooks.fp16_compress_hook,
+             "unknown": unknown}
+    gen = torch.Generator().manual_seed(rank)
+    data = [(torch.randn(4, 256, generator=gen), torch.randint(0, 10, (4,), generator=gen)) for _ in range(3)]
+    out = {}
+    for name, hook in hooks.items():
+        model = lockstep.DistributedDataParallel(_big_mlp(), bucket_cap_mb=1)
+        model.register_comm_hook(None, hook)
+        observer = model.reducer.observer = InFlight(model.reducer)
+        steps = []
+        for step, (x, y) in enumerate(data):
+            model.reducer.events = []
+            observer.counts = []
+            loss = F.cross_entropy(model(x), y)
+            _SlowBackward.apply(loss, HOOK_DELAY_S if step == 2 - rank else 0.0).backward()
+            steps.append((model.reducer.events, observer.counts, model.reducer.bucket_layout()))
+        out[name] = {"steps": steps, "grads": [p.grad.clone() for p in model.parameters()]}  # summed over the 3 steps
+    torch_ddp = nn.parallel.DistributedDataParallel(_big_mlp(), bucket_cap_mb=1)
+    torch_ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    for x, y in data:
+        F.cross_entropy(torch_ddp(x), y).backward()
+    out["torch_ddp_grads"] = [p.grad.clone() for p in torch_ddp.parameters()]
+    return out
+
+
+AUTO_STEPS = 10
+
+
+def _auto(rank, world_size):
+    """bucket_cap_mb=AutoBucketCap(3 caps, 1+1 steps each) against a fixed 25 MB cap and torch's DDP, 10 SGD steps."""
+    import logging
+
+    import lockstep
+    from lockstep.ddp.autotune import AutoBucketCap
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("lockstep.ddp.autotune")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    config = AutoBucketCap(caps_mb=(0.01, 1.0, None), warmup_steps=1, timed_steps=1)
+    models = {
+        "auto": lockstep.DistributedDataParallel(_big_mlp(), bucket_cap_mb=config),
+        # the trials move gradients that live in the buckets (kept by zero_grad(set_to_none=False)) with them
+        "auto_view": lockstep.DistributedDataParallel(_big_mlp(), bucket_cap_mb=config, gradient_as_bucket_view=True),
+        "fixed": lockstep.DistributedDataParallel(_big_mlp()),
+        "torch": nn.parallel.DistributedDataParallel(_big_mlp()),
+    }
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for k, m in models.items()}
+    gen = torch.Generator().manual_seed(rank)
+    layouts = []
+    for _ in range(AUTO_STEPS):
+        x, y = torch.randn(8, 256, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+        for name, model in models.items():
+            opts[name].zero_grad(set_to_none=name != "auto_view")
+            F.cross_entropy(model(x), y).backward()
+            opts[name].step()
+        layouts.append(models["auto"].reducer.bucket_layout())
+    models["auto"](x)  # the forward after the last trial step decides
+    logger.removeHandler(handler)
+    # Uneven inputs: rank 0 joins after 2 steps, while the trials still switch layouts (it shadows them).
+    joined = {}
+    for name, model in {"auto": lockstep.DistributedDataParallel(_big_mlp(), bucket_cap_mb=config),
+                        "torch": nn.parallel.DistributedDataParallel(_big_mlp())}.items():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with model.join():
+            for _ in range(2 if rank == 0 else AUTO_STEPS):
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+        joined[name] = [p.detach().clone() for p in model.parameters()]
+    errors = {}
+    for name, build in {"word": lambda: lockstep.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb="fast"),
+                        "with_list": lambda: lockstep.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb="auto",
+                                                                              bucket_cap_mb_list=[1.0]),
+                        "config": lambda: AutoBucketCap(caps_mb=(0,))}.items():
+        try:
+            build()
+        except ValueError as e:
+            errors[name] = str(e)
+    return {
+        "params": {k: [p.detach().clone() for p in m.parameters()] for k, m in models.items()},
+        "layouts": layouts, "final": models["auto"].reducer.bucket_layout(),
+        "result": models["auto"].reducer.tuner.result, "joined": joined, "logs": [r.getMessage() for r in records], "errors": errors,
+    }
 
 
 def _rebuild(rank, world_size):
@@ -117,7 +243,8 @@ def _compat(rank, world_size):
 
 
 def _all_cases(rank, world_size):
-    return {"overlap": _overlap(rank, world_size), "rebuild": _rebuild(rank, world_size),
+    return {"overlap": _overlap(rank, world_size), "hook_overlap": _hook_overlap(rank, world_size),
+            "rebuild": _rebuild(rank, world_size), "auto": _auto(rank, world_size),
             "bad": _bad_input(rank, world_size), "compat": _compat(rank, world_size)}
 
 
@@ -137,6 +264,92 @@ def test_overlap_a_bucket_launches_before_the_last_gradient(results):
             # Buckets launch in index order on every rank.
             assert [e[1] for e in events if e[0] == "launch"] == list(range(len(layout)))
         assert stats["steps"] == 2 and stats["comm_wait_s"] >= 0.0
+
+
+def _launch_before_next_ready(events, layout):
+    """For each bucket k but the last two: k+1 launched before bucket k+2's last gradient was ready."""
+    position = {e: i for i, e in enumerate(events)}
+    return all(
+        position[("launch", k + 1)] < max(position[("ready", i)] for i in layout[k + 2]) for k in range(len(layout) - 2)
+    )
+
+
+def test_hooks_issuing_collectives_up_front_keep_every_bucket_in_flight(results):
+    # Rank r's peer (1 - r) is late in step 1 + r: there, with an up-front hook (ours, torch's fp16 hook), each bucket
+    # launches as soon as it is ready, while the earlier ones are still in flight, overlapping backward.
+    for rank in range(2):
+        res = results[rank]["hook_overlap"]
+        for name in ("fp16", "torch_fp16"):
+            events, in_flight, layout = res[name]["steps"][1 + rank]
+            assert len(layout) == 4, layout
+            assert [e[1] for e in events if e[0] == "launch"] == [0, 1, 2, 3], (name, events)
+            assert max(in_flight) >= 2, (name, rank, in_flight)
+            assert _launch_before_next_ready(events, layout), (name, rank, events)
+
+
+def test_unknown_hook_keeps_one_bucket_in_flight(results):
+    # A hook the reducer cannot vouch for may issue collectives from callbacks: one bucket at a time, always.
+    for rank in range(2):
+        for events, in_flight, layout in results[rank]["hook_overlap"]["unknown"]["steps"]:
+            assert in_flight == [0] * len(layout), (rank, in_flight)
+        events, _, layout = results[rank]["hook_overlap"]["unknown"]["steps"][1 + rank]
+        assert not _launch_before_next_ready(events, layout), events  # held back while the late peer sleeps
+
+
+def test_overlapped_hooks_bitwise_equal_torchs_ddp(results):
+    for rank in range(2):
+        res = results[rank]["hook_overlap"]
+        for name in ("fp16", "torch_fp16"):
+            assert all(torch.equal(a, b) for a, b in zip(res[name]["grads"], res["torch_ddp_grads"])), name
+        # the unknown hook is a plain average: different from fp16 (so the comparison above can fail)
+        assert not all(torch.equal(a, b) for a, b in zip(res["unknown"]["grads"], res["torch_ddp_grads"]))
+
+
+def test_auto_bucket_cap_tries_each_cap_then_keeps_rank_0s_fastest(results):
+    from lockstep.ddp.buckets import MIB, assign_buckets
+
+    r0, r1 = results[0]["auto"], results[1]["auto"]
+    assert r0["result"] == r1["result"] and r0["final"] == r1["final"] and r0["layouts"] == r1["layouts"]
+    result = r0["result"]
+    medians = result["median_step_s"]
+    assert len(medians) == 3 and all(0 < m < 10 for m in medians), result
+    assert result["chosen_mb"] == result["caps_mb"][medians.index(min(medians))]
+    # Steps 2-7 ran the trials (two steps per cap): three different layouts, one parameter per bucket at 10 KB.
+    trial_layouts = r0["layouts"][1:7]
+    assert trial_layouts[0] == trial_layouts[1] and len(trial_layouts[0]) == 6
+    assert len({str(layout) for layout in trial_layouts}) == 3
+    order = [i for bucket in trial_layouts[0] for i in bucket]
+    assert trial_layouts[4] == trial_layouts[5] == [order]  # one bucket, in the same order
+    assert r0["layouts"][7:] == [r0["final"]] * 3
+    # The kept layout is the chosen cap's, over the observed order.
+    cap = 1 << 62 if result["chosen_mb"] is None else int(result["chosen_mb"] * MIB)
+    params = [p for p in r0["params"]["auto"]]
+    plans = assign_buckets(params, order, cap, bucket_caps_bytes=[min(MIB, cap), cap] if cap < 1 << 62 else [cap])
+    assert r0["final"] == [plan.param_indices for plan in plans]
+    # Logged once per model (two tuned here: auto, auto_view), on rank 0, with the choice and the times.
+    assert len(r0["logs"]) == 2 and not r1["logs"]
+    assert "bucket_cap_mb='auto' chose" in r0["logs"][0] and "10 KB" not in r0["logs"][0], r0["logs"]
+
+
+def test_auto_bucket_cap_trains_bit_identical_to_a_fixed_cap(results):
+    for rank in range(2):
+        params = results[rank]["auto"]["params"]
+        for other in ("fixed", "torch", "auto_view"):
+            assert all(torch.equal(a, b) for a, b in zip(params["auto"], params[other])), (rank, other)
+        assert not all(torch.equal(a, b) for a, b in zip(params["auto"], _big_mlp().parameters()))  # it trained
+
+
+def test_auto_bucket_cap_with_a_joined_rank(results):
+    for rank in range(2):
+        joined = results[rank]["auto"]["joined"]
+        assert all(torch.equal(a, b) for a, b in zip(joined["auto"], joined["torch"])), rank
+
+
+def test_auto_bucket_cap_bad_input(results):
+    errors = results[0]["auto"]["errors"]
+    assert "bucket_cap_mb must be a number > 0 or 'auto', got 'fast'" in errors["word"]
+    assert "bucket_cap_mb_list" in errors["with_list"]
+    assert "AutoBucketCap.caps_mb" in errors["config"]
 
 
 def test_rebuild_follows_observed_order(results):

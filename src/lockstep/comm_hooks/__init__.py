@@ -24,12 +24,15 @@ here averages by dividing first and summing second, as torch's hooks do, so
 ``fp16_compress_hook = chain(fp16_compress, allreduce_hook)`` is torch's fp16
 hook bit for bit. A hook that issues several collectives must issue them in the
 same order on every rank: ours do so from the hook call itself, never from a
-Future callback, whose timing differs between ranks.
+Future callback, whose timing differs between ranks. They say so
+(``collectives_up_front``; the stages pass it on from their inner hook), and DDP
+then keeps every bucket in flight, overlapping backward; for an undeclared hook
+it keeps one bucket in flight at a time, which is safe for any hook.
 """
 
 # No `from __future__ import annotations` in this package: torch's DDP compares a hook's annotations
 # with dist.GradBucket and Future[torch.Tensor] by value, and a postponed annotation is a string.
-from lockstep.comm_hooks.base import BucketLike, Future, Hook, Stage
+from lockstep.comm_hooks.base import BucketLike, Future, Hook, Stage, collectives_up_front, issues_collectives_up_front
 from lockstep.comm_hooks.powersgd import PowerSGDState, powersgd_hook
 from lockstep.comm_hooks.stages import (
     ErrorFeedback,
@@ -44,6 +47,6 @@ from lockstep.comm_hooks.stages import (
 
 __all__ = [
     "BucketLike", "ErrorFeedback", "Future", "Hook", "PowerSGDState", "Stage", "allreduce_hook",
-    "bf16_compress", "bf16_compress_hook", "chain", "fp16_compress", "fp16_compress_hook", "powersgd_hook",
-    "stage",
+    "bf16_compress", "bf16_compress_hook", "chain", "collectives_up_front", "fp16_compress", "fp16_compress_hook",
+    "issues_collectives_up_front", "powersgd_hook", "stage",
 ]

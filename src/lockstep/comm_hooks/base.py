@@ -30,6 +30,45 @@ class BucketLike(Protocol):
     def gradients(self) -> list[torch.Tensor]: ...
 
 
+# ----------------------------------------------------------------- issuing order
+_UP_FRONT = "_lockstep_collectives_up_front"
+
+
+def collectives_up_front(hook: Hook) -> Hook:
+    """Declare that ``hook`` issues every collective from the call itself, none from a Future callback.
+
+    Such a hook issues its collectives in bucket order on every rank (buckets are handed to hooks
+    in index order), so DDP may keep several of its buckets in flight at once and overlap them
+    with the rest of backward. A hook that issues collectives from callbacks (torch's PowerSGD:
+    its Q all-reduce is issued when P's completes, on the backend's thread) must not be declared:
+    its collectives could interleave with the next bucket's in a different order on each rank.
+    Returns ``hook`` (usable as a decorator).
+    """
+    setattr(hook, _UP_FRONT, True)
+    return hook
+
+
+def _torch_up_front_hooks() -> tuple:
+    # torch's default hooks issue their one all-reduce in the call (only a cast-back copy runs in
+    # the callback): recognised by identity, as they cannot be marked. Imported on use.
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)
+
+
+def issues_collectives_up_front(hook: Any) -> bool:
+    """True for a hook declared with ``collectives_up_front`` or one of torch's default hooks.
+
+    Unknown hooks give False: DDP then keeps one of their buckets in flight at a time (safe for any hook).
+    """
+    if getattr(hook, _UP_FRONT, False):
+        return True
+    try:
+        return hook in _torch_up_front_hooks()
+    except ImportError:  # pragma: no cover - a torch without ddp_comm_hooks
+        return False
+
+
 # ----------------------------------------------------------------- helpers
 def group_of(state: Any) -> dist.ProcessGroup | None:
     """The process group a hook's ``state`` names (``None`` means the default group)."""

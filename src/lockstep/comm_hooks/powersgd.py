@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lockstep.comm_hooks.base import BucketLike, Future, average_async, completed
+from lockstep.comm_hooks.base import BucketLike, Future, average_async, collectives_up_front, completed
 
 
 @dataclass
@@ -98,6 +98,7 @@ def _orthogonalise(p: torch.Tensor) -> None:
     p.copy_(torch.linalg.qr(p.float(), mode="reduced").Q)
 
 
+@collectives_up_front  # every collective from the call (the P and Q all-reduces synchronously)
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """Average the bucket with rank-r PowerSGD compression (see the module docstring).
 

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from lockstep.comm_hooks.base import (
-    BucketLike, Future, Hook, Stage, average_async, completed, gradient_offsets, group_of, tensor_of,
+    BucketLike, Future, Hook, Stage, average_async, collectives_up_front, completed, gradient_offsets, group_of,
+    issues_collectives_up_front, tensor_of,
 )
 
 # No `from __future__ import annotations` here: torch's DDP compares a hook's annotations with
@@ -42,6 +43,7 @@ def _allreduce_with(algorithm: str) -> Hook:
     return hook
 
 
+@collectives_up_front
 def allreduce_hook(state: Any = None, bucket: dist.GradBucket = None, *, algorithm: str | None = None):
     """Average the bucket over the group: what DDP does without a hook, as a hook.
 
@@ -157,7 +159,8 @@ def _compress_stage(dtype: torch.dtype) -> Stage:
             return fut.then(decompress)
 
         hook.__name__ = hook.__qualname__ = f"{dtype_name}_compress({_name(inner)})"
-        return hook
+        # Its callback only casts back: it issues collectives up front exactly when the inner hook does.
+        return collectives_up_front(hook) if issues_collectives_up_front(inner) else hook
 
     dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     wrap.__name__ = wrap.__qualname__ = f"{dtype_name}_compress"
@@ -215,4 +218,4 @@ class ErrorFeedback:
             return inner(state, bucket).then(remember)
 
         hook.__name__ = hook.__qualname__ = f"ErrorFeedback({_name(inner)})"
-        return hook
+        return collectives_up_front(hook) if issues_collectives_up_front(inner) else hook  # as the compress stages

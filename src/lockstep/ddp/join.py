@@ -53,8 +53,7 @@ class DDPJoinHook(JoinHook):
     def main_hook(self) -> None:
         ddp = self.ddp
         reducer = ddp.reducer
-        if reducer.rebuild_pending:
-            reducer.rebuild_buckets()
+        reducer.between_steps()  # the bucket rebuild and auto-tuning switches, as the training ranks' forward
         if ddp.require_forward_param_sync and ddp._will_sync_buffers():
             broadcast_coalesced(ddp._sync_buffers, ddp.process_group, common_rank(ddp, False))
         should_sync = backward_sync_round(ddp, False, joined=True)

@@ -3,10 +3,13 @@
 Gradients become ready in an order that can differ between ranks (threads, timing),
 but collectives must be issued in the same order everywhere or they pair up wrongly
 and hang. So a bucket that is ready before an earlier one waits for it, and the end
-of backward drains whatever is still held back. With a comm hook, at most one
-bucket is in flight: a hook may issue further collectives from its futures'
-callbacks (torch's PowerSGD does), on gloo's thread, and only one hook at a time
-keeps their order the same on every rank.
+of backward drains whatever is still held back. With a comm hook that may issue
+further collectives from its futures' callbacks (torch's PowerSGD does, on gloo's
+thread), at most one bucket is in flight: only one such hook at a time keeps their
+order the same on every rank. Hooks that issue every collective from the call
+itself (``lockstep.comm_hooks.issues_collectives_up_front``: the all-reduce and
+fp16/bf16 hooks, ours and torch's, and chains of them) keep every bucket in flight,
+as without a hook.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from lockstep.ddp.reducer_state import Bucket
 class LaunchOrder:
     """Launches ``buckets`` through ``launch`` in index order as they become ready.
 
-    ``one_in_flight()`` is read at each launch: True while a comm hook is registered.
+    ``one_in_flight()`` is read at each launch: True while a hook that may issue collectives from
+    its callbacks is registered.
     """
 
     __slots__ = ("buckets", "_launch", "_one_in_flight", "ready", "next_index")

@@ -26,6 +26,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from lockstep.comm_hooks.base import issues_collectives_up_front
+from lockstep.ddp.autotune import AutoBucketCap, BucketTuner
 from lockstep.ddp.buckets import assign_buckets
 from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.launch_order import LaunchOrder
@@ -49,6 +51,7 @@ class Reducer(ReducerSurface):
         gradient_as_bucket_view: make ``param.grad`` a view into the bucket buffer (no copy back).
         find_unused_parameters: find, after each forward, the parameters its graph does not reach.
         static_graph: learn unused parameters and hook counts in the first iteration, reuse them after.
+        auto_buckets: try these caps over the first steps and keep the fastest (``autotune``); None: fixed caps.
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class Reducer(ReducerSurface):
         bucket_caps_bytes: Sequence[int] | None = None,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
+        auto_buckets: AutoBucketCap | None = None,
     ):
         self.params = list(params)
         self.names = list(names)
@@ -89,6 +93,8 @@ class Reducer(ReducerSurface):
         self.launch_seq = 0  # launches issued since construction: the same on every rank, step after step
         self.comm_wait_s = 0.0
         self.num_syncs = 0
+        self.rounds = 0  # synchronised backwards completed, a joined rank's shadows included: the same on every rank
+        self.tuner = BucketTuner(auto_buckets, first_bucket_bytes) if auto_buckets is not None else None
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         self._build(list(reversed(range(len(self.params)))))
         self_ref = weakref.ref(self)  # the parameters outlive a dropped DDP object; its reducer must not
@@ -98,6 +104,7 @@ class Reducer(ReducerSurface):
 
     # ----------------------------------------------------------------- layout
     def _build(self, order: list[int]) -> None:
+        self._param_order = order
         plans = assign_buckets(self.params, order, self.bucket_cap_bytes, self.first_bucket_bytes, self.bucket_caps_bytes)
         self.buckets = [Bucket(b, plan, self.params) for b, plan in enumerate(plans)]
         self._location = [(0, 0)] * len(self.params)
@@ -105,7 +112,7 @@ class Reducer(ReducerSurface):
             for slot, i in enumerate(bucket.plan.param_indices):
                 self._location[i] = (bucket.index, slot)
         self._sizes = [len(b.params) for b in self.buckets]
-        self._order = LaunchOrder(self.buckets, self._launch, lambda: self.comm_hook is not None)
+        self._order = LaunchOrder(self.buckets, self._launch, self._hook_one_in_flight)
         self._reset()
         if self.gradient_as_bucket_view:
             # Existing gradients move into the new buffers so no accumulated value is lost.
@@ -114,6 +121,11 @@ class Reducer(ReducerSurface):
                     if p.grad is not None:
                         view.copy_(p.grad)
                         p.grad = view
+
+    def _hook_one_in_flight(self) -> bool:
+        """A registered hook not known to issue its collectives up front: one of its buckets in flight at a time."""
+        hook = self.comm_hook
+        return hook is not None and not issues_collectives_up_front(hook)
 
     def bucket_layout(self) -> list[list[int]]:
         """Parameter indices (into ``params``) of each bucket, in launch order."""
@@ -135,6 +147,18 @@ class Reducer(ReducerSurface):
         self._build(order_t.tolist())
         self.buckets_rebuilt = True
 
+    def relayout(self, bucket_caps_bytes: list[int]) -> None:
+        """New buckets with these caps, in the current order (the auto-tuner's trials; every rank at the same round)."""
+        self.bucket_caps_bytes = bucket_caps_bytes
+        self._build(self._param_order)
+
+    def between_steps(self) -> None:
+        """Before a round's collectives, on every rank (a forward, or a joined rank's shadow): rebuild, tune."""
+        if self.rebuild_pending:
+            self.rebuild_buckets()
+        if self.tuner is not None and not self.tuner.done:
+            self.tuner.between_steps(self, hook_known=not self._hook_one_in_flight())
+
     # ------------------------------------------------------------- forward
     def prepare_for_forward(self) -> None:
         """Start of a synchronised forward: finish a backward that could not, rebuild buckets once."""
@@ -144,8 +168,7 @@ class Reducer(ReducerSurface):
             self._finalize_backward()
         elif self._callback_queued:
             self._callback_queued = False  # a backward aborted before any gradient: nothing to finish
-        if self.rebuild_pending:
-            self.rebuild_buckets()
+        self.between_steps()
 
     def prepare_after_forward(self, outputs: Any) -> None:
         """After a synchronised forward: hooks count; note the parameters this backward will not reach.
@@ -174,13 +197,15 @@ class Reducer(ReducerSurface):
     # ------------------------------------------------------------- backward
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         self._hooks_fired = True
-        self.on_backward_start()  # no-op when the outputs' grad_fn pre-hook already ran it
+        if not self._callback_queued:  # usually queued already by the outputs' grad_fn pre-hook
+            self.on_backward_start()
+        grad = param.grad  # read once: a property into C++, per parameter per step
         # A hook can fire with no gradient (an undefined gradient flowed back): not a use of the parameter.
-        if self.usage.active and not self.usage.gradient_complete(index, self.names, param.grad is not None):
+        if self.usage.active and not self.usage.gradient_complete(index, self.names, grad is not None):
             return  # static graph: more pieces of this gradient are still to come
         if self._observed_order is not None:
             self._observed_order.append(index)
-        self._mark_ready(index, param.grad)
+        self._mark_ready(index, grad)
 
     def _mark_ready(self, index: int, grad: torch.Tensor | None) -> None:
         b, slot = self._location[index]
@@ -296,11 +321,12 @@ class Reducer(ReducerSurface):
             self.comm_wait_s += time.perf_counter() - start
             status = self.usage.exchange_status(missing, self.comm_hook is not None, self.buckets[-1], self.process_group)
             if status.any_missing:
-                raise_missing_gradients(missing, self.names, self.process_group, self.usage.static_graph)
+                raise_missing_gradients(status.missing, self.names, self.process_group, self.usage.static_graph, status.late)
             self._copy_back(status.globally_used)
             if self.optimizers_in_backward:
                 step_optimizers_in_backward(self.params)
             self.num_syncs += 1
+            self.rounds += 1
             if observer is not None:
                 observer.backward_end(self.num_syncs)
             if self._observed_order is not None and not self.buckets_rebuilt:
@@ -310,7 +336,8 @@ class Reducer(ReducerSurface):
 
     def _copy_back(self, globally_used: list[bool] | None) -> None:
         for bucket in self.buckets:
-            if globally_used is None and not self.gradient_as_bucket_view and not self._graph_grads:
+            # (Not after a missing gradient, whose None grad gets a clone: only when its error is deferred, on CUDA.)
+            if globally_used is None and not self.gradient_as_bucket_view and not self._graph_grads and not self._missing_flag:
                 torch._foreach_copy_(bucket.grads, bucket.views)  # the common path: one call per bucket
                 continue
             for i, grad, view in zip(bucket.plan.param_indices, bucket.grads, bucket.views):
@@ -334,6 +361,7 @@ class Reducer(ReducerSurface):
             bucket.work.wait()
         self.usage.exchange_status([], self.comm_hook is not None, self.buckets[-1], self.process_group, joined=True)
         self._reset()
+        self.rounds += 1
         # As after a real backward: the training ranks rebuild their buckets at their next forward (a
         # broadcast), so a rank that joined before its own first backward must rebuild alongside them.
         if self._observed_order is not None and not self.buckets_rebuilt:

@@ -46,6 +46,51 @@ class Bucket:
 class Status:
     any_missing: bool
     globally_used: list[bool] | None  # None: every parameter counts as used (the common path)
+    missing: list[int]  # this rank's missing parameters in the backward the flag is about
+    late: bool = False  # the flag is about the previous backward (CUDA: see MissingFlag)
+
+
+class MissingFlag:
+    """The missing-gradient flag summed in the last bucket's spare element, read on the host.
+
+    On CPU it is read at once (``.item()`` of a host tensor costs nothing). On CUDA ``.item()``
+    would stall the host at every backward until the stream has run the whole backward and its
+    all-reduces; instead the flag is copied into pinned memory (non_blocking) behind an event,
+    and read at the end of the *next* backward, when that event is long past (its synchronize
+    returns at once). Every rank holds the same summed flag and reads it at the same backward, so
+    all raise together, one backward late, as torch's DDP does (its error comes at the next
+    forward); a gradient missing in a run's very last backward goes unreported, as in torch.
+    ``deferred=None`` defers on CUDA only; tests set True to run the deferred path on CPU.
+    """
+
+    def __init__(self) -> None:
+        self.deferred: bool | None = None
+        self._host: torch.Tensor | None = None
+        self._event: Any = None
+        self._pending: tuple[torch.Tensor, list[int]] | None = None  # (host flag, missing) of the last backward
+
+    def read(self, buffer: torch.Tensor, missing: list[int]) -> Status:
+        """Status of this backward (CPU), or of the previous one (deferred), from the summed flag."""
+        deferred = buffer.is_cuda if self.deferred is None else self.deferred
+        if not deferred:
+            return Status(bool(buffer[-1].item() > 0), None, missing)
+        previous, self._pending = self._pending, None
+        late = Status(False, None, [], late=True)
+        if previous is not None:
+            if self._event is not None:
+                self._event.synchronize()  # recorded a backward ago: already complete, no stall
+            late = Status(bool(previous[0].item() > 0), None, previous[1], late=True)
+        if buffer.is_cuda:
+            if self._host is None or self._host.dtype != buffer.dtype:
+                self._host = torch.empty(1, dtype=buffer.dtype, pin_memory=True)
+            self._host.copy_(buffer[-1:], non_blocking=True)  # after the all-reduces: wait() ordered the stream
+            self._event = torch.cuda.Event()
+            self._event.record()
+            host = self._host
+        else:
+            host = buffer[-1:].clone()
+        self._pending = (host, missing)
+        return late
 
 
 class UsageTracker:
@@ -67,6 +112,7 @@ class UsageTracker:
         self.static_unused: list[int] = []
         self._static_globally_used: list[bool] | None = None
         self._static_exchange_due = False
+        self.flag = MissingFlag()
 
     def reset_backward(self) -> None:
         if self.active:
@@ -119,12 +165,26 @@ class UsageTracker:
     def exchange_status(self, missing: list[int], comm_hook: bool, last_bucket: Bucket, group, joined: bool = False) -> Status:
         """Agree across ranks on missing gradients and on which parameters any rank used.
 
-        Costs nothing extra on the common path (the flag travelled in the last bucket; one host read);
-        otherwise one all-reduce of ``1 + num_params`` int32 values.
+        Costs nothing extra on the common path (the flag travelled in the last bucket; one host read,
+        one backward late on CUDA: ``MissingFlag``); with a comm hook, one all-reduce of the flag, read
+        the same way; with a usage bitmap, one all-reduce of ``1 + num_params`` int32 values, read at
+        once (a host sync on CUDA: find_unused_parameters and static graph's first exchange).
         """
         need_bitmap = self.find_unused or self._static_exchange_due
         if not (need_bitmap or comm_hook):
-            return Status(bool(last_bucket.buffer[-1].item() > 0), self._static_globally_used)
+            status = self.flag.read(last_bucket.buffer, missing)
+            status.globally_used = self._static_globally_used
+            return status
+        if not need_bitmap:
+            # A comm hook's buckets carry no flag: one all-reduce of the flag alone, read as the last bucket's
+            # would be. Filled on the device (no host-to-device copy, which would synchronise the stream).
+            device = last_bucket.buffer.device if dist.get_backend(group) == "nccl" else "cpu"
+            flag = torch.full((1,), int(bool(missing)), dtype=torch.int32, device=device)
+            self.last_work = dist.all_reduce(flag, group=group, async_op=True)  # kept: see below
+            self.last_work.wait()
+            status = self.flag.read(flag, missing)
+            status.globally_used = self._static_globally_used
+            return status
         used = [False] * self.num_params
         if need_bitmap and not joined:
             used = [a or b for a, b in zip(self.used, self.used_in_window)]
@@ -140,10 +200,12 @@ class UsageTracker:
         if self._static_exchange_due:
             self._static_exchange_due = False
             self._static_globally_used = globally_used
-        return Status(values[0] > 0, globally_used)
+        return Status(values[0] > 0, globally_used, missing)
 
 
-def raise_missing_gradients(missing: list[int], names: Sequence[str], group, static_graph: bool = False) -> None:
+def raise_missing_gradients(
+    missing: list[int], names: Sequence[str], group, static_graph: bool = False, late: bool = False
+) -> None:
     """Every rank calls this together: gather who missed what, raise the same error everywhere.
 
     The text carries torch's key sentences for the same fault, so code and tests that match on
@@ -175,7 +237,8 @@ def raise_missing_gradients(missing: list[int], names: Sequence[str], group, sta
             "static_graph=True (the same set every iteration), and by making sure all `forward` function outputs "
             "participate in calculating loss.\n" + "\n".join(indices)
         )
+    when = "the previous backward (on CUDA the flag is read one backward late: no host sync)" if late else "this backward"
     raise RuntimeError(
-        "DistributedDataParallel: parameters received no gradient in this backward, so the ranks could not "
+        f"DistributedDataParallel: parameters received no gradient in {when}, so the ranks could not "
         f"average them ({'; '.join(parts)}). {cause}"
     )

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from lockstep.ddp.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
+from lockstep.ddp.autotune import resolve_auto
 from lockstep.ddp.args import caps_from_list, ignored_names, reject_unsupported, resolve_buffer_sync, resolve_group
 from lockstep.ddp.graph import on_backward_start
 from lockstep.ddp.optim_in_backward import take_over_optimizers_in_backward
@@ -59,7 +60,9 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         broadcast_buffers: superseded by ``forward_sync_buffers`` (passing it warns, FutureWarning).
         init_sync: check the model across ranks and broadcast rank 0's state at construction.
         process_group: the group to average over (default: the default group).
-        bucket_cap_mb: bucket size in MiB (default 25); the first bucket is 1 MiB.
+        bucket_cap_mb: bucket size in MiB (default 25); the first bucket is 1 MiB. ``"auto"`` (or a
+            ``lockstep.ddp.autotune.AutoBucketCap``) tries 1, 4, 25, 100 MiB and one bucket over the first
+            ~20 steps and keeps the fastest by rank 0's step times (not in torch; see ``autotune``).
         find_unused_parameters: after each forward, walk its graph and mark the parameters it
             does not reach as ready (they contribute their accumulated ``.grad`` or zeros). A
             parameter used in any micro-batch of a ``no_sync`` window is synchronised. Costs a
@@ -115,6 +118,9 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         self._lazy_init_done = False  # the first forward's set-up (optimizers in backward)
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
+        self._auto_buckets = resolve_auto(bucket_cap_mb, bucket_cap_mb_list)  # "auto": tuned over the first steps
+        if self._auto_buckets is not None:
+            bucket_cap_mb = None  # the first step runs with the default cap
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         reject_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, skip_all_reduce_unused_params)
@@ -169,6 +175,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
             bucket_caps_bytes=self._bucket_caps_bytes,
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
+            auto_buckets=self._auto_buckets,
         )
 
     @property
@@ -219,10 +226,10 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         if synced:
             self.reducer.divisor = self._join_divisor(join_work)
             self.reducer.prepare_for_forward()  # before any other collective of this iteration
-        elif self.reducer.rebuild_pending and torch.is_grad_enabled():
-            # As torch: the one-time rebuild happens in the next forward with grad, no_sync included,
-            # which is where a joined rank's shadow rebuilds too.
-            self.reducer.rebuild_buckets()
+        elif torch.is_grad_enabled():
+            # As torch: the one-time rebuild (and here the auto-tuning switches) happens in the next
+            # forward with grad, no_sync included, which is where a joined rank's round does it too.
+            self.reducer.between_steps()
         # As torch: buffers follow the *previous* forward. They are broadcast when it was synchronised
         # (so also in an eval or no_sync forward right after a training step), which is what keeps
         # BatchNorm statistics bit-identical to torch's under gradient accumulation.

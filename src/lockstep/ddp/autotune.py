@@ -1,0 +1,156 @@
+"""``bucket_cap_mb="auto"``: try a few bucket caps over the first steps, keep the fastest.
+
+torch's 25 MB cap is a guess (PyTorch #118421 asks for tuning); the best cap depends on
+the link (a gloo all-reduce here: 1.0 GB/s at 1 MB, 1.8 GB/s at 100 MB) and on the model.
+So after the first synchronised backward (and the usual rebuild from the observed
+order), each candidate layout runs for ``warmup_steps + timed_steps`` steps; a step is
+the time from one synchronised forward to the next, optimizer and data loading included.
+Rank 0's medians decide: they are broadcast (one collective of ``len(caps_mb)`` values,
+once) and every rank takes the argmin of the same numbers, so every rank builds the same
+buckets. The layout never changes results at 2 ranks (each element is a/2 + b/2, whatever
+bucket it sits in); at more ranks gloo's ring may sum an element in another order, a
+last-bit difference, as between any two caps.
+
+Every rank switches layouts at the same round (a completed synchronised backward, or a
+joined rank's shadow of one), so a rebuild is never half-way across ranks. A hook that is
+not known to issue its collectives up front may keep state per bucket (torch's PowerSGD
+does): with one registered before the first backward, nothing is tried and the cap stays
+25 MB.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lockstep.ddp.buckets import MIB
+
+log = logging.getLogger("lockstep.ddp.autotune")
+
+ONE_BUCKET_BYTES = 1 << 62  # "one bucket": a cap nothing reaches (one bucket per device and dtype)
+
+
+@dataclass(frozen=True)
+class AutoBucketCap:
+    """What ``bucket_cap_mb="auto"`` tries; pass an instance as ``bucket_cap_mb`` to change it."""
+
+    caps_mb: tuple[float | None, ...] = (1.0, 4.0, 25.0, 100.0, None)
+    """Candidate caps in MiB, tried in this order; ``None`` is one bucket for all gradients."""
+    warmup_steps: int = 1
+    """Untimed steps after each switch (fresh buffers, first touches)."""
+    timed_steps: int = 3
+    """Timed steps per candidate; their median is the candidate's time."""
+
+    def __post_init__(self) -> None:
+        caps = tuple(self.caps_mb)
+        if not caps or any(c is not None and not (isinstance(c, (int, float)) and c > 0) for c in caps):
+            raise ValueError(f"AutoBucketCap.caps_mb must be a non-empty sequence of caps > 0 or None, got {self.caps_mb!r}")
+        object.__setattr__(self, "caps_mb", caps)
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"AutoBucketCap.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        if not isinstance(self.timed_steps, int) or self.timed_steps < 1:
+            raise ValueError(f"AutoBucketCap.timed_steps must be an int >= 1, got {self.timed_steps!r}")
+
+    @property
+    def trial_steps(self) -> int:
+        """Steps the trials take, after the first one: the run then keeps the chosen layout."""
+        return len(self.caps_mb) * (self.warmup_steps + self.timed_steps)
+
+
+def resolve_auto(bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> AutoBucketCap | None:
+    """``"auto"`` or an ``AutoBucketCap`` -> the config; anything else -> None (a fixed cap)."""
+    if isinstance(bucket_cap_mb, str):
+        if bucket_cap_mb != "auto":
+            raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be a number > 0 or 'auto', got {bucket_cap_mb!r}")
+        bucket_cap_mb = AutoBucketCap()
+    if not isinstance(bucket_cap_mb, AutoBucketCap):
+        return None
+    if bucket_cap_mb_list is not None:
+        raise ValueError("DistributedDataParallel: bucket_cap_mb='auto' and bucket_cap_mb_list exclude each other")
+    return bucket_cap_mb
+
+
+def caps_bytes(cap_mb: float | None, first_bucket_bytes: int) -> list[int]:
+    """The per-bucket caps (``assign_buckets``'s ``bucket_caps_bytes``) of one candidate."""
+    if cap_mb is None:
+        return [ONE_BUCKET_BYTES]
+    cap = max(1, int(cap_mb * MIB))
+    return [min(first_bucket_bytes, cap), cap]
+
+
+class BucketTuner:
+    """Drives the trials for one reducer: called between steps, it switches layouts and finally decides.
+
+    ``reducer`` needs ``rounds`` (synchronised backwards completed, shadows included),
+    ``comm_hook``, ``process_group``, ``buckets`` and ``relayout(caps_bytes)``.
+    """
+
+    def __init__(self, config: AutoBucketCap, first_bucket_bytes: int):
+        self.config = config
+        self.first_bucket_bytes = first_bucket_bytes
+        self.step_s: list[list[float]] = [[] for _ in config.caps_mb]
+        self.candidate = -1  # index into caps_mb of the layout in use; -1: the initial (fixed 25 MB) layout
+        self.rounds_at_switch = 0
+        self._last_mark: tuple[int, float] | None = None  # (rounds, perf_counter) at the last step boundary
+        self.result: dict | None = None  # after the decision: caps, medians, choice
+        self.done = False
+
+    def between_steps(self, reducer: Any, hook_known: bool) -> None:
+        """At a synchronised forward (or a joined rank's round): time the last step, switch or decide."""
+        rounds = reducer.rounds
+        now = time.perf_counter()
+        mark, self._last_mark = self._last_mark, (rounds, now)
+        if rounds == 0:
+            return
+        if self.candidate < 0:
+            if reducer.comm_hook is not None and not hook_known:
+                self.done = True  # a hook that may keep state per bucket: keep the layout it started with
+                self.result = {"skipped": "comm hook not known to issue its collectives up front"}
+                return
+            self._switch(reducer, 0, rounds)
+            return
+        cfg = self.config
+        into_trial = rounds - self.rounds_at_switch  # steps completed under this candidate
+        if mark is not None and mark[0] == rounds - 1 and into_trial > cfg.warmup_steps:
+            self.step_s[self.candidate].append(now - mark[1])
+        if into_trial < cfg.warmup_steps + cfg.timed_steps:
+            return
+        if self.candidate + 1 < len(cfg.caps_mb):
+            self._switch(reducer, self.candidate + 1, rounds)
+        else:
+            self._decide(reducer)
+
+    def _switch(self, reducer: Any, candidate: int, rounds: int) -> None:
+        self.candidate, self.rounds_at_switch = candidate, rounds
+        reducer.relayout(caps_bytes(self.config.caps_mb[candidate], self.first_bucket_bytes))
+
+    def _decide(self, reducer: Any) -> None:
+        # Rank 0's medians for every rank (inf where a rank joined early and timed nothing): one broadcast, once.
+        medians = [statistics.median(t) if t else math.inf for t in self.step_s]
+        group = reducer.process_group
+        device = reducer.buckets[0].buffer.device if dist.get_backend(group) == "nccl" else "cpu"
+        medians_t = torch.tensor(medians, dtype=torch.float64, device=device)
+        dist.broadcast(medians_t, src=dist.get_global_rank(group, 0), group=group)
+        medians = medians_t.tolist()
+        best = min(range(len(medians)), key=medians.__getitem__)
+        chosen = self.config.caps_mb[best]
+        reducer.relayout(caps_bytes(chosen, self.first_bucket_bytes))
+        self.done = True
+        self.result = {"caps_mb": list(self.config.caps_mb), "median_step_s": medians, "chosen_mb": chosen,
+                       "num_buckets": len(reducer.buckets)}
+        if dist.get_rank(group) == 0:
+            shown = ", ".join(f"{_label(c)} {m * 1e3:.1f} ms" for c, m in zip(self.config.caps_mb, medians))
+            log.info("bucket_cap_mb='auto' chose %s (%d buckets); median step time per cap (rank 0): %s",
+                     _label(chosen), len(reducer.buckets), shown)
+
+
+def _label(cap_mb: float | None) -> str:
+    return "one bucket" if cap_mb is None else f"{cap_mb:g} MB"
+
