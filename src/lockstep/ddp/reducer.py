@@ -83,6 +83,7 @@ class Reducer(ReducerSurface):
         self.buckets_rebuilt = False
         self.events: list[tuple] | None = None  # tests: ("ready", i) / ("launch", b); None = off
         self.observer: StepObserver | None = None  # diagnostics (``observe``); None = off
+        self.nonfinite: Any = None  # diagnostics.nonfinite.NonfiniteCheck (detect_nonfinite=True); None = off
         self.launch_seq = 0  # launches issued since construction: the same on every rank, step after step
         self.comm_wait_s = 0.0
         self.num_syncs = 0
@@ -230,6 +231,8 @@ class Reducer(ReducerSurface):
             observer.bucket_launched(bucket.index, bucket.seq)
 
     def _issue(self, bucket: Bucket) -> None:
+        if self.nonfinite is not None:
+            self.nonfinite.check_bucket(bucket, bucket.plan.param_indices)  # the local gradients, before they travel
         if self.comm_hook is not None:
             bucket.work = self.comm_hook(self.comm_hook_state, GradBucket(bucket, len(self.buckets)))
             if not isinstance(bucket.work, torch._C.Future):  # torch.futures.Future and the C++ futures of get_future()
@@ -242,6 +245,8 @@ class Reducer(ReducerSurface):
             bucket.flat.div_(self.divisor)  # one pass per bucket instead of one call per parameter
         if bucket.index == len(self.buckets) - 1:
             bucket.buffer[-1] = float(self._missing_flag)  # every rank's flag is summed with the last bucket
+            if self.nonfinite is not None:
+                self.nonfinite.add_flag(bucket.buffer)  # and its non-finite count, scaled apart from the flag
         bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
 
     # -------------------------------------------------------- end of backward
@@ -287,6 +292,8 @@ class Reducer(ReducerSurface):
                     if tensor.data_ptr() != bucket.flat.data_ptr():
                         bucket.flat.copy_(tensor.view(-1))
             self.comm_wait_s += time.perf_counter() - start
+            if self.nonfinite is not None:
+                self.nonfinite.after_wait(self.buckets, self.comm_hook is not None)  # raises on every rank alike
             status = self.usage.exchange_status(missing, self.comm_hook is not None, self.buckets[-1], self.process_group)
             if status.any_missing:
                 raise_missing_gradients(missing, self.names, self.process_group, self.usage.static_graph)
@@ -323,6 +330,8 @@ class Reducer(ReducerSurface):
         self._order.drain()
         for bucket in self.buckets:
             bucket.work.wait()
+        if self.nonfinite is not None:
+            self.nonfinite.after_wait(self.buckets, self.comm_hook is not None)  # a training rank's NaN ends here too
         self.usage.exchange_status([], self.comm_hook is not None, self.buckets[-1], self.process_group, joined=True)
         self._reset()
         # As after a real backward: the training ranks rebuild their buckets at their next forward (a
@@ -335,6 +344,8 @@ class Reducer(ReducerSurface):
         self._order.reset()
         self._missing_flag = False
         self._graph_grads = False
+        if self.nonfinite is not None:
+            self.nonfinite.reset()
         for bucket in self.buckets:
             bucket.reset()
         self.usage.reset_backward()
