@@ -206,7 +206,7 @@ def test_nan_gradient_names_rank_and_parameter_on_every_rank(results, case):
     r0, r1 = (r["nonfinite"] for r in results)
     assert r0[case] == r1[case], (r0[case], r1[case])
     assert r0[case].startswith("NonfiniteGradientError: non-finite gradient on rank 1, caught before any rank's optimizer")
-    assert "rank 1: 16 NaN and 0 Inf of 16 elements in '0.bias'" in r0[case]
+    assert "rank 1: 1 of 4 parameters, '0.bias' (16 NaN, 0 Inf of 16). Every rank raises here" in r0[case]
     assert "rank 0:" not in r0[case]
     assert r0[case + "_params_unchanged"] and r1[case + "_params_unchanged"]
     assert r0[case + "_rank0_grad_finite"]  # the average was never copied into .grad (bucket views aside)
@@ -217,7 +217,7 @@ def test_nan_gradient_names_rank_and_parameter_on_every_rank(results, case):
 def test_inf_gradient_from_rank_0(results):
     r0, r1 = (r["nonfinite"] for r in results)
     assert r0["inf"] == r1["inf"]
-    assert "non-finite gradient on rank 0" in r0["inf"] and "rank 0: 0 NaN and 16 Inf of 64 elements in '3.weight'" in r0["inf"]
+    assert "non-finite gradient on rank 0" in r0["inf"] and "rank 0: 1 of 4 parameters, '3.weight' (0 NaN, 16 Inf of 64)." in r0["inf"]
 
 
 def test_checks_change_no_result(results):

@@ -112,16 +112,21 @@ class NonfiniteCheck:
                     mine.append((" / ".join(self.names[i] for i in bucket.plan.param_indices[:8]), -1, -1, bucket.flat.numel()))
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, (dist.get_rank(), mine), group=self.group)
+        order = {name: i for i, name in enumerate(self.names)}
         parts = []
         for rank, found in gathered:
-            for name, nans, infs, numel in found:
-                what = "a NaN or Inf somewhere in" if nans < 0 else f"{nans} NaN and {infs} Inf of {numel} elements in"
-                parts.append(f"rank {rank}: {what} {name!r}")
+            if not found:
+                continue
+            found = sorted(found, key=lambda f: order.get(f[0], -1))  # registration order: forward's order
+            shown = [f"{name!r} ({'?' if nans < 0 else f'{nans} NaN, {infs} Inf of {numel}'})" for name, nans, infs, numel in found[:4]]
+            more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+            parts.append(f"rank {rank}: {len(found)} of {len(self.names)} parameters, {', '.join(shown)}{more}")
         if not parts:
             return  # every flagged sum had overflowed on finite values
         first_rank = next(rank for rank, found in gathered if found)
         raise NonfiniteGradientError(
-            f"non-finite gradient on rank {first_rank}, caught before any rank's optimizer could apply it: {'; '.join(parts[:10])}{' ...' if len(parts) > 10 else ''}. The optimizer step must not run "
-            "(every rank raises here). Look at that rank's inputs and loss for this step; pass "
-            "detect_nonfinite=False to turn the check off."
+            f"non-finite gradient on rank {first_rank}, caught before any rank's optimizer could apply it: {'; '.join(parts)}. "
+            "Every rank raises here, so no optimizer step runs. When every gradient is non-finite, the loss was "
+            "(look at that rank's inputs and loss for this step); when a few are, the last of them in the "
+            "model's order is where backward first produced one. Pass detect_nonfinite=False to turn the check off."
         )

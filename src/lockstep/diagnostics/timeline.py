@@ -133,7 +133,7 @@ def plot_step(per_rank: list[dict], path: Path, step: int | None = None) -> int:
     ax = fig.subplots()
     labels, ticks = [], []
     for i, (r, events) in enumerate(zip(per_rank, chosen)):
-        top, bottom = 2 * i + 1.05, 2 * i + 0.1
+        top, bottom = 2 * i + 0.1, 2 * i + 1.05  # the y axis is inverted: compute above its all-reduces
         for e in events:
             x, w = (e["start"] - origin) * 1e3, (e["end"] - e["start"]) * 1e3
             if e["cat"] == "compute":
@@ -142,13 +142,15 @@ def plot_step(per_rank: list[dict], path: Path, step: int | None = None) -> int:
                 ax.broken_barh([(x, w)], (top, 0.8), color=_COLOURS[e["cat"]], alpha=0.9 if e["cat"] == "wait" else 0.6)
             elif e["cat"] == "comm":
                 b = e["args"]["bucket"]
-                ax.broken_barh([(x, w)], (bottom, 0.8), color=_COLOURS["comm"][b % 2], edgecolor="black", linewidth=0.4)
-                ax.text(x + w / 2, bottom + 0.4, f"b{b}", ha="center", va="center", fontsize=7)
+                y = bottom + 0.42 * (b % 2)  # alternate half-rows: a bucket queued behind another overlaps it
+                ax.broken_barh([(x, w)], (y, 0.38), color=_COLOURS["comm"][b % 2], edgecolor="black", linewidth=0.4)
+                ax.text(x + w / 2, y + 0.19, f"b{b}", ha="center", va="center", fontsize=7)
             elif e["cat"] == "ready":
-                ax.plot([x, x], [bottom + 0.8, top], color="black", linewidth=0.5, alpha=0.5)
+                ax.plot([x, x], [top + 0.4, bottom], color="black", linewidth=0.5, alpha=0.5)  # bucket ready
         labels += [f"rank {r['rank']} all-reduce", f"rank {r['rank']} compute"]
         ticks += [bottom + 0.4, top + 0.4]
     ax.set_yticks(ticks, labels)
+    ax.invert_yaxis()  # rank 0 on top
     ax.set_xlabel(f"ms since the start of step {step} (one clock for all ranks)")
     ax.set_title("one DDP step per rank: forward (blue), backward (green), end-of-backward wait (red), "
                  "optimizer/data (grey); bucket all-reduces below", fontsize=9)

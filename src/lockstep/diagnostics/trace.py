@@ -8,14 +8,14 @@ the two apart). When the window closes, each rank puts its events into the store
 ``trace.json`` (Chrome trace format: Perfetto and chrome://tracing open it) with every rank on rank 0's
 clock (``clock``), ``summary.json`` and ``timeline.png`` (``timeline``), and prints the summary.
 
-A bucket's "done" is the first moment the training thread sees its work complete: at a later bucket
-event, or at the end-of-backward wait (exact when that wait blocks). So an all-reduce span can run long
-by up to the gap between bucket events; the exposed communication (the waits) is exact. Polling on the
-training thread rather than a callback on gloo's thread keeps every Work's last reference on this
-thread (see ``ddp/lifetime.py``).
+A bucket's "done" is stamped by a done-callback on its work's future (it runs on gloo's or NCCL's
+thread when the collective completes and only writes a float into a list); the exposed communication
+is the end-of-backward wait, timed on the training thread. The callbacks are registered only inside
+the window and have all run before its backward ends, so none is left for interpreter exit (see
+``ddp/lifetime.py`` on what gloo's thread must not do then).
 
-Cost while recording: a ``perf_counter`` and a list append per event, an ``is_completed()`` per bucket in
-flight per event, and a ``torch.profiler.record_function`` range per phase; outside the window each
+Cost while recording: a ``perf_counter`` and a list append per event, a done-callback per bucket, and a
+``torch.profiler.record_function`` range per phase while a profiler runs; outside the window each
 event is one integer comparison, and after it the recorder detaches itself.
 """
 
@@ -83,7 +83,7 @@ class TraceRecorder(ProfilerRanges):
         self.paths: dict[str, Path] = {}
         self.summary: dict | None = None
         self._step = 0
-        self._inflight: dict[int, list] = {}  # bucket -> [launch time, numel, nbytes, work or None]
+        self._inflight: dict[int, list] = {}  # bucket -> [launch time, numel, nbytes, done time or None, seq]
         self._t: dict[str, float] = {}
         self._marks_since_backward = False
 
@@ -128,25 +128,29 @@ class TraceRecorder(ProfilerRanges):
 
     def bucket_ready(self, bucket_index: int) -> None:
         if self.recording:
-            now = self._poll()
+            now = time.perf_counter()
             self.events.append({"name": f"bucket {bucket_index} ready", "cat": "ready", "step": self._step,
                                 "start": now, "end": now, "args": {"bucket": bucket_index}})
 
     def bucket_launch(self, bucket_index: int, numel: int, seq: int) -> None:
         if self.recording:
-            now = self._poll()
+            now = time.perf_counter()
             nbytes = numel * self.reducer.buckets[bucket_index].flat.element_size()
             self._inflight[bucket_index] = [now, numel, nbytes, None, seq]
             self.range_start(f"bucket{bucket_index}", f"lockstep.bucket{bucket_index}.launch ({nbytes} bytes)")
 
     def bucket_launched(self, bucket_index: int, seq: int) -> None:
         if self.recording and bucket_index in self._inflight:
-            self._inflight[bucket_index][3] = self.reducer.buckets[bucket_index].work
+            work = self.reducer.buckets[bucket_index].work
+            future = work.get_future() if hasattr(work, "get_future") else work  # a comm hook returns the future
+            entry = self._inflight[bucket_index]
+            # Runs on the backend's thread at completion: one float into this step's list, nothing else.
+            future.add_done_callback(lambda _f, entry=entry: entry.__setitem__(3, time.perf_counter()))
             self.range_end(f"bucket{bucket_index}")
 
     def wait_start(self, bucket_index: int, seq: int) -> None:
         if self.recording:
-            now = self._poll()
+            now = time.perf_counter()
             if "backward" in self._t:  # the first wait: backward's own computation ended here
                 self._span("backward", "compute", self._t.pop("backward"), now)
                 self.range_end("backward")
@@ -161,7 +165,6 @@ class TraceRecorder(ProfilerRanges):
             if now - start > 20e-6:
                 self._span(f"wait bucket {bucket_index}", "wait", start, now, bucket=bucket_index)
             self._finish_bucket(bucket_index, now)
-            self._poll(now)
 
     def backward_end(self, step: int) -> None:
         if not self.recording:
@@ -175,19 +178,13 @@ class TraceRecorder(ProfilerRanges):
         self._t["backward_end"] = now
         self._marks_since_backward = False
 
-    def _poll(self, now: float | None = None) -> float:
-        now = time.perf_counter() if now is None else now
-        for b, entry in list(self._inflight.items()):
-            work = entry[3]
-            if work is not None and (work.is_completed() if hasattr(work, "is_completed") else work.done()):
-                self._finish_bucket(b, now)
-        return now
-
     def _finish_bucket(self, b: int, now: float) -> None:
+        """After its wait returned: the callback's stamp (``now`` if it has not run yet: then the wait just ended it)."""
         entry = self._inflight.pop(b, None)
         if entry is not None:
-            launch, numel, nbytes, _, seq = entry
-            self._span(f"all-reduce bucket {b}", "comm", launch, now, bucket=b, numel=numel, nbytes=nbytes, seq=seq)
+            launch, numel, nbytes, done, seq = entry
+            end = now if done is None else min(done, now)
+            self._span(f"all-reduce bucket {b}", "comm", launch, end, bucket=b, numel=numel, nbytes=nbytes, seq=seq)
 
     # ------------------------------------------------------------------ writing
     def write(self) -> dict[str, Path]:
