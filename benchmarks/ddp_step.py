@@ -51,7 +51,9 @@ MODELS = {
 }
 
 
-def _contenders(build, bucket_view: bool):
+def _contenders(build, bucket_view: bool, diagnostics: bool = False):
+    import tempfile
+
     import lockstep
 
     torch.manual_seed(0)
@@ -60,6 +62,13 @@ def _contenders(build, bucket_view: bool):
         "torch": nn.parallel.DistributedDataParallel(build()),
         "naive": lockstep.NaiveDistributedDataParallel(build()),
     }
+    if diagnostics:
+        # The diagnostics' cost, side by side with plain lockstep: the NaN check, the replica check every 10
+        # steps, and a timeline recording every step (a window that never closes while timed).
+        models["lockstep_nonfinite"] = lockstep.DistributedDataParallel(build(), detect_nonfinite=True)
+        models["lockstep_replicas10"] = lockstep.DistributedDataParallel(build(), check_replicas_every=10)
+        models["lockstep_trace"] = lockstep.DistributedDataParallel(
+            build(), trace_dir=tempfile.mkdtemp(prefix="lockstep_bench_trace_"), trace_steps=(1, 10**9))
     if bucket_view:
         # The zero-copy path: grads live in the buckets (and zero_grad keeps them there, set_to_none=False).
         models["lockstep_view"] = lockstep.DistributedDataParallel(build(), gradient_as_bucket_view=True)
@@ -75,7 +84,7 @@ def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
         report = {}
         for kind in args.models:
             build, batch = MODELS[kind]
-            models = _contenders(build, args.bucket_view)
+            models = _contenders(build, args.bucket_view, args.diagnostics)
             optims = {name: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for name, m in models.items()}
             gen = torch.Generator().manual_seed(rank)
             x, y = batch(gen)
@@ -105,7 +114,10 @@ def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
             report[kind] = {"params": params, "tensors": tensors, "median_ms": medians, "cpu_median_ms": cpu_medians,
                             **({"ratio_view_lockstep_over_torch": medians_view} if args.bucket_view else {}),
                             "ratio_lockstep_over_torch": medians["lockstep"] / medians["torch"],
-                            "cpu_ratio_lockstep_over_torch": cpu_medians["lockstep"] / cpu_medians["torch"]}
+                            "cpu_ratio_lockstep_over_torch": cpu_medians["lockstep"] / cpu_medians["torch"],
+                            **({"diagnostics_over_lockstep": {n: medians[n] / medians["lockstep"] for n in medians if n.startswith("lockstep_")},
+                                "cpu_diagnostics_over_lockstep": {n: cpu_medians[n] / cpu_medians["lockstep"] for n in medians
+                                                                  if n.startswith("lockstep_")}} if args.diagnostics else {})}
         if rank == 0:
             queue.put(report)
     finally:
@@ -119,6 +131,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="mlp,transformer")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--bucket-view", action="store_true", help="also time gradient_as_bucket_view=True for both")
+    parser.add_argument("--diagnostics", action="store_true",
+                        help="also time detect_nonfinite, check_replicas_every=10 and tracing (results: ddp_step_diagnostics_DATE)")
     args = parser.parse_args(argv)
     args.models = args.models.split(",")
     for kind in args.models:
@@ -160,14 +174,21 @@ def main(argv=None) -> int:
                 f"ratio {r['ratio_view_lockstep_over_torch']:.3f}; vs torch's default path: "
                 f"{m['lockstep_view'] / m['torch']:.3f}"
             )
+    for kind, r in report.items():
+        if "diagnostics_over_lockstep" in r:
+            m, c = r["median_ms"], r["cpu_median_ms"]
+            lines += [f"\n{kind}, diagnostics against plain lockstep (wall ms, ratio; CPU ms, ratio):"]
+            lines += [f"- {n}: {m[n]:.1f} ms, {v:.3f}; CPU {c[n]:.1f} ms, {r['cpu_diagnostics_over_lockstep'][n]:.3f}"
+                      for n, v in r["diagnostics_over_lockstep"].items()]
     text = "\n".join(lines)
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         stamp = datetime.datetime.now().strftime("%Y-%m-%d")
-        with open(os.path.join(args.out, f"ddp_step_{stamp}.md"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, f"ddp_step_{stamp}.json"), "w") as f:
+        stem = f"ddp_step_diagnostics_{stamp}" if args.diagnostics else f"ddp_step_{stamp}"
+        with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
+            f.write(text + f"\n\nload average at the end: {os.getloadavg()}\n")
+        with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
             json.dump({"steps": args.steps, "warmup": args.warmup, "torch": torch.__version__, "results": report}, f, indent=2)
     return 0
 

@@ -160,7 +160,7 @@ def _profiler(rank, world_size):
     names = {e.key for e in prof.key_averages()}
     attached_during = ddp._profiler_ranges is not None
     _train(ddp, opt, 1, rank)  # the next forward sees the profiler stopped and detaches
-    return {"names": sorted(n for n in names if n.startswith("lockstep.")), "attached_during": attached_during,
+    return {"names": sorted(n for n in names if n.startswith("lockstep/")), "attached_during": attached_during,
             "observer_after": ddp.reducer.observer}
 
 
@@ -229,5 +229,16 @@ def test_profiler_shows_lockstep_phases_only_while_it_runs(results):
     p = results[0]["profiler"]
     assert p["attached_during"] and p["observer_after"] is None
     names = set(p["names"])
-    assert {"lockstep.forward", "lockstep.backward", "lockstep.wait_for_all_reduce"} <= names, names
-    assert any(n.startswith("lockstep.bucket0.launch") for n in names) and any(n.startswith("lockstep.bucket3.launch") for n in names)
+    assert {"lockstep/forward", "lockstep/backward", "lockstep/wait for all-reduce"} <= names, names
+    assert any(n.startswith("lockstep/bucket0 launch") for n in names) and any(n.startswith("lockstep/bucket3 launch") for n in names)
+
+
+def test_fingerprints_see_one_ulp_and_nothing_else():
+    from lockstep.diagnostics.checks import fingerprints
+
+    params = [torch.randn(300, 20), torch.randn(7).half(), torch.randn(4, 5).t(), torch.full((3,), float("nan"))]
+    same = fingerprints([p.clone() for p in params])
+    assert torch.equal(fingerprints(params), same)  # NaN included: bit patterns, not values
+    nudged = [p.clone() for p in params]
+    nudged[0][123, 4] = torch.nextafter(nudged[0][123, 4], torch.tensor(1e9))  # one ulp in 6000 elements
+    assert (fingerprints(nudged) != same).any(dim=1).tolist() == [True, False, False, False]

@@ -81,7 +81,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
 
     Args (lockstep's diagnostics, off by default; README "Debugging a job"):
         check_replicas_every: every N synchronised steps, check at the next forward that every rank
-            holds the same parameters (one all-gather of two float64 per parameter); a mismatch raises
+            holds the same parameters (one all-gather of two 64-bit fingerprints per parameter); a mismatch raises
             ``ReplicaMismatchError`` on every rank naming the parameter, the ranks and the difference.
         detect_nonfinite: check each bucket's local gradients for NaN/Inf before its all-reduce (one
             sum per bucket; the verdict rides in the last bucket); every rank raises
@@ -217,7 +217,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         self.__dict__.update(state)
         self.process_group = _default_group()
         self.reducer = self._build_reducer()
-        diagnose.setup(self, self.check_replicas_every, self.detect_nonfinite, None, None)  # no trace after a load
+        diagnose.setup(self, state.get("check_replicas_every"), state.get("detect_nonfinite", False), None, None)  # no trace
 
     # ----------------------------------------------------------------- forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:

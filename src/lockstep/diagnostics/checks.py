@@ -3,9 +3,9 @@
 DDP keeps replicas identical only if every rank applies the same averaged gradient with the same
 optimizer step. A rank that edits a weight, skips a step or loads other state drifts silently; the
 loss looks fine and the ranks train different models. The check is one small collective: each rank
-fingerprints every parameter (a float64 sum and sum of squares, two passes over the parameter on its
-device) and all ranks gather the ``num_params x 2`` table; equal replicas give bit-equal fingerprints
-(the same kernels over the same bits). Only on a mismatch a second round (a broadcast of the first
+fingerprints every parameter (a wrapping integer checksum of its bits and its float sum: two passes at
+memory speed, on its device) and all ranks gather the ``num_params x 2`` table; equal replicas give
+equal fingerprints, and any changed element changes the checksum. Only on a mismatch a second round (a broadcast of the first
 differing parameter from rank 0 and a gather of one number per rank) finds the largest difference, so
 every rank raises the same error, naming the parameter, the ranks that disagree and by how much.
 """
@@ -29,13 +29,29 @@ def _named_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(module.named_parameters())
 
 
+_SAME_SIZE_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
 def fingerprints(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[len(params), 2]`` float64: each parameter's sum and sum of squares (one pass each, on its device)."""
-    if not params:
-        return torch.zeros(0, 2, dtype=torch.float64)
+    """``[len(params), 2]`` int64: each parameter's checksum of bits and its float sum (as float64 bits).
+
+    The checksum sums the parameter's bit patterns as integers of its own width, wrapping: any single
+    changed element changes it (a float sum can round a one-ulp change away), and it runs at memory speed
+    (a float64 or int64 accumulation is ~40x slower here). Both are exact functions of the bits, so equal
+    replicas give equal fingerprints.
+    """
+    rows = []
     with torch.no_grad():
-        rows = [torch.stack([p.detach().sum(dtype=torch.float64), p.detach().double().square().sum()]) for p in params]
-        return torch.stack([r.cpu() for r in rows]) if rows[0].device.type != "cpu" else torch.stack(rows)
+        for p in params:
+            d = p.detach() if p.is_contiguous() else p.detach().contiguous()
+            as_int = _SAME_SIZE_INT[d.element_size()]
+            bits = d.view(as_int).sum(dtype=as_int).to(torch.int64)
+            value = (d.sum() if d.is_floating_point() else d.sum(dtype=torch.float64)).to(torch.float64)
+            rows.append(torch.stack([bits, value.view(torch.int64)]))
+    if not rows:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    table = torch.stack(rows)
+    return table.cpu() if table.device.type != "cpu" else table
 
 
 def check_replicas(model: nn.Module, group: dist.ProcessGroup | None = None, *, where: str = "") -> None:
@@ -49,7 +65,7 @@ def check_replicas(model: nn.Module, group: dist.ProcessGroup | None = None, *, 
         where: added to the error (e.g. "before step 12").
 
     Costs two passes over the parameters and one all-gather of ``16 * num_params`` bytes per rank;
-    on CUDA one host copy of the fingerprints (a sync), so call it every N steps, not every step.
+    on CUDA one host copy of the fingerprints (a sync), so every N steps rather than every step.
     """
     group = group if group is not None else getattr(model, "process_group", None)
     named = _named_parameters(model)
@@ -60,8 +76,7 @@ def check_replicas(model: nn.Module, group: dist.ProcessGroup | None = None, *, 
     device = named[0][1].device if named and dist.get_backend(group) == "nccl" else torch.device("cpu")
     gathered = [torch.empty_like(mine, device=device) for _ in range(world_size)]
     dist.all_gather(gathered, mine.to(device), group=group)
-    # Compare bit patterns, not values: a NaN fingerprint equals itself, and -0.0 differs from 0.0.
-    table = torch.stack([g.cpu() for g in gathered]).view(torch.int64)  # [world, params, 2]
+    table = torch.stack([g.cpu() for g in gathered])  # [world, params, 2], bit patterns: a NaN equals itself
     differs = (table != table[0]).any(dim=2)  # [world, params]: differs from rank 0
     if not bool(differs.any()):
         return

@@ -1,7 +1,7 @@
 """Lockstep's phases as ``torch.profiler.record_function`` ranges, so a user's own profiler trace shows them.
 
 Forward, backward, each bucket's launch (named with its size) and the end-of-backward wait appear as
-``lockstep.*`` ranges next to torch's own ops. The wrapper attaches ``ProfilerRanges`` only while a
+``lockstep/*`` ranges next to torch's own ops. The wrapper attaches ``ProfilerRanges`` only while a
 profiler is active (one flag read per forward) or a trace is recording, so they cost nothing otherwise.
 """
 
@@ -37,18 +37,18 @@ class ProfilerRanges:
 
     # The observer events (lockstep.ddp.observe.StepObserver's, duck-typed: diagnostics never import ddp).
     def forward_start(self) -> None:
-        self.range_start("forward", "lockstep.forward")
+        self.range_start("forward", "lockstep/forward")
 
     def forward_end(self) -> None:
         self.range_end("forward")
 
     def backward_start(self) -> None:
-        self.range_start("backward", "lockstep.backward")
+        self.range_start("backward", "lockstep/backward")
 
     def bucket_ready(self, bucket_index: int) -> None: ...
 
     def bucket_launch(self, bucket_index: int, numel: int, seq: int) -> None:
-        self.range_start(f"bucket{bucket_index}", f"lockstep.bucket{bucket_index}.launch ({numel} elements)")
+        self.range_start(f"bucket{bucket_index}", f"lockstep/bucket{bucket_index} launch ({numel} elements)")
 
     def bucket_launched(self, bucket_index: int, seq: int) -> None:
         self.range_end(f"bucket{bucket_index}")
@@ -56,7 +56,7 @@ class ProfilerRanges:
     def wait_start(self, bucket_index: int, seq: int) -> None:
         if "backward" in self._open:
             self.range_end("backward")
-            self.range_start("wait", "lockstep.wait_for_all_reduce")
+            self.range_start("wait", "lockstep/wait for all-reduce")
 
     def wait_end(self, bucket_index: int, seq: int) -> None: ...
 

@@ -114,7 +114,7 @@ class TraceRecorder(ProfilerRanges):
         if self.recording:
             self._step = step
             self._t["forward"] = now
-            self.range_start("forward", "lockstep.forward")
+            self.range_start("forward", "lockstep/forward")
 
     def forward_end(self) -> None:
         if self.recording and "forward" in self._t:
@@ -124,7 +124,7 @@ class TraceRecorder(ProfilerRanges):
     def backward_start(self) -> None:
         if self.recording:
             self._t["backward"] = time.perf_counter()
-            self.range_start("backward", "lockstep.backward")
+            self.range_start("backward", "lockstep/backward")
 
     def bucket_ready(self, bucket_index: int) -> None:
         if self.recording:
@@ -137,7 +137,7 @@ class TraceRecorder(ProfilerRanges):
             now = time.perf_counter()
             nbytes = numel * self.reducer.buckets[bucket_index].flat.element_size()
             self._inflight[bucket_index] = [now, numel, nbytes, None, seq]
-            self.range_start(f"bucket{bucket_index}", f"lockstep.bucket{bucket_index}.launch ({nbytes} bytes)")
+            self.range_start(f"bucket{bucket_index}", f"lockstep/bucket{bucket_index} launch ({nbytes} bytes)")
 
     def bucket_launched(self, bucket_index: int, seq: int) -> None:
         if self.recording and bucket_index in self._inflight:
@@ -155,7 +155,7 @@ class TraceRecorder(ProfilerRanges):
                 self._span("backward", "compute", self._t.pop("backward"), now)
                 self.range_end("backward")
                 self._t["wait"] = now
-                self.range_start("wait", "lockstep.wait_for_all_reduce")
+                self.range_start("wait", "lockstep/wait for all-reduce")
             self._t["wait_bucket"] = now
 
     def wait_end(self, bucket_index: int, seq: int) -> None:
