@@ -25,6 +25,9 @@ _EXPORTS = {
     "Trainer": "train.trainer",
     "TrainerConfig": "train.config",
     "use_as_torch_ddp": "integrations.torch_ddp",
+    "check_replicas": "diagnostics.checks",
+    "ReplicaMismatchError": "diagnostics.checks",
+    "NonfiniteGradientError": "diagnostics.nonfinite",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -35,11 +38,12 @@ __all__ = sorted(_EXPORTS)
 #   collectives/   ring and tree all-reduce over send/recv
 #   comm_hooks/    the hook contract, allreduce / fp16 / bf16 / chain stages, PowerSGD
 #   ddp/           the DistributedDataParallel wrapper, its reducer, buckets, join, naive reference
+#   diagnostics/   replica and non-finite checks, the overlap timeline (trace), hang reports
 #   launch/        `lockstep launch` on torch's elastic agent, rank output, failure report
 #   perf/          cost model, plan, all-reduce benchmark
 #   train/         Trainer, checkpoint, metrics, data, demo
 #   integrations/  use_as_torch_ddp() for Accelerate / Lightning / HF Trainer, a Lightning strategy
-_SUBPACKAGES = ("collectives", "comm_hooks", "ddp", "integrations", "launch", "perf", "train")
+_SUBPACKAGES = ("collectives", "comm_hooks", "ddp", "diagnostics", "integrations", "launch", "perf", "train")
 
 
 def __getattr__(name: str):

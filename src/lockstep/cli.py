@@ -15,7 +15,7 @@ SUBCOMMANDS = {
     "launch": ("lockstep.launch.launcher", "cli_main", "run a script on N processes per node (torch's elastic agent)"),
     "slurm-script": ("lockstep.launch.launcher", "slurm_script_main", "print a ready sbatch script"),
     "demo": ("lockstep.train.demo", "cli_main", "train a small CNN on digits with DDP on 2 CPU processes"),
-    "bench": ("lockstep.perf.bench", "cli_main", "benchmarks: `lockstep bench allreduce`"),
+    "bench": ("lockstep.perf.bench", "cli_main", "benchmarks: `lockstep bench allreduce`, `lockstep bench scaling`"),
     "plan": ("lockstep.perf.plan", "cli_main", "memory and communication cost model"),
 }
 

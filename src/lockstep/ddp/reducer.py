@@ -29,6 +29,7 @@ import torch.distributed as dist
 from lockstep.comm_hooks.base import issues_collectives_up_front
 from lockstep.ddp.autotune import AutoBucketCap, BucketTuner
 from lockstep.ddp.buckets import assign_buckets
+from lockstep.ddp.copy_back import copy_back
 from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.launch_order import LaunchOrder
 from lockstep.ddp.lifetime import register_for_exit, remove_handles
@@ -90,6 +91,7 @@ class Reducer(ReducerSurface):
         self.observer: StepObserver | None = None  # diagnostics (``observe``); None = off
         self.optimizers_in_backward = False  # torch's _apply_optimizer_in_backward on these parameters
         self.post_backward_futures: list = []  # a buffer comm hook's futures, waited for at the end of backward
+        self.nonfinite: Any = None  # diagnostics.nonfinite.NonfiniteCheck (detect_nonfinite=True); None = off
         self.launch_seq = 0  # launches issued since construction: the same on every rank, step after step
         self.comm_wait_s = 0.0
         self.num_syncs = 0
@@ -258,6 +260,8 @@ class Reducer(ReducerSurface):
             observer.bucket_launched(bucket.index, bucket.seq)
 
     def _issue(self, bucket: Bucket) -> None:
+        if self.nonfinite is not None:
+            self.nonfinite.check_bucket(bucket, bucket.plan.param_indices)  # the local gradients, before they travel
         if self.comm_hook is not None:
             bucket.work = self.comm_hook(self.comm_hook_state, GradBucket(bucket, len(self.buckets)))
             if not isinstance(bucket.work, torch._C.Future):  # torch.futures.Future and the C++ futures of get_future()
@@ -270,6 +274,8 @@ class Reducer(ReducerSurface):
             bucket.flat.div_(self.divisor)  # one pass per bucket instead of one call per parameter
         if bucket.index == len(self.buckets) - 1:
             bucket.buffer[-1] = float(self._missing_flag)  # every rank's flag is summed with the last bucket
+            if self.nonfinite is not None:
+                self.nonfinite.add_flag(bucket.buffer)  # and its non-finite count, scaled apart from the flag
         bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
 
     # -------------------------------------------------------- end of backward
@@ -319,10 +325,13 @@ class Reducer(ReducerSurface):
                 for future in futures:
                     future.wait()
             self.comm_wait_s += time.perf_counter() - start
+            if self.nonfinite is not None:
+                self.nonfinite.after_wait(self.buckets, self.comm_hook is not None)  # raises on every rank alike
             status = self.usage.exchange_status(missing, self.comm_hook is not None, self.buckets[-1], self.process_group)
             if status.any_missing:
                 raise_missing_gradients(status.missing, self.names, self.process_group, self.usage.static_graph, status.late)
-            self._copy_back(status.globally_used)
+            fast = not (self.gradient_as_bucket_view or self._graph_grads or self._missing_flag)
+            copy_back(self.buckets, self.params, status.globally_used, self.gradient_as_bucket_view, fast)
             if self.optimizers_in_backward:
                 step_optimizers_in_backward(self.params)
             self.num_syncs += 1
@@ -334,24 +343,6 @@ class Reducer(ReducerSurface):
         finally:
             self._reset()
 
-    def _copy_back(self, globally_used: list[bool] | None) -> None:
-        for bucket in self.buckets:
-            # (Not after a missing gradient, whose None grad gets a clone: only when its error is deferred, on CUDA.)
-            if globally_used is None and not self.gradient_as_bucket_view and not self._graph_grads and not self._missing_flag:
-                torch._foreach_copy_(bucket.grads, bucket.views)  # the common path: one call per bucket
-                continue
-            for i, grad, view in zip(bucket.plan.param_indices, bucket.grads, bucket.views):
-                if globally_used is not None and not globally_used[i]:
-                    continue  # unused on every rank: leave .grad as it was (None stays None), as torch does
-                p = self.params[i]
-                if self.gradient_as_bucket_view:
-                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                        p.grad = view
-                elif grad is None or p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    grad.copy_(view)  # recorded by autograd when the grad carries a graph (create_graph=True)
-
     def shadow_backward(self) -> None:
         """A joined rank's stand-in for one backward: the same collectives, in the same order, with zeros."""
         for bucket in self.buckets:
@@ -359,6 +350,8 @@ class Reducer(ReducerSurface):
         self._order.drain()
         for bucket in self.buckets:
             bucket.work.wait()
+        if self.nonfinite is not None:
+            self.nonfinite.after_wait(self.buckets, self.comm_hook is not None)  # a training rank's NaN ends here too
         self.usage.exchange_status([], self.comm_hook is not None, self.buckets[-1], self.process_group, joined=True)
         self._reset()
         self.rounds += 1
@@ -372,6 +365,8 @@ class Reducer(ReducerSurface):
         self._order.reset()
         self._missing_flag = False
         self._graph_grads = False
+        if self.nonfinite is not None:
+            self.nonfinite.reset()
         for bucket in self.buckets:
             bucket.reset()
         self.usage.reset_backward()

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from lockstep.ddp.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
+from lockstep.ddp import diagnose
 from lockstep.ddp.autotune import resolve_auto
 from lockstep.ddp.args import caps_from_list, ignored_names, reject_unsupported, resolve_buffer_sync, resolve_group
 from lockstep.ddp.graph import on_backward_start
@@ -82,6 +83,17 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         forward_sync_buffers: broadcast rank 0's floating/integer buffers before each synchronised
             forward (default True), as torch's ``broadcast_buffers``.
 
+    Args (lockstep's diagnostics, off by default; README "Debugging a job"):
+        check_replicas_every: every N synchronised steps, check at the next forward that every rank
+            holds the same parameters (one all-gather of two 64-bit fingerprints per parameter); a mismatch raises
+            ``ReplicaMismatchError`` on every rank naming the parameter, the ranks and the difference.
+        detect_nonfinite: check each bucket's local gradients for NaN/Inf before its all-reduce (one
+            sum per bucket; the verdict rides in the last bucket); every rank raises
+            ``NonfiniteGradientError`` naming the rank and the parameter, before the optimizer step.
+        trace_dir: record the overlap timeline of synchronised steps ``trace_steps`` (default 5..10;
+            env ``LOCKSTEP_TRACE=DIR``, ``LOCKSTEP_TRACE_STEPS=5:10``); rank 0 writes a Chrome trace,
+            a summary and a PNG there when the window closes (at the next forward, or ``self.trace.write()``).
+
     Differences from torch's DDP, on purpose: a parameter without a gradient raises on every rank
     at the end of backward (naming the parameter and the rank) instead of hanging or failing only
     on the next iteration; the outputs are returned as the module made them (torch's ``_DDPSink``
@@ -110,6 +122,10 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         bucket_cap_mb_list: list | None = None,
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
+        check_replicas_every: int | None = None,
+        detect_nonfinite: bool = False,
+        trace_dir: str | None = None,
+        trace_steps: tuple[int, int] | None = None,
     ):
         # torch's __init__ never runs (it would build torch's C++ reducer): the subclass is for isinstance.
         nn.Module.__init__(self)
@@ -162,6 +178,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
             buffers = syncable_buffers(module, self.parameters_to_ignore) if init_sync_buffers else []
             broadcast_coalesced([p for _, p in named_params] + buffers, process_group)
         self.reducer = self._build_reducer()
+        diagnose.setup(self, check_replicas_every, detect_nonfinite, trace_dir, trace_steps)
 
     def _build_reducer(self) -> Reducer:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
@@ -202,18 +219,23 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
             )
         state = dict(self.__dict__)
         del state["process_group"], state["reducer"]
+        for name in ("_replica_check", "trace", "_profiler_ranges"):  # hold the group, the store: rebuilt on load
+            state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.process_group = _default_group()
         self.reducer = self._build_reducer()
+        diagnose.setup(self, state.get("check_replicas_every"), state.get("detect_nonfinite", False), None, None)  # no trace
 
     # ----------------------------------------------------------------- forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.device_ids is not None:
             inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if diagnose.profiler_enabled() is not self._profiling:  # one flag read per forward
+            diagnose.toggle_profiler_ranges(self, not self._profiling)
         observer = self.reducer.observer
         if observer is not None:
             observer.forward_start()
@@ -226,6 +248,8 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         if synced:
             self.reducer.divisor = self._join_divisor(join_work)
             self.reducer.prepare_for_forward()  # before any other collective of this iteration
+            if self._replica_check is not None and not in_join:  # inside join() a joined rank would not come
+                self._replica_check.maybe_check(self.reducer.num_syncs)
         elif torch.is_grad_enabled():
             # As torch: the one-time rebuild (and here the auto-tuning switches) happens in the next
             # forward with grad, no_sync included, which is where a joined rank's round does it too.

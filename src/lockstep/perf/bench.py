@@ -213,9 +213,14 @@ def plot(rows, path: Path, world_size: int) -> None:
 
 
 def cli_main(argv: list[str]) -> int:
+    if argv and argv[0] == "scaling":  # its own module: ``lockstep bench scaling``
+        from lockstep.perf.scaling import cli_main as scaling_main
+
+        return scaling_main(argv[1:])
     parser = argparse.ArgumentParser(prog="lockstep bench", description="lockstep benchmarks")
     sub = parser.add_subparsers(dest="what", required=True)
     p = sub.add_parser("allreduce", help="time native, ring and tree all-reduce on local gloo ranks")
+    sub.add_parser("scaling", help="step time and efficiency from 1 to N ranks, beside the plan (see --help after it)")
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn (default 2)")
     p.add_argument("--min-size", type=parse_size, default=4 << 10, help="smallest buffer (default 4KiB)")
     p.add_argument("--max-size", type=parse_size, default=256 << 20, help="largest buffer (default 256MiB)")

@@ -31,10 +31,15 @@ class TrainerConfig:
     progress: bool = True  # a tqdm bar on global rank 0
     num_workers: int = 0  # DataLoader workers per rank
     max_steps: int | None = None  # stop after this many optimizer steps in total (resumed ones included)
+    # Diagnostics (README "Debugging a job"):
+    detect_nonfinite: bool = True  # a NaN/Inf gradient raises on every rank, naming its rank and parameter
+    check_replicas_every: int | None = None  # check the replicas' parameters agree every N optimizer steps
+    trace_dir: str | None = None  # record the overlap timeline of trace_steps there (Chrome trace, summary, PNG)
+    trace_steps: tuple[int, int] = (5, 10)  # first and last optimizer step of the timeline, inclusive
 
     def __post_init__(self):
         positive = ["epochs", "batch_size", "grad_accum_steps", "keep_last", "log_every_steps"]
-        optional_positive = ["eval_batch_size", "save_every_steps", "lr_scale_base_batch", "max_steps"]
+        optional_positive = ["eval_batch_size", "save_every_steps", "lr_scale_base_batch", "max_steps", "check_replicas_every"]
         for name in positive + optional_positive:
             value = getattr(self, name)
             if value is None and name in optional_positive:
@@ -54,6 +59,10 @@ class TrainerConfig:
                 f"TrainerConfig.autocast_dtype must be None or one of {sorted(_AUTOCAST_DTYPES)}, "
                 f"got {self.autocast_dtype!r} (float16 would need a GradScaler, which the Trainer does not run)"
             )
+        steps = self.trace_steps
+        if not (isinstance(steps, (tuple, list)) and len(steps) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in steps)
+                and 1 <= steps[0] <= steps[1]):
+            raise ValueError(f"TrainerConfig.trace_steps must be (first, last) with 1 <= first <= last, got {steps!r}")
         for name in ("resume", "save_every_steps"):
             if getattr(self, name) and self.checkpoint_dir is None:
                 raise ValueError(f"TrainerConfig.{name} needs TrainerConfig.checkpoint_dir to be set")

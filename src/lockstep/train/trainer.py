@@ -67,7 +67,9 @@ class Trainer:
         self.device = torch.device(device)
         model.to(self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group)
+        self.ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group,
+                                           detect_nonfinite=cfg.detect_nonfinite, check_replicas_every=cfg.check_replicas_every,
+                                           trace_dir=cfg.trace_dir, trace_steps=tuple(cfg.trace_steps) if cfg.trace_dir else None)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.on_step_end, self.on_epoch_end = on_step_end, on_epoch_end
         self.train_data, self.eval_data = train_data, eval_data
@@ -114,6 +116,8 @@ class Trainer:
                 self._end_epoch()
             if cfg.checkpoint_dir and self._saved_step != self.step:
                 self.save_checkpoint()
+            if self.ddp.trace is not None and not self.ddp.trace.finished:
+                self.ddp.trace.write()  # a run shorter than the window: write what was recorded
         finally:
             self.metrics.close()
         return self.summary()
@@ -130,7 +134,11 @@ class Trainer:
         self.ddp.train()
         bar = self._progress_bar(n_batches)
         t_group, group_samples = time.perf_counter(), 0
+        t_data = t_group
         for i, (inputs, targets) in enumerate(loader, start=self.batches_done):
+            tracer = self.ddp.trace  # the timeline's data and optimizer phases (None unless tracing)
+            if tracer is not None:
+                tracer.mark("data", t_data, time.perf_counter())
             group_start = i - i % accum  # resumed positions are always at a group boundary
             group_size = min(accum, n_batches - group_start)  # a short last group is averaged over its size
             sync = i + 1 == group_start + group_size
@@ -146,6 +154,7 @@ class Trainer:
             group_samples += len(targets)
             self.batches_done = i + 1
             self.sampler.advance(len(targets))  # what was consumed, not what the loader prefetched
+            t_data = time.perf_counter()
             if not sync:
                 continue
             if cfg.grad_clip_norm is not None:  # the gradient is already averaged: every rank clips alike
@@ -154,6 +163,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             if self.scheduler is not None:
                 self.scheduler.step()
+            if tracer is not None:
+                tracer.mark("optimizer", t_data, time.perf_counter())
             self.step += 1
             now = time.perf_counter()
             step_s, t_group = now - t_group, now
@@ -161,7 +172,7 @@ class Trainer:
             self._samples_seen += group_samples * self.world_size  # every rank steps through equal shards
             group_samples = 0
             self._after_step(loss_value, bar)
-            t_group = time.perf_counter()  # logging and checkpoints are not step time
+            t_group = t_data = time.perf_counter()  # logging and checkpoints are not step time
             if self._stopped() and self.batches_done < n_batches:
                 bar.close()
                 return False

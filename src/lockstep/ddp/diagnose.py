@@ -1,0 +1,67 @@
+"""The wrapper's side of the diagnostics: build the checks and the trace its arguments ask for, attach them.
+
+``DDP(check_replicas_every=N, detect_nonfinite=True, trace_dir=DIR)`` and ``LOCKSTEP_TRACE=DIR`` end
+here; the diagnostics themselves live in ``lockstep.diagnostics`` and know nothing of ``ddp``. Also the
+profiler ranges: while a ``torch.profiler`` is active (the wrapper reads one flag per forward) lockstep's
+phases appear as ``record_function`` ranges; when none is, no observer is attached for them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from lockstep.ddp.observe import attach, detach
+from lockstep.diagnostics.checks import PeriodicReplicaCheck
+from lockstep.diagnostics.nonfinite import NonfiniteCheck
+from lockstep.diagnostics.ranges import ProfilerRanges
+
+DEFAULT_TRACE_STEPS = (5, 10)
+
+
+def setup(ddp: Any, check_replicas_every: int | None, detect_nonfinite: bool, trace_dir: str | os.PathLike | None,
+          trace_steps: tuple[int, int] | None) -> None:
+    """Called once at construction (and after unpickling, without the trace)."""
+    ddp.check_replicas_every, ddp.detect_nonfinite = check_replicas_every, bool(detect_nonfinite)
+    ddp._replica_check = None if check_replicas_every is None else PeriodicReplicaCheck(
+        check_replicas_every, ddp.module, ddp.process_group)
+    attach_nonfinite(ddp)
+    ddp._profiler_ranges, ddp._profiling = None, False
+    ddp.trace = None
+    trace_dir = trace_dir if trace_dir is not None else os.environ.get("LOCKSTEP_TRACE") or None
+    if trace_dir is not None:
+        from lockstep.diagnostics.trace import TraceRecorder, window_from_env
+
+        steps = trace_steps if trace_steps is not None else window_from_env(os.environ.get("LOCKSTEP_TRACE_STEPS"), DEFAULT_TRACE_STEPS)
+        recorder = TraceRecorder(ddp.reducer, ddp.process_group, trace_dir, steps, on_finish=lambda: _detach_trace(ddp))
+        ddp.reducer.observer = attach(ddp.reducer.observer, recorder)
+        ddp.trace = recorder
+
+
+def attach_nonfinite(ddp: Any) -> None:
+    """(Re)attach the non-finite check to the current reducer."""
+    if ddp.detect_nonfinite:
+        ddp.reducer.nonfinite = NonfiniteCheck(ddp.reducer.names, ddp.process_group)
+
+
+def _detach_trace(ddp: Any) -> None:
+    if ddp.trace is not None:
+        ddp.reducer.observer = detach(ddp.reducer.observer, ddp.trace)
+
+
+def toggle_profiler_ranges(ddp: Any, enabled: bool) -> None:
+    """A torch.profiler started or stopped since the last forward: attach or detach the ranges observer."""
+    if enabled and ddp._profiler_ranges is None and ddp.trace is None:  # a recording trace opens its own ranges
+        ddp._profiler_ranges = ProfilerRanges()
+        ddp.reducer.observer = attach(ddp.reducer.observer, ddp._profiler_ranges)
+    elif not enabled and ddp._profiler_ranges is not None:
+        ddp._profiler_ranges.close_ranges()
+        ddp.reducer.observer = detach(ddp.reducer.observer, ddp._profiler_ranges)
+        ddp._profiler_ranges = None
+    ddp._profiling = enabled
+
+
+def profiler_enabled() -> bool:
+    return torch._C._autograd._profiler_enabled()

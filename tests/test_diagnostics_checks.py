@@ -1,0 +1,244 @@
+"""Replica checks and non-finite gradient detection on 2 real gloo ranks (one spawned group, many cases).
+
+Each case makes one rank misbehave and asserts what every rank raises: the same error, naming the
+parameter, the rank and (replicas) the largest difference; and that the checks change no result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dist_utils import run_ranks
+from lockstep import DistributedDataParallel as DDP
+
+
+def _mlp(dropout: float = 0.0):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 4))
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+
+
+def _train(ddp, opt, steps, rank, skip=lambda step: False, before=lambda step: None):
+    for step in range(steps):
+        before(step)
+        opt.zero_grad()
+        x, y = _batch(rank, step)
+        F.cross_entropy(ddp(x), y).backward()
+        if not skip(step):
+            opt.step()
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _replicas(rank, world_size):
+    import lockstep
+
+    out = {}
+    # 1. One rank edits one weight in place: lockstep.check_replicas finds it.
+    ddp = DDP(_mlp())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    _train(ddp, opt, 2, rank)
+    out["clean"] = _error(lambda: lockstep.check_replicas(ddp))
+    if rank == 1:
+        with torch.no_grad():
+            ddp.module[3].weight[2, 5] += 0.25
+    out["edit"] = _error(lambda: lockstep.check_replicas(ddp))
+    out["edit_plain_module"] = _error(lambda: lockstep.check_replicas(ddp.module, group=dist.group.WORLD))
+
+    # 2. One rank's optimizer skips step 2: check_replicas_every=1 raises at the next forward, on every rank.
+    ddp = DDP(_mlp(), check_replicas_every=1)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    steps_done = []
+    out["skip"] = _error(lambda: _train(ddp, opt, 5, rank, skip=lambda s: rank == 1 and s == 2,
+                                        before=lambda s: steps_done.append(s)))
+    out["skip_raised_at"] = steps_done[-1]
+
+    # 3. Dropout seeded differently per rank: the masks differ, the averaged gradients do not: no mismatch.
+    ddp = DDP(_mlp(dropout=0.5), check_replicas_every=1)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    outputs = []
+
+    def seeded(step):
+        torch.manual_seed(1000 * rank + step)  # a different dropout mask on every rank
+        outputs.append(ddp.module(torch.ones(1, 8)).detach())
+
+    out["dropout"] = _error(lambda: _train(ddp, opt, 4, rank, before=seeded))
+    out["dropout_outputs"] = torch.stack(outputs)
+    out["dropout_checks"] = ddp._replica_check._last_checked
+    # ... and check_replicas_every=2 checks at steps 2 and 4 only.
+    ddp = DDP(_mlp(), check_replicas_every=2)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    seen = []
+    check = ddp._replica_check
+    real = check.maybe_check
+
+    def spy(num_syncs):  # records the forwards at which a check really ran
+        before = check._last_checked
+        real(num_syncs)
+        if check._last_checked != before:
+            seen.append(num_syncs)
+
+    check.maybe_check = spy
+    _train(ddp, opt, 5, rank)
+    out["every2"] = seen
+    return out
+
+
+def _nonfinite(rank, world_size):
+    out = {}
+    cases = {
+        "default": {},
+        "buckets": {"bucket_cap_mb_list": [0.0001]},  # one bucket per parameter: the NaN is not in the last one
+        "view": {"gradient_as_bucket_view": True},
+        "hook": {},
+    }
+    for case, kwargs in cases.items():
+        ddp = DDP(_mlp(), detect_nonfinite=True, **kwargs)
+        if case == "hook":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            ddp.register_comm_hook(None, allreduce_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        _train(ddp, opt, 2, rank)  # healthy steps first
+        before = [p.detach().clone() for p in ddp.parameters()]
+        bad = ddp.module[0].bias
+        handle = bad.register_hook(lambda g: g * float("nan")) if rank == 1 else None
+        out[case] = _error(lambda: _train(ddp, opt, 1, rank))
+        if handle is not None:
+            handle.remove()
+        out[case + "_params_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, ddp.parameters()))
+        out[case + "_rank0_grad_finite"] = rank != 0 or case == "view" or all(
+            bool(torch.isfinite(p.grad).all()) for p in ddp.parameters())
+        # The job goes on: the next step is healthy and the replicas still agree.
+        out[case + "_after"] = _error(lambda: _train(ddp, opt, 2, rank))
+        import lockstep
+
+        out[case + "_replicas_after"] = _error(lambda: lockstep.check_replicas(ddp))
+    # An Inf (not a NaN) from rank 0 in a weight.
+    ddp = DDP(_mlp(), detect_nonfinite=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    handle = ddp.module[3].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("inf"))) if rank == 0 else None
+    out["inf"] = _error(lambda: _train(ddp, opt, 1, rank))
+    return out
+
+
+def _parity(rank, world_size):
+    """The checks change no result: parameters bit-identical to plain lockstep DDP and to torch's DDP."""
+    runs = {}
+    for name, build in {
+        "plain": lambda m: DDP(m),
+        "checked": lambda m: DDP(m, detect_nonfinite=True, check_replicas_every=1),
+        "checked_buckets": lambda m: DDP(m, detect_nonfinite=True, check_replicas_every=2, bucket_cap_mb_list=[0.0001]),
+        "torch": lambda m: torch.nn.parallel.DistributedDataParallel(m),
+    }.items():
+        ddp = build(_mlp())
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        _train(ddp, opt, 4, rank)
+        runs[name] = [p.detach().clone() for p in ddp.parameters()]
+    return {name: max((a - b).abs().max().item() for a, b in zip(params, runs["torch"])) for name, params in runs.items()}
+
+
+def _profiler(rank, world_size):
+    ddp = DDP(_mlp(), bucket_cap_mb_list=[0.0001])
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    _train(ddp, opt, 1, rank)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _train(ddp, opt, 2, rank)
+    names = {e.key for e in prof.key_averages()}
+    attached_during = ddp._profiler_ranges is not None
+    _train(ddp, opt, 1, rank)  # the next forward sees the profiler stopped and detaches
+    return {"names": sorted(n for n in names if n.startswith("lockstep/")), "attached_during": attached_during,
+            "observer_after": ddp.reducer.observer}
+
+
+def _all(rank, world_size):
+    return {"replicas": _replicas(rank, world_size), "nonfinite": _nonfinite(rank, world_size),
+            "parity": _parity(rank, world_size), "profiler": _profiler(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_all, 2, timeout_s=240)
+
+
+def test_in_place_edit_on_one_rank_is_named_on_every_rank(results):
+    r0, r1 = (r["replicas"] for r in results)
+    assert r0["clean"] is None and r1["clean"] is None
+    assert r0["edit"] == r1["edit"]  # the same error everywhere
+    text = r0["edit"]
+    assert text.startswith("ReplicaMismatchError: replicas differ: parameter '3.weight' on rank(s) [1] differs from rank 0")
+    assert "largest absolute difference 0.25, on rank 1" in text
+    assert r0["edit_plain_module"] == r1["edit_plain_module"] and "'3.weight'" in r0["edit_plain_module"]
+
+
+def test_optimizer_skipping_a_step_is_caught_at_the_next_forward(results):
+    r0, r1 = (r["replicas"] for r in results)
+    assert r0["skip"] == r1["skip"] and r0["skip"] is not None
+    assert r0["skip_raised_at"] == r1["skip_raised_at"] == 3  # step 2 was skipped; the forward of step 3 raises
+    # Every parameter moved on rank 0 only: the first in registration order is named.
+    assert "parameter '0.weight' on rank(s) [1]" in r0["skip"] and "after 3 synchronised steps" in r0["skip"]
+    assert "3 more parameter(s) differ: '0.bias', '3.weight', '3.bias'" in r0["skip"]
+
+
+def test_dropout_seeded_differently_is_not_a_mismatch(results):
+    r0, r1 = (r["replicas"] for r in results)
+    assert not torch.equal(r0["dropout_outputs"], r1["dropout_outputs"])  # the masks really differ
+    assert r0["dropout"] is None and r1["dropout"] is None  # yet the averaged updates keep the replicas equal
+    assert r0["dropout_checks"] == 3  # checked at the forwards of steps 2, 3 and 4 (after 1, 2 and 3 steps)
+    assert r0["every2"] == r1["every2"] == [2, 4]
+
+
+@pytest.mark.parametrize("case", ["default", "buckets", "view", "hook"])
+def test_nan_gradient_names_rank_and_parameter_on_every_rank(results, case):
+    r0, r1 = (r["nonfinite"] for r in results)
+    assert r0[case] == r1[case], (r0[case], r1[case])
+    assert r0[case].startswith("NonfiniteGradientError: non-finite gradient on rank 1, caught before any rank's optimizer")
+    assert "rank 1: 1 of 4 parameters, '0.bias' (16 NaN, 0 Inf of 16). Every rank raises here" in r0[case]
+    assert "rank 0:" not in r0[case]
+    assert r0[case + "_params_unchanged"] and r1[case + "_params_unchanged"]
+    assert r0[case + "_rank0_grad_finite"]  # the average was never copied into .grad (bucket views aside)
+    assert r0[case + "_after"] is None and r1[case + "_after"] is None
+    assert r0[case + "_replicas_after"] is None
+
+
+def test_inf_gradient_from_rank_0(results):
+    r0, r1 = (r["nonfinite"] for r in results)
+    assert r0["inf"] == r1["inf"]
+    assert "non-finite gradient on rank 0" in r0["inf"] and "rank 0: 1 of 4 parameters, '3.weight' (0 NaN, 16 Inf of 64)." in r0["inf"]
+
+
+def test_checks_change_no_result(results):
+    for r in results:
+        assert r["parity"] == {"plain": 0.0, "checked": 0.0, "checked_buckets": 0.0, "torch": 0.0}
+
+
+def test_profiler_shows_lockstep_phases_only_while_it_runs(results):
+    p = results[0]["profiler"]
+    assert p["attached_during"] and p["observer_after"] is None
+    names = set(p["names"])
+    assert {"lockstep/forward", "lockstep/backward", "lockstep/wait for all-reduce"} <= names, names
+    assert any(n.startswith("lockstep/bucket0 launch") for n in names) and any(n.startswith("lockstep/bucket3 launch") for n in names)
+
+
+def test_fingerprints_see_one_ulp_and_nothing_else():
+    from lockstep.diagnostics.checks import fingerprints
+
+    params = [torch.randn(300, 20), torch.randn(7).half(), torch.randn(4, 5).t(), torch.full((3,), float("nan"))]
+    same = fingerprints([p.clone() for p in params])
+    assert torch.equal(fingerprints(params), same)  # NaN included: bit patterns, not values
+    nudged = [p.clone() for p in params]
+    nudged[0][123, 4] = torch.nextafter(nudged[0][123, 4], torch.tensor(1e9))  # one ulp in 6000 elements
+    assert (fingerprints(nudged) != same).any(dim=1).tolist() == [True, False, False, False]
