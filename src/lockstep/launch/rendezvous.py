@@ -71,6 +71,21 @@ def _connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return store
 
 
+def _answers(host: str, port: int, timeout_s: float) -> bool:
+    """Whether the store at host:port answers within ``timeout_s`` (on a thread: a silent peer blocks the call)."""
+    answered = threading.Event()
+
+    def probe() -> None:
+        try:
+            _connect(host, port, timeout_s).add("lockstep/probe", 1)
+            answered.set()
+        except Exception:
+            pass
+
+    threading.Thread(target=probe, daemon=True).start()
+    return answered.wait(timeout_s)
+
+
 def _worker_pids() -> list[int]:
     """This agent's workers: its children that torch started with TORCHELASTIC_RUN_ID in their environment."""
     me, pids = os.getpid(), []
@@ -88,43 +103,72 @@ def _worker_pids() -> list[int]:
 
 
 class _Liveness(threading.Thread):
-    """Heartbeats in the rendezvous store, on a connection of its own with short timeouts; sets ``lost``."""
+    """Heartbeats in the rendezvous store, on a connection of its own with short timeouts.
 
-    def __init__(self, master: tuple[str, int], prefix: str, node_rank: int, nodes: list[dict], timeout_s: float):
+    Runs beside the agent's main thread, which may be blocked in a store call of torch's rendezvous
+    for its 60 s read timeout when the link is down: so the verdict is acted on here (``on_lost``).
+    """
+
+    def __init__(self, master: tuple[str, int], prefix: str, node_rank: int, nodes: list[dict], timeout_s: float,
+                 on_lost):
         super().__init__(name="lockstep-liveness", daemon=True)
         self.master, self.prefix, self.node_rank, self.nodes, self.timeout_s = master, prefix, node_rank, nodes, timeout_s
+        self.on_lost = on_lost
         self.lost: str | None = None
-        self.last_ok = time.monotonic()
+        self.last_ok = time.monotonic()  # when the store last answered
+        # node rank -> (its last heartbeat count, when that count last changed)
+        self.seen = {n["node_rank"]: (-1, self.last_ok) for n in nodes if n["node_rank"] != node_rank}
         self.stop = threading.Event()
 
-    def store_answers(self) -> bool:
-        return time.monotonic() - self.last_ok < 3 * _HEARTBEAT_S
-
     def run(self) -> None:
-        client = None
-        seen = {n["node_rank"]: (-1, time.monotonic()) for n in self.nodes if n["node_rank"] != self.node_rank}
+        # A TCPStore client waits for an answer without a bound when the peer is silent (measured: > 100 s
+        # with a 2 s store timeout), so the store calls run on a thread of their own and this one only
+        # judges the timestamps they leave.
+        threading.Thread(target=self._beat, name="lockstep-heartbeat", daemon=True).start()
         while not self.stop.wait(_HEARTBEAT_S) and self.lost is None:
             now = time.monotonic()
+            if now - self.last_ok > self.timeout_s:
+                addr, port = self.master
+                self.lost = (f"node 0 ({addr}), which holds the rendezvous store at {addr}:{port}, "
+                             f"has not answered for {now - self.last_ok:.0f} s")
+            for j, (_, changed) in list(self.seen.items()):
+                if now - changed > self.timeout_s and now - self.last_ok < 2 * _HEARTBEAT_S + 1:
+                    node = next(n for n in self.nodes if n["node_rank"] == j)
+                    self.lost = f"node {j} ({node['addr']}, {node['host']}) sent no heartbeat for {now - changed:.0f} s"
+        if self.lost is not None and not self.stop.is_set():
+            self.on_lost(self.lost)
+
+    def _beat(self) -> None:
+        client = None
+        while not self.stop.wait(_HEARTBEAT_S) and self.lost is None:
             try:
                 if client is None:
                     client = _connect(*self.master, timeout_s=min(5.0, self.timeout_s))
-                    client.set_timeout(datetime.timedelta(seconds=min(5.0, self.timeout_s)))
                 client.add(f"{self.prefix}/{self.node_rank}", 1)
-                beats = {j: client.add(f"{self.prefix}/{j}", 0) for j in seen}
-                self.last_ok = now
-            except Exception:  # a timed-out client may be out of step with the server: start a new one
+                beats = {j: client.add(f"{self.prefix}/{j}", 0) for j in self.seen}
+            except Exception:  # a failed client may be out of step with the server: start a new one
                 client = None
-                if now - self.last_ok > self.timeout_s:
-                    addr, port = self.master
-                    self.lost = (f"node 0 ({addr}), which holds the rendezvous store at {addr}:{port}, "
-                                 f"has not answered for {now - self.last_ok:.0f} s")
                 continue
+            now = time.monotonic()
+            self.last_ok = now
             for j, beat in beats.items():
-                if beat != seen[j][0]:
-                    seen[j] = (beat, now)
-                elif now - seen[j][1] > self.timeout_s:
-                    node = next(n for n in self.nodes if n["node_rank"] == j)
-                    self.lost = f"node {j} ({node['addr']}, {node['host']}) sent no heartbeat for {now - seen[j][1]:.0f} s"
+                if beat != self.seen[j][0]:
+                    self.seen[j] = (beat, now)
+
+
+class _Poller(threading.Thread):
+    """Asks torch's handler how many nodes wait to join, off the agent's main thread (it may block on the store)."""
+
+    def __init__(self, inner: RendezvousHandler):
+        super().__init__(name="lockstep-nodes-waiting", daemon=True)
+        self.inner, self.waiting, self.stop = inner, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(_HEARTBEAT_S):
+            try:
+                self.waiting = self.inner.num_nodes_waiting()
+            except Exception:  # the store is unreachable: the liveness check decides what that means
+                self.waiting = 0
 
 
 class LockstepRendezvous(RendezvousHandler):
@@ -142,6 +186,7 @@ class LockstepRendezvous(RendezvousHandler):
         self.lost_reason: str | None = None  # set when a node was lost; the launcher's report names it
         self._worker_store: dist.TCPStore | None = None
         self._watchdog: _Liveness | None = None
+        self._poller: _Poller | None = None
 
     # ------------------------------------------------------------------ the round
     def next_rendezvous(self) -> RendezvousInfo:
@@ -159,8 +204,10 @@ class LockstepRendezvous(RendezvousHandler):
         meta = json.loads(store.get("lockstep/worker_store"))
         if not self.single:
             self._watchdog = _Liveness((self.master_addr, self.master_port), f"lockstep/alive/{meta['token']}",
-                                       self.node_rank, nodes, self.node_timeout_s)
+                                       self.node_rank, nodes, self.node_timeout_s, self._lose)
+            self._poller = _Poller(self._inner)
             self._watchdog.start()
+            self._poller.start()
         master = "127.0.0.1" if self.single else self.master_addr
         return RendezvousInfo(store, self.node_rank, world_size, RendezvousStoreInfo(master, int(meta["port"])))
 
@@ -183,25 +230,19 @@ class LockstepRendezvous(RendezvousHandler):
     def _wait_for_store(self) -> None:
         deadline = time.monotonic() + self.rdzv_timeout_s
         while True:
-            try:
-                _connect(self.master_addr, self.master_port, timeout_s=5).add("lockstep/probe", 1)
+            if _answers(self.master_addr, self.master_port, timeout_s=5):
                 return
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise RendezvousConnectionError(
-                        f"{self.lost_reason}, and it did not come back within --rdzv-timeout {self.rdzv_timeout_s:.0f}s"
-                    ) from None
-                time.sleep(1)
+            if time.monotonic() > deadline:
+                raise RendezvousConnectionError(
+                    f"{self.lost_reason}, and it did not come back within --rdzv-timeout {self.rdzv_timeout_s:.0f}s"
+                )
+            time.sleep(1)
 
     # ------------------------------------------------------------------ while the workers run
     def num_nodes_waiting(self) -> int:
-        watchdog = self._watchdog
-        if watchdog is not None and watchdog.lost is not None and self.lost_reason != watchdog.lost:
-            self._lose(watchdog.lost)
-            return 0
-        if watchdog is not None and not watchdog.store_answers():
-            return 0  # the store is silent: asking it would block the agent for the read timeout
-        return self._inner.num_nodes_waiting()
+        if self._poller is not None:
+            return 0 if self.lost_reason else self._poller.waiting
+        return self._inner.num_nodes_waiting()  # one node: the store is local and answers at once
 
     def _lose(self, reason: str) -> None:
         self.lost_reason = reason
@@ -215,9 +256,10 @@ class LockstepRendezvous(RendezvousHandler):
                 pass
 
     def _stop_watchdog(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.stop.set()
-            self._watchdog = None
+        for thread in (self._watchdog, self._poller):
+            if thread is not None:
+                thread.stop.set()
+        self._watchdog = self._poller = None
 
     # ------------------------------------------------------------------ delegated
     def get_backend(self) -> str:
