@@ -161,6 +161,7 @@ def _cut_mid_training(tmp_path, max_restarts: int, port: int) -> tuple[list[Laun
     extra = ["--node-timeout", str(NODE_TIMEOUT_S), "--max-restarts", str(max_restarts), "--rdzv-timeout", "120",
              TRAIN, str(tmp_path), "0.3"]
     with netns.two_nodes() as nodes:
+        started = time.monotonic()
         launches = [Launch(node.command(launch_argv(r, port, *extra))) for r, node in enumerate(nodes)]
         try:
             launches[0].wait_for(r"step 4 rank=0$", 180, stream="out")
@@ -172,6 +173,8 @@ def _cut_mid_training(tmp_path, max_restarts: int, port: int) -> tuple[list[Laun
             nodes[1].link(up=True)
             for launch in launches:
                 launch.finish(240)
+            print(f"cut at {cut_at - started:.0f} s, noticed by both {noticed_s:.1f} s later, "
+                  f"both done {time.monotonic() - started:.0f} s after the start")
         finally:
             for launch in launches:
                 launch.proc.kill()
@@ -200,7 +203,7 @@ def test_cut_link_with_restarts_resumes_exactly_once_the_link_is_back(trained, t
     assert noticed_s < DETECT_BOUND_S, f"the loss took {noticed_s:.0f} s to notice"
     for launch in launches:
         assert launch.proc.returncode == 0, launch.text()[-4000:]
-        assert "restarting the workers (restart 1 of 1)" in launch.err, launch.text()[-4000:]
+        assert "lockstep launch: restarting the workers (restart 1 of 1)" in launch.err, launch.text()[-4000:]
     got = final(tmp_path)
     assert got["resumed_from"] is not None  # the second attempt continued from a checkpoint...
     assert_same_training(got, final(trained["ref"][1]))  # ...and ended where the uninterrupted run did

@@ -193,7 +193,14 @@ class LockstepRendezvous(RendezvousHandler):
         self._stop_watchdog()
         if self.lost_reason is not None and self.node_rank != 0:
             self._wait_for_store()
-        info = self._inner.next_rendezvous()
+        self._check_layout()
+        try:
+            info = self._inner.next_rendezvous()
+        except RendezvousError:
+            error_key = f"lockstep/{self._params.run_id}/error"
+            if self._store.check([error_key]):  # another node found the layouts contradictory and closed the round
+                raise NodesDisagree(self._store.get(error_key).decode()) from None
+            raise
         store, world_size = info.store, info.world_size
         nodes = self._exchange(store, info.rank, world_size)
         if self.node_rank == 0:
@@ -210,6 +217,20 @@ class LockstepRendezvous(RendezvousHandler):
             self._poller.start()
         master = "127.0.0.1" if self.single else self.master_addr
         return RendezvousInfo(store, self.node_rank, world_size, RendezvousStoreInfo(master, int(meta["port"])))
+
+    def _check_layout(self) -> None:
+        """Nodes with different --nnodes never complete torch's round (each waits for its own count): the
+        first node to arrive records its count, a node that disagrees says so and closes the rendezvous."""
+        run_id, nnodes = self._params.run_id, int(self._params.max_nodes)
+        me = f"{nnodes} {self.local_addr} {socket.gethostname()}"
+        first = self._store.compare_set(f"lockstep/{run_id}/nnodes", "", me).decode()
+        if first.split()[0] != str(nnodes):
+            count, addr, host = first.split()
+            message = (f"the nodes disagree on --nnodes: {addr} ({host}) --nnodes {count}, "
+                       f"{self.local_addr} ({socket.gethostname()}) --nnodes {nnodes}")
+            self._store.set(f"lockstep/{run_id}/error", message)
+            self._inner.set_closed()
+            raise NodesDisagree(message)
 
     def _exchange(self, store: dist.Store, rank: int, world_size: int) -> list[dict]:
         me = {"node_rank": self.node_rank, "nnodes": int(self._params.max_nodes), "addr": self.local_addr,
