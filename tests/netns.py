@@ -2,7 +2,7 @@
 
 ``two_nodes()`` builds namespaces A (10.201.0.1/24) and B (10.201.0.2/24), each with its own
 loopback, joined by one veth pair; /etc/netns/<ns>/hosts (which ``ip netns exec`` mounts over
-/etc/hosts) names them ``lsnodea`` / ``lsnodeb`` and keeps this machine's host name on 127.0.0.1,
+/etc/hosts) names them ``lsnode1`` / ``lsnode2`` and keeps this machine's host name on 127.0.0.1,
 as in containers whose host name resolves to loopback. Names are unique per call (several test
 runs can build pairs at once: namespaces do not share addresses), and the namespaces, the pair and
 the hosts files are removed on exit, on error, and at interpreter exit as a last resort.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 ADDRS = ("10.201.0.1", "10.201.0.2")
-HOSTNAMES = ("lsnodea", "lsnodeb")
+HOSTNAMES = ("lsnode1", "lsnode2")
 
 
 def unavailable_reason() -> str | None:

@@ -110,9 +110,27 @@ def assert_same_training(got: dict, want: dict) -> None:
         assert torch.equal(got["optimizer"]["state"][key]["momentum_buffer"], state["momentum_buffer"])
 
 
+SLURM_JOB = dict(SLURM_JOB_ID="31337", SLURM_JOB_NODELIST="lsnode[1-2]", SLURM_NNODES="2", SLURM_NTASKS="2",
+                 SLURM_JOB_NUM_NODES="2", SLURM_NODELIST="lsnode[1-2]", SLURM_NTASKS_PER_NODE="1")
+
+
+def slurm_pair() -> list[Launch]:
+    """``lockstep launch`` as srun starts it in a 2-node allocation (one task per node): no layout flags."""
+    with netns.two_nodes() as nodes:
+        launches = [
+            Launch(node.command([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", ALLREDUCE]),
+                   env=clean_env(**SLURM_JOB, SLURM_NODEID=str(r), SLURM_PROCID=str(r), SLURM_LOCALID="0",
+                                 SLURMD_NODENAME=node.hostname))
+            for r, node in enumerate(nodes)
+        ]
+        for launch in launches:
+            launch.finish(240)
+    return launches
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """1 node x 4 ranks on loopback (the reference) beside 2 nodes x 2 ranks in the namespaces."""
+    """Side by side: 1 node x 4 ranks on loopback (the reference), 2 nodes x 2 ranks, and the SLURM pair."""
     ref, two = tmp_path_factory.mktemp("one_node_x4"), tmp_path_factory.mktemp("two_nodes_x2")
 
     def one_node():
@@ -120,10 +138,11 @@ def trained(tmp_path_factory):
         launch.finish(240)
         return launch
 
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(3) as pool:
         reference = pool.submit(one_node)
         pair = pool.submit(run_pair, [launch_argv(r, 29611, TRAIN, str(two)) for r in (0, 1)])
-        return {"ref": (reference.result(), ref), "two": (pair.result(), two)}
+        slurm = pool.submit(slurm_pair)
+        return {"ref": (reference.result(), ref), "two": (pair.result(), two), "slurm": slurm.result()}
 
 
 def test_two_nodes_x2_train_as_one_node_x4_bit_for_bit(trained):
@@ -153,7 +172,7 @@ def test_node_rank_0_holds_rank_0_and_workers_reach_the_master(trained):
         (interface,) = interfaces[node]
         assert interface.startswith("lsv") and interface.endswith("ab"[node])
         assert (f"lockstep launch: gloo uses interface {interface} ({netns.ADDRS[node]}), the one that reaches "
-                f"the master {netns.ADDRS[0]}") in launch.err
+                f"the master {netns.ADDRS[0]}") in "\n".join(launch.err)
 
 
 def _cut_mid_training(tmp_path, max_restarts: int, port: int) -> tuple[list[Launch], float]:
@@ -198,6 +217,8 @@ def test_cut_link_ends_every_node_with_an_error_naming_the_lost_node(tmp_path):
     print(f"both nodes noticed the cut within {noticed_s:.1f} s; whole test {time.monotonic() - start:.0f} s")
 
 
+@pytest.mark.skipif(os.environ.get("LOCKSTEP_MULTINODE_FULL") != "1",
+                    reason="about 90 s: set LOCKSTEP_MULTINODE_FULL=1 (CI does)")
 def test_cut_link_with_restarts_resumes_exactly_once_the_link_is_back(trained, tmp_path):
     launches, noticed_s = _cut_mid_training(tmp_path, max_restarts=1, port=29613)
     assert noticed_s < DETECT_BOUND_S, f"the loss took {noticed_s:.0f} s to notice"
@@ -209,26 +230,16 @@ def test_cut_link_with_restarts_resumes_exactly_once_the_link_is_back(trained, t
     assert_same_training(got, final(trained["ref"][1]))  # ...and ended where the uninterrupted run did
 
 
-def test_slurm_allocation_on_two_namespaces(tmp_path):
-    """srun's variables on each node (one task per node), host names from the node list, no layout flags."""
-    base = dict(SLURM_JOB_ID="31337", SLURM_JOB_NODELIST="lsnode[a-b]", SLURM_NNODES="2", SLURM_NTASKS="2",
-                SLURM_JOB_NUM_NODES="2", SLURM_NODELIST="lsnode[a-b]", SLURM_NTASKS_PER_NODE="1")
-    with netns.two_nodes() as nodes:
-        launches = [
-            Launch(node.command([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", ALLREDUCE]),
-                   env=clean_env(**base, SLURM_NODEID=str(r), SLURM_PROCID=str(r), SLURM_LOCALID="0",
-                                 SLURMD_NODENAME=node.hostname))
-            for r, node in enumerate(nodes)
-        ]
-        for launch in launches:
-            launch.finish(180)
+def test_slurm_allocation_on_two_namespaces(trained):
+    """Node list, node id and job id from SLURM's variables; the master is the first host, by name."""
     from lockstep.slurm import port_from_job_id
 
-    port = port_from_job_id("31337")
-    for r, launch in enumerate(launches):
+    port = port_from_job_id(SLURM_JOB["SLURM_JOB_ID"])
+    for r, launch in enumerate(trained["slurm"]):
         assert launch.proc.returncode == 0, launch.text()[-4000:]
-        assert f"lockstep launch: node {r} of 2 (slurm), 2 workers here; rendezvous at lsnodea:{port}" in launch.err
+        assert f"lockstep launch: node {r} of 2 (slurm), 2 workers here; rendezvous at lsnode1:{port}" in launch.err, \
+            launch.text()[-3000:]
         for local in (0, 1):
-            rank = 2 * r + local
-            assert (f"[rank{rank}]: allreduce rank={rank} world=4 local_rank={local} master=lsnodea sum=10 args=[]"
+            rank = 2 * r + local  # SLURM_NODEID 0 holds ranks 0 and 1
+            assert (f"[rank{rank}]: allreduce rank={rank} world=4 local_rank={local} master=lsnode1 sum=10 args=[]"
                     in launch.out), launch.text()[-3000:]
