@@ -127,23 +127,17 @@ def _hold_and_list(procs: list[subprocess.Popen], release: str, nranks: int) -> 
     return found
 
 
-def test_one_node_launch_listens_on_loopback_only(tmp_path):
+def _one_node_launch(tmp_path) -> tuple[int, list]:
     release = str(tmp_path / "release")
     proc = subprocess.Popen([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", HOLD, release],
                             env=clean_env(), cwd=HERE, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        found = _hold_and_list([proc], release, 2)
+        return proc.pid, _hold_and_list([proc], release, 2)
     finally:
         proc.kill()
-    # the agent's rendezvous store, the workers' store (served by the agent) and gloo's listeners: all there...
-    assert len(found) >= 3, found
-    assert any(pid == proc.pid for pid, _, _ in found)  # the agent's stores are among them
-    # ...and none beyond loopback
-    assert [f for f in found if not _is_loopback(f[1])] == [], found
 
 
-def test_lockstep_init_with_every_rank_local_listens_on_loopback_only(tmp_path):
-    """No agent (ranks started by hand, as mp.spawn or a torchrun without a shared store would): init's own store."""
+def _init_without_agent(tmp_path) -> tuple[int, int, list]:
     release, port = str(tmp_path / "release"), free_port()
     procs = [subprocess.Popen([sys.executable, HOLD, release, "lockstep"], cwd=HERE, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -151,15 +145,29 @@ def test_lockstep_init_with_every_rank_local_listens_on_loopback_only(tmp_path):
                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
              for r in (0, 1)]
     try:
-        found = _hold_and_list(procs, release, 2)
+        return procs[0].pid, port, _hold_and_list(procs, release, 2)
     finally:
         for p in procs:
             p.kill()
-    assert (procs[0].pid, "127.0.0.1", port) in found  # rank 0 serves the store, on loopback
+
+
+def test_one_node_launch_listens_on_loopback_only(faults):
+    agent_pid, found = faults["one_node_launch"]
+    # the agent's rendezvous store, the workers' store (served by the agent) and gloo's listeners: all there...
+    assert len(found) >= 3, found
+    assert any(pid == agent_pid for pid, _, _ in found)  # the agent's stores are among them
+    # ...and none beyond loopback
     assert [f for f in found if not _is_loopback(f[1])] == [], found
 
 
-# ---------------------------------------------------------------- several nodes: rendezvous faults
+def test_lockstep_init_with_every_rank_local_listens_on_loopback_only(faults):
+    """No agent (ranks started by hand, as mp.spawn or a torchrun without a shared store would): init's own store."""
+    rank0_pid, port, found = faults["init_without_agent"]
+    assert (rank0_pid, "127.0.0.1", port) in found  # rank 0 serves the store, on loopback
+    assert [f for f in found if not _is_loopback(f[1])] == [], found
+
+
+# ---------------------------------------------------------------- several nodes: rendezvous faults (and the fixture)
 
 def _launch(argv: list[str], timeout_s: float = 120) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
@@ -169,8 +177,8 @@ def _launch(argv: list[str], timeout_s: float = 120) -> tuple[subprocess.Complet
 
 
 @pytest.fixture(scope="module")
-def faults():
-    """The faults run side by side: each is mostly waiting."""
+def faults(tmp_path_factory):
+    """Every job of this file side by side: each is mostly start-up and waiting."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -185,8 +193,10 @@ def faults():
             "nnodes_3": two + ["--nnodes", "3", "--node-rank", "1", "--master-port", str(shared),
                                "--rdzv-timeout", "60", ALLREDUCE],
         }
-        with ThreadPoolExecutor(len(jobs)) as pool:
+        with ThreadPoolExecutor(len(jobs) + 2) as pool:
             futures = {name: pool.submit(_launch, argv) for name, argv in jobs.items()}
+            futures["one_node_launch"] = pool.submit(_one_node_launch, tmp_path_factory.mktemp("launch"))
+            futures["init_without_agent"] = pool.submit(_init_without_agent, tmp_path_factory.mktemp("init"))
             results = {name: f.result() for name, f in futures.items()}
     results["ports"] = {"busy": busy, "silent": silent, "shared": shared}
     return results

@@ -138,11 +138,14 @@ def trained(tmp_path_factory):
         launch.finish(240)
         return launch
 
-    with ThreadPoolExecutor(3) as pool:
+    cut = tmp_path_factory.mktemp("cut_no_restarts")
+    with ThreadPoolExecutor(4) as pool:
         reference = pool.submit(one_node)
         pair = pool.submit(run_pair, [launch_argv(r, 29611, TRAIN, str(two)) for r in (0, 1)])
         slurm = pool.submit(slurm_pair)
-        return {"ref": (reference.result(), ref), "two": (pair.result(), two), "slurm": slurm.result()}
+        cut_run = pool.submit(_cut_mid_training, cut, 0, 29612)
+        return {"ref": (reference.result(), ref), "two": (pair.result(), two), "slurm": slurm.result(),
+                "cut": (*cut_run.result(), cut)}
 
 
 def test_two_nodes_x2_train_as_one_node_x4_bit_for_bit(trained):
@@ -183,7 +186,7 @@ def _cut_mid_training(tmp_path, max_restarts: int, port: int) -> tuple[list[Laun
         started = time.monotonic()
         launches = [Launch(node.command(launch_argv(r, port, *extra))) for r, node in enumerate(nodes)]
         try:
-            launches[0].wait_for(r"step 4 rank=0$", 180, stream="out")
+            launches[0].wait_for(r"step 4 rank=0$", 300, stream="out")  # start-up under load: minutes
             cut_at = time.monotonic()
             nodes[1].link(up=False)
             for launch in launches:
@@ -200,9 +203,8 @@ def _cut_mid_training(tmp_path, max_restarts: int, port: int) -> tuple[list[Laun
     return launches, noticed_s
 
 
-def test_cut_link_ends_every_node_with_an_error_naming_the_lost_node(tmp_path):
-    start = time.monotonic()
-    launches, noticed_s = _cut_mid_training(tmp_path, max_restarts=0, port=29612)
+def test_cut_link_ends_every_node_with_an_error_naming_the_lost_node(trained):
+    launches, noticed_s, tmp_path = trained["cut"]
     node0, node1 = launches
     for launch in launches:
         assert launch.proc.returncode != 0, launch.text()[-4000:]
@@ -214,13 +216,13 @@ def test_cut_link_ends_every_node_with_an_error_naming_the_lost_node(tmp_path):
     assert re.search(rf"lockstep launch: lost a node: node 0 \({netns.ADDRS[0]}\), which holds the rendezvous "
                      rf"store at {netns.ADDRS[0]}:29612, has not answered for \d+ s", b), b
     assert not os.path.exists(tmp_path / "final.pt")
-    print(f"both nodes noticed the cut within {noticed_s:.1f} s; whole test {time.monotonic() - start:.0f} s")
+    print(f"both nodes noticed the cut within {noticed_s:.1f} s")
 
 
 @pytest.mark.skipif(os.environ.get("LOCKSTEP_MULTINODE_FULL") != "1",
                     reason="about 90 s: set LOCKSTEP_MULTINODE_FULL=1 (CI does)")
 def test_cut_link_with_restarts_resumes_exactly_once_the_link_is_back(trained, tmp_path):
-    launches, noticed_s = _cut_mid_training(tmp_path, max_restarts=1, port=29613)
+    launches, noticed_s = _cut_mid_training(tmp_path, 1, 29613)
     assert noticed_s < DETECT_BOUND_S, f"the loss took {noticed_s:.0f} s to notice"
     for launch in launches:
         assert launch.proc.returncode == 0, launch.text()[-4000:]

@@ -20,14 +20,12 @@ This handler runs torch's rendezvous unchanged and then, in the round's store:
 
 from __future__ import annotations
 
-import datetime
 import errno
 import json
 import os
 import signal
 import socket
 import sys
-import threading
 import time
 import uuid
 
@@ -40,11 +38,10 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
+from lockstep.launch.liveness import READ_TIMEOUT_S, Liveness, Poller, answers, connect, worker_pids
 from lockstep.network import route_source_addr, serve_store
 
 BACKEND = "lockstep"
-_READ_TIMEOUT_S = 60  # one store operation (torch's default for its c10d backend)
-_HEARTBEAT_S = 1.0
 _handlers: dict[str, "LockstepRendezvous"] = {}  # run_id -> the handler of this process's agent (for the report)
 
 
@@ -55,120 +52,14 @@ class NodesDisagree(RendezvousError):
 def _serve(host: str, port: int, what: str) -> dist.TCPStore:
     """A store server on ``host:port``; on all interfaces only if ``host`` is not an address of this machine."""
     try:
-        return serve_store(host, port, _READ_TIMEOUT_S)
+        return serve_store(host, port, READ_TIMEOUT_S)
     except OSError as e:
         if e.errno != errno.EADDRNOTAVAIL:  # e.g. the port is taken: say so, naming it
             raise RendezvousConnectionError(f"node 0 cannot serve the {what}: {e.strerror}") from None
     # The master address is not one of ours (NAT, a load balancer's name): listen everywhere, as torch does.
     print(f"lockstep launch: {host} is not an address of this machine; the {what} listens on all interfaces "
           f"(port {port})", file=sys.stderr, flush=True)
-    return serve_store("0.0.0.0", port, _READ_TIMEOUT_S)
-
-
-def _connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
-    store.set_timeout(datetime.timedelta(seconds=_READ_TIMEOUT_S))
-    return store
-
-
-def _answers(host: str, port: int, timeout_s: float) -> bool:
-    """Whether the store at host:port answers within ``timeout_s`` (on a thread: a silent peer blocks the call)."""
-    answered = threading.Event()
-
-    def probe() -> None:
-        try:
-            _connect(host, port, timeout_s).add("lockstep/probe", 1)
-            answered.set()
-        except Exception:
-            pass
-
-    threading.Thread(target=probe, daemon=True).start()
-    return answered.wait(timeout_s)
-
-
-def _worker_pids() -> list[int]:
-    """This agent's workers: its children that torch started with TORCHELASTIC_RUN_ID in their environment."""
-    me, pids = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid == me and b"TORCHELASTIC_RUN_ID=" in open(f"/proc/{entry}/environ", "rb").read():
-                pids.append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-    return pids
-
-
-class _Liveness(threading.Thread):
-    """Heartbeats in the rendezvous store, on a connection of its own with short timeouts.
-
-    Runs beside the agent's main thread, which may be blocked in a store call of torch's rendezvous
-    for its 60 s read timeout when the link is down: so the verdict is acted on here (``on_lost``).
-    """
-
-    def __init__(self, master: tuple[str, int], prefix: str, node_rank: int, nodes: list[dict], timeout_s: float,
-                 on_lost):
-        super().__init__(name="lockstep-liveness", daemon=True)
-        self.master, self.prefix, self.node_rank, self.nodes, self.timeout_s = master, prefix, node_rank, nodes, timeout_s
-        self.on_lost = on_lost
-        self.lost: str | None = None
-        self.last_ok = time.monotonic()  # when the store last answered
-        # node rank -> (its last heartbeat count, when that count last changed)
-        self.seen = {n["node_rank"]: (-1, self.last_ok) for n in nodes if n["node_rank"] != node_rank}
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        # A TCPStore client waits for an answer without a bound when the peer is silent (measured: > 100 s
-        # with a 2 s store timeout), so the store calls run on a thread of their own and this one only
-        # judges the timestamps they leave.
-        threading.Thread(target=self._beat, name="lockstep-heartbeat", daemon=True).start()
-        while not self.stop.wait(_HEARTBEAT_S) and self.lost is None:
-            now = time.monotonic()
-            if now - self.last_ok > self.timeout_s:
-                addr, port = self.master
-                self.lost = (f"node 0 ({addr}), which holds the rendezvous store at {addr}:{port}, "
-                             f"has not answered for {now - self.last_ok:.0f} s")
-            for j, (_, changed) in list(self.seen.items()):
-                if now - changed > self.timeout_s and now - self.last_ok < 2 * _HEARTBEAT_S + 1:
-                    node = next(n for n in self.nodes if n["node_rank"] == j)
-                    self.lost = f"node {j} ({node['addr']}, {node['host']}) sent no heartbeat for {now - changed:.0f} s"
-        if self.lost is not None and not self.stop.is_set():
-            self.on_lost(self.lost)
-
-    def _beat(self) -> None:
-        client = None
-        while not self.stop.wait(_HEARTBEAT_S) and self.lost is None:
-            try:
-                if client is None:
-                    client = _connect(*self.master, timeout_s=min(5.0, self.timeout_s))
-                client.add(f"{self.prefix}/{self.node_rank}", 1)
-                beats = {j: client.add(f"{self.prefix}/{j}", 0) for j in self.seen}
-            except Exception:  # a failed client may be out of step with the server: start a new one
-                client = None
-                continue
-            now = time.monotonic()
-            self.last_ok = now
-            for j, beat in beats.items():
-                if beat != self.seen[j][0]:
-                    self.seen[j] = (beat, now)
-
-
-class _Poller(threading.Thread):
-    """Asks torch's handler how many nodes wait to join, off the agent's main thread (it may block on the store)."""
-
-    def __init__(self, inner: RendezvousHandler):
-        super().__init__(name="lockstep-nodes-waiting", daemon=True)
-        self.inner, self.waiting, self.stop = inner, 0, threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.wait(_HEARTBEAT_S):
-            try:
-                self.waiting = self.inner.num_nodes_waiting()
-            except Exception:  # the store is unreachable: the liveness check decides what that means
-                self.waiting = 0
+    return serve_store("0.0.0.0", port, READ_TIMEOUT_S)
 
 
 class LockstepRendezvous(RendezvousHandler):
@@ -185,8 +76,8 @@ class LockstepRendezvous(RendezvousHandler):
         self.local_addr = "127.0.0.1" if self.single else route_source_addr(self.master_addr)
         self.lost_reason: str | None = None  # set when a node was lost; the launcher's report names it
         self._worker_store: dist.TCPStore | None = None
-        self._watchdog: _Liveness | None = None
-        self._poller: _Poller | None = None
+        self._watchdog: Liveness | None = None
+        self._poller: Poller | None = None
 
     # ------------------------------------------------------------------ the round
     def next_rendezvous(self) -> RendezvousInfo:
@@ -210,9 +101,9 @@ class LockstepRendezvous(RendezvousHandler):
             store.set("lockstep/worker_store", json.dumps({"port": self._worker_store.port, "token": uuid.uuid4().hex}))
         meta = json.loads(store.get("lockstep/worker_store"))
         if not self.single:
-            self._watchdog = _Liveness((self.master_addr, self.master_port), f"lockstep/alive/{meta['token']}",
+            self._watchdog = Liveness((self.master_addr, self.master_port), f"lockstep/alive/{meta['token']}",
                                        self.node_rank, nodes, self.node_timeout_s, self._lose)
-            self._poller = _Poller(self._inner)
+            self._poller = Poller(self._inner)
             self._watchdog.start()
             self._poller.start()
         master = "127.0.0.1" if self.single else self.master_addr
@@ -251,7 +142,7 @@ class LockstepRendezvous(RendezvousHandler):
     def _wait_for_store(self) -> None:
         deadline = time.monotonic() + self.rdzv_timeout_s
         while True:
-            if _answers(self.master_addr, self.master_port, timeout_s=5):
+            if answers(self.master_addr, self.master_port, timeout_s=5):
                 return
             if time.monotonic() > deadline:
                 raise RendezvousConnectionError(
@@ -270,7 +161,7 @@ class LockstepRendezvous(RendezvousHandler):
         first = self.node_rank * self.nproc
         print(f"lockstep launch: {reason} (a cut link or a dead node); stopping ranks {first}-{first + self.nproc - 1} "
               f"on this node (node {self.node_rank})", file=sys.stderr, flush=True)
-        for pid in _worker_pids():
+        for pid in worker_pids():
             try:
                 os.kill(pid, signal.SIGKILL)  # not SIGTERM: a graceful stop would wait on collectives that cannot finish
             except ProcessLookupError:
@@ -318,7 +209,7 @@ def create_handler(params: RendezvousParameters) -> LockstepRendezvous:
     else:
         timeout_s = float(params.get("join_timeout"))
         try:
-            store = _connect(host, port, timeout_s)
+            store = connect(host, port, timeout_s)
         except Exception as e:
             raise RendezvousConnectionError(
                 f"nobody answered at {host}:{port} (--master-addr/--master-port) within --rdzv-timeout "
