@@ -22,6 +22,7 @@ import struct
 import torch.distributed as dist
 
 _SIOCGIFADDR = 0x8915  # linux/sockios.h: the IPv4 address of an interface
+_libuv_takes_fd: bool | None = None  # learnt on the first server (torch < 2.5: no), so torch logs its refusal once
 
 
 def resolve_ipv4(host: str) -> str:
@@ -110,11 +111,13 @@ def serve_store(host: str, port: int, timeout_s: float, world_size: int | None =
     listener = bind_listener(host, port)
     bound_port = listener.getsockname()[1]
     timeout = datetime.timedelta(seconds=timeout_s)
+    global _libuv_takes_fd
     try:
-        for use_libuv in (True, False):
+        for use_libuv in (True, False) if _libuv_takes_fd is not False else (False,):
             try:
                 store = dist.TCPStore(resolve_ipv4(host), bound_port, world_size, True, timeout,
                                       wait_for_workers=False, master_listen_fd=listener.fileno(), use_libuv=use_libuv)
+                _libuv_takes_fd = use_libuv
                 break
             except Exception as e:  # RuntimeError/DistError: "libuv ... does not support ... listen fd"
                 if not use_libuv or "listen fd" not in str(e):
