@@ -6,7 +6,6 @@ test instead of stalling the suite. Worker scripts live in tests/launch_scripts/
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import signal
@@ -54,17 +53,12 @@ def script(name: str) -> str:
 
 
 def expected_master_addr() -> str:
-    """The MASTER_ADDR a one-node launch gives its workers.
+    """The MASTER_ADDR a one-node launch gives its workers: loopback, on every torch.
 
-    torch hands LaunchConfig.local_addr (our 127.0.0.1) on to the workers only where
-    RendezvousStoreInfo.build takes a local_addr; older torch (2.4) always publishes
-    this host's FQDN, as torchrun does there.
+    lockstep's rendezvous (launch/rendezvous.py) publishes the master address itself; torch's own
+    would publish this host's FQDN on torch 2.4 (RendezvousStoreInfo.build has no local_addr there).
     """
-    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
-
-    if "local_addr" in inspect.signature(RendezvousStoreInfo.build).parameters:
-        return "127.0.0.1"
-    return socket.getfqdn()
+    return "127.0.0.1"
 
 
 @pytest.fixture(scope="module")

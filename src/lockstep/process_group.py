@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lockstep.network import ensure_gloo_interface, is_loopback, serve_store
 from lockstep.slurm import expand_nodelist, port_from_job_id
 
 _DEFAULT_PORT = 29500
@@ -135,6 +136,31 @@ def detect_launch_env(env: dict | None = None) -> LaunchEnv:
     return LaunchEnv(launcher, rank, world_size, local_rank, addr, port)
 
 
+def _gloo_interface(master_addr: str) -> str:
+    """Point gloo at the interface that reaches the master unless the user did; the log line says which."""
+    picked_by_launch = os.environ.get("LOCKSTEP_GLOO_IFNAME_PICKED")
+    if picked_by_launch and os.environ.get("GLOO_SOCKET_IFNAME") == picked_by_launch:
+        return f"gloo uses interface {picked_by_launch}, the one that reaches the master {master_addr} (chosen by lockstep launch)"
+    return ensure_gloo_interface(master_addr)
+
+
+def _loopback_store(launch: LaunchEnv, timeout_s: float) -> dist.Store | None:
+    """When every rank is on this machine and the master is loopback, a store that listens on 127.0.0.1 only.
+
+    torch's env:// store would listen on every interface, open to anyone who can reach the machine.
+    None (torch's own store) under an elastic agent that serves the store itself (TORCHELASTIC_USE_AGENT_STORE,
+    as `lockstep launch` does), or when some ranks are elsewhere.
+    """
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or local_world != str(launch.world_size)
+            or not is_loopback(launch.master_addr)):
+        return None
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if launch.rank == 0:
+        return serve_store("127.0.0.1", launch.master_port, timeout_s, launch.world_size)
+    return dist.TCPStore("127.0.0.1", launch.master_port, launch.world_size, False, timeout)
+
+
 def _pick_backend(local_rank: int, backend: str | None) -> tuple[str, torch.device]:
     has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
     if backend is None:
@@ -163,20 +189,26 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, env: dict | None
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     launch = detect_launch_env(env)
     backend, device = _pick_backend(launch.local_rank, backend)
+    interface_note = None
     if not dist.is_initialized():
         # init_process_group's env:// reads these; srun and mpirun do not set them.
         os.environ.setdefault("MASTER_ADDR", launch.master_addr)
         os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+        if launch.launcher != "single":
+            interface_note = _gloo_interface(launch.master_addr)
         dist.init_process_group(
             backend=backend,
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if backend == "nccl" else None,
+            store=_loopback_store(launch, timeout_s),
         )
     else:
         backend = dist.get_backend()
     _configure_logging(dist.get_rank())
+    if interface_note:
+        logging.getLogger("lockstep.process_group").info(interface_note)
     return DistEnv(dist.get_rank(), launch.local_rank, dist.get_world_size(), device, backend)
 
 

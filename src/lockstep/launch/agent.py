@@ -22,7 +22,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from lockstep.launch.output import RANK_PREFIX_TEMPLATE, RankLogsSpecs, failure_report
+from lockstep.launch import rendezvous
+from lockstep.launch.output import RANK_PREFIX_TEMPLATE, LaunchError, RankLogsSpecs, failure_report
+from lockstep.network import pick_gloo_interface, route_source_addr
 
 _SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # the agent stops the workers, then exits, on these
 _SHUTDOWN_TIMEOUT_S = 15  # SIGTERM, then SIGKILL after this long: a stuck worker cannot hold the launcher
@@ -49,6 +51,7 @@ class LaunchOptions:
     log_dir: str | None = None  # per-rank stdout/stderr files go here and stay; None: a temp dir kept only on failure
     source: str = "flags"  # "flags", "slurm" or "single": where the node layout came from
     as_torch_ddp: bool = False  # workers build lockstep's DDP where libraries build torch's (LOCKSTEP_AS_TORCH_DDP=1)
+    node_timeout_s: float = 30.0  # several nodes: a node silent this long is lost (launch/rendezvous.py)
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -70,6 +73,8 @@ class LaunchOptions:
             raise ValueError(f"--log-rank must be a global rank in [0, {world_size}), got {self.log_rank}")
         if self.rdzv_timeout_s <= 0:
             raise ValueError(f"--rdzv-timeout must be > 0 seconds, got {self.rdzv_timeout_s}")
+        if not 3 <= self.node_timeout_s <= 3600:
+            raise ValueError(f"--node-timeout must be in 3..3600 seconds, got {self.node_timeout_s}")
 
     @property
     def world_size(self) -> int:
@@ -103,7 +108,9 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
         max_nodes=options.nnodes,  # fixed size: the rendezvous closes as soon as every node joined
         nproc_per_node=options.nproc_per_node,
         run_id=run_id,
-        rdzv_backend="c10d",  # store-based rendezvous; needs no etcd
+        # torch's c10d rendezvous wrapped by lockstep's (launch/rendezvous.py): nodes numbered by --node-rank,
+        # workers given --master-addr, stores bound to the master address (loopback on one node), a liveness check.
+        rdzv_backend=rendezvous.BACKEND,
         rdzv_endpoint=f"{options.master_addr}:{options.master_port}",
         # is_host says who serves the rendezvous store: node 0, decided by flag rather
         # than by torch's guess from hostnames, which fails behind NAT or aliases.
@@ -112,14 +119,19 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
             # join_timeout is what the c10d rendezvous reads (torch's own "timeout" key is not consulted by it)
             "join_timeout": options.rdzv_timeout_s,
             "timeout": options.rdzv_timeout_s,
+            "lockstep_node_rank": options.node_rank,
+            "lockstep_nproc": options.nproc_per_node,
+            "lockstep_master_addr": options.master_addr,
+            "lockstep_port": options.master_port,
+            "lockstep_node_timeout": options.node_timeout_s,
         },
         max_restarts=options.max_restarts,
         monitor_interval=0.1,  # how often the agent polls its workers: bounds failure-detection latency
         start_method="spawn",
         log_line_prefix_template=RANK_PREFIX_TEMPLATE,
         logs_specs=logs,
-        # On one node the workers' MASTER_ADDR is loopback; across nodes torch uses this host's FQDN.
-        local_addr=options.master_addr if single else None,
+        # How this node names itself in the rendezvous (torch would use its FQDN, which hosts may share).
+        local_addr=options.master_addr if single else _local_addr(options.master_addr),
     )
     # Passed only where this torch's LaunchConfig has the field. Without signals_to_handle the agent
     # handles the same four signals (hard-coded, or from TORCHELASTIC_SIGNALS_TO_HANDLE, which
@@ -128,6 +140,13 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
     fields = launch_config_fields()
     kwargs.update((name, value) for name, value in optional.items() if name in fields)
     return LaunchConfig(**kwargs)
+
+
+def _local_addr(master_addr: str) -> str | None:
+    try:
+        return route_source_addr(master_addr)
+    except OSError:
+        return None  # unresolvable: the rendezvous reports it, naming the address
 
 
 @contextlib.contextmanager
@@ -145,6 +164,12 @@ def _agent_environment(options: LaunchOptions) -> Iterator[None]:
         # (or, older still, hard-codes the same four signals); where it has one, torch sets it itself.
         "TORCHELASTIC_SIGNALS_TO_HANDLE": _SIGNALS_TO_HANDLE,
     }
+    if not os.environ.get("GLOO_SOCKET_IFNAME"):
+        # gloo binds to the interface that reaches the master (loopback on one node), not to whatever the host
+        # name resolves to (127.0.0.1 in many containers, which strands the other nodes); a user's choice stands.
+        picked = pick_gloo_interface(options.master_addr)
+        if picked is not None:
+            updates["GLOO_SOCKET_IFNAME"] = updates["LOCKSTEP_GLOO_IFNAME_PICKED"] = picked[0]
     if options.as_torch_ddp:
         updates["LOCKSTEP_AS_TORCH_DDP"] = "1"  # read in every worker at `import torch` (lockstep.integrations.autoload)
     if "OMP_NUM_THREADS" not in os.environ and options.nproc_per_node > 1:
@@ -204,13 +229,23 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
     log_dir = options.log_dir or tempfile.mkdtemp(prefix="lockstep_launch_")
     logs = RankLogsSpecs(log_dir, log_rank=options.log_rank, max_restarts=options.max_restarts)
     config = _launch_config(options, logs)
+    rendezvous.register()
     keep_logs = bool(options.log_dir)  # the user asked for them
     try:
         with _agent_environment(options), _quiet_agent_failure_log():
             results = elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         keep_logs = True  # the report points the user at them
-        raise failure_report(e, logs, restarts_used=logs.restart_count) from None
+        report = failure_report(e, logs, restarts_used=logs.restart_count)
+        handler = rendezvous.handler_for(config.run_id)
+        if handler is not None and handler.lost_reason is not None:
+            # The workers here were stopped because another node went silent: say that, not "killed by SIGKILL".
+            lines = str(report).splitlines()
+            text = "\n".join([f"lockstep launch: lost a node: {handler.lost_reason}; this node's workers were stopped "
+                              f"(a cut link or a dead node; --max-restarts {options.max_restarts} used up)",
+                              *("  " + line for line in lines)])
+            report = LaunchError(text, report.rank, report.exitcode, report.failures)
+        raise report from None
     except RendezvousError as e:
         if isinstance(e, RendezvousTimeoutError):
             why = (f"only some of the {options.nnodes} nodes joined within --rdzv-timeout {options.rdzv_timeout_s}s; "

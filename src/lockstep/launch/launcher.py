@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from lockstep.launch.agent import LOOPBACK_ADDR, LaunchOptions, RendezvousFailed, run_agent
 from lockstep.launch.output import LaunchError
+from lockstep.network import ensure_gloo_interface
 from lockstep.slurm import sbatch_script, slurm_launch_env
 
 __all__ = [
@@ -74,6 +75,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", "--run_id", default="", help="rendezvous id shared by all nodes (multi-node)")
     p.add_argument("--rdzv-timeout", "--rdzv_timeout", type=int, default=900, metavar="SECONDS",
                    help="how long the nodes wait for each other before failing (default: 900)")
+    p.add_argument("--node-timeout", "--node_timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="several nodes: a node whose heartbeat stops this long is lost; its peers stop their workers "
+                   "and restart (--max-restarts) or fail, naming it (default: 30)")
     p.add_argument("--log-dir", "--log_dir", default=None,
                    help="keep every rank's stdout/stderr under this folder (default: a temporary folder, "
                    "kept only when a worker fails)")
@@ -114,6 +118,7 @@ def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None)
             log_dir=ns.log_dir,
             source="slurm",
             as_torch_ddp=ns.as_torch_ddp,
+            node_timeout_s=ns.node_timeout,
         )
     else:
         # One node (also a one-node SLURM job): loopback and a free port unless told otherwise.
@@ -133,6 +138,7 @@ def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None)
             log_dir=ns.log_dir,
             source="flags" if any(f is not None for f in layout_flags) else "single",
             as_torch_ddp=ns.as_torch_ddp,
+            node_timeout_s=ns.node_timeout,
         )
     if options.nnodes > 1 and options.master_addr == LOOPBACK_ADDR:
         raise ValueError("--master-addr is required with --nnodes > 1 (the address of node 0; not 127.0.0.1)")
@@ -205,6 +211,7 @@ def cli_main(argv: Sequence[str]) -> int:
             file=sys.stderr,
             flush=True,
         )
+        print(f"lockstep launch: {ensure_gloo_interface(options.master_addr, dict(os.environ))}", file=sys.stderr, flush=True)
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     try:

@@ -1,0 +1,234 @@
+"""lockstep's rendezvous for torch's elastic agent: torch's c10d rendezvous, plus what several real hosts need.
+
+torch's dynamic (c10d) rendezvous orders the nodes by (host name, pid), so global rank 0
+lands on whichever node sorts first, and it publishes the host name of that node as
+MASTER_ADDR: on hosts that share a name (containers, cloud images) or whose name resolves
+to 127.0.0.1 the workers dial loopback and hang. Its stores listen on every interface.
+This handler runs torch's rendezvous unchanged and then, in the round's store:
+
+* every node publishes its ``--node-rank``, ``--nnodes`` and address; the round fails on
+  every node, naming them, when they disagree; the agent then numbers nodes by
+  ``--node-rank`` (node 0 holds global rank 0);
+* node 0 serves a fresh store for the workers (per round, so a restarted group never reads
+  the dead one's keys: PyTorch #135712) on the master address (loopback on one node), and
+  every worker gets ``MASTER_ADDR=--master-addr``;
+* on several nodes a watchdog thread beats a heart in the rendezvous store every second;
+  when another node (or the store on node 0) stays silent for ``--node-timeout`` seconds,
+  this node's workers are stopped, the loss is reported naming the node, and the agent
+  restarts the group (``--max-restarts``) or fails: never gloo's 30-minute timeout.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+)
+
+from lockstep.launch.liveness import READ_TIMEOUT_S, Liveness, Poller, answers, connect, worker_pids
+from lockstep.network import route_source_addr, serve_store
+
+BACKEND = "lockstep"
+_handlers: dict[str, "LockstepRendezvous"] = {}  # run_id -> the handler of this process's agent (for the report)
+
+
+class NodesDisagree(RendezvousError):
+    """The nodes were launched with contradictory layouts (--nnodes, --node-rank)."""
+
+
+def _serve(host: str, port: int, what: str) -> dist.TCPStore:
+    """A store server on ``host:port``; on all interfaces only if ``host`` is not an address of this machine."""
+    try:
+        return serve_store(host, port, READ_TIMEOUT_S)
+    except OSError as e:
+        if e.errno != errno.EADDRNOTAVAIL:  # e.g. the port is taken: say so, naming it
+            raise RendezvousConnectionError(f"node 0 cannot serve the {what}: {e.strerror}") from None
+    # The master address is not one of ours (NAT, a load balancer's name): listen everywhere, as torch does.
+    print(f"lockstep launch: {host} is not an address of this machine; the {what} listens on all interfaces "
+          f"(port {port})", file=sys.stderr, flush=True)
+    return serve_store("0.0.0.0", port, READ_TIMEOUT_S)
+
+
+class LockstepRendezvous(RendezvousHandler):
+    """torch's c10d handler with node-rank ordering, a reachable master, bound stores and a liveness check."""
+
+    def __init__(self, params: RendezvousParameters, store: dist.Store, inner: RendezvousHandler):
+        self._params, self._store, self._inner = params, store, inner
+        self.node_rank = int(params.get("lockstep_node_rank"))
+        self.nproc = int(params.get("lockstep_nproc"))
+        self.master_addr, self.master_port = params.get("lockstep_master_addr"), int(params.get("lockstep_port"))
+        self.node_timeout_s = float(params.get("lockstep_node_timeout"))
+        self.rdzv_timeout_s = float(params.get("join_timeout"))
+        self.single = params.max_nodes == 1
+        self.local_addr = "127.0.0.1" if self.single else route_source_addr(self.master_addr)
+        self.lost_reason: str | None = None  # set when a node was lost; the launcher's report names it
+        self._worker_store: dist.TCPStore | None = None
+        self._watchdog: Liveness | None = None
+        self._poller: Poller | None = None
+
+    # ------------------------------------------------------------------ the round
+    def next_rendezvous(self) -> RendezvousInfo:
+        self._stop_watchdog()
+        if self.lost_reason is not None and self.node_rank != 0:
+            self._wait_for_store()
+        self._check_layout()
+        try:
+            info = self._inner.next_rendezvous()
+        except RendezvousError:
+            error_key = f"lockstep/{self._params.run_id}/error"
+            if self._store.check([error_key]):  # another node found the layouts contradictory and closed the round
+                raise NodesDisagree(self._store.get(error_key).decode()) from None
+            raise
+        store, world_size = info.store, info.world_size
+        nodes = self._exchange(store, info.rank, world_size)
+        if self.node_rank == 0:
+            self._worker_store = None  # the last round's server goes first (and with it, its keys)
+            host = "127.0.0.1" if self.single else self.master_addr
+            self._worker_store = _serve(host, 0, "workers' store (MASTER_PORT)")
+            store.set("lockstep/worker_store", json.dumps({"port": self._worker_store.port, "token": uuid.uuid4().hex}))
+        meta = json.loads(store.get("lockstep/worker_store"))
+        if not self.single:
+            self._watchdog = Liveness((self.master_addr, self.master_port), f"lockstep/alive/{meta['token']}",
+                                       self.node_rank, nodes, self.node_timeout_s, self._lose)
+            self._poller = Poller(self._inner)
+            self._watchdog.start()
+            self._poller.start()
+        master = "127.0.0.1" if self.single else self.master_addr
+        return RendezvousInfo(store, self.node_rank, world_size, RendezvousStoreInfo(master, int(meta["port"])))
+
+    def _check_layout(self) -> None:
+        """Nodes with different --nnodes never complete torch's round (each waits for its own count): the
+        first node to arrive records its count, a node that disagrees says so and closes the rendezvous."""
+        run_id, nnodes = self._params.run_id, int(self._params.max_nodes)
+        me = f"{nnodes} {self.local_addr} {socket.gethostname()}"
+        first = self._store.compare_set(f"lockstep/{run_id}/nnodes", "", me).decode()
+        if first.split()[0] != str(nnodes):
+            count, addr, host = first.split()
+            message = (f"the nodes disagree on --nnodes: {addr} ({host}) --nnodes {count}, "
+                       f"{self.local_addr} ({socket.gethostname()}) --nnodes {nnodes}")
+            self._store.set(f"lockstep/{run_id}/error", message)
+            self._inner.set_closed()
+            raise NodesDisagree(message)
+
+    def _exchange(self, store: dist.Store, rank: int, world_size: int) -> list[dict]:
+        me = {"node_rank": self.node_rank, "nnodes": int(self._params.max_nodes), "addr": self.local_addr,
+              "host": socket.gethostname()}
+        store.set(f"lockstep/node/{rank}", json.dumps(me))
+        nodes = [json.loads(store.get(f"lockstep/node/{i}")) for i in range(world_size)]
+        said = sorted({n["nnodes"] for n in nodes})
+        if said != [world_size]:
+            each = ", ".join(f"{n['addr']} ({n['host']}) --nnodes {n['nnodes']}" for n in nodes)
+            raise NodesDisagree(f"the nodes disagree on --nnodes: {each}; {world_size} nodes joined")
+        ranks = sorted(n["node_rank"] for n in nodes)
+        if ranks != list(range(world_size)):
+            twice = sorted({r for r in ranks if ranks.count(r) > 1})
+            each = ", ".join(f"{n['addr']} ({n['host']}) --node-rank {n['node_rank']}" for n in nodes)
+            raise NodesDisagree(f"--node-rank {twice} given to more than one node: {each}")
+        return sorted(nodes, key=lambda n: n["node_rank"])
+
+    def _wait_for_store(self) -> None:
+        deadline = time.monotonic() + self.rdzv_timeout_s
+        while True:
+            if answers(self.master_addr, self.master_port, timeout_s=5):
+                return
+            if time.monotonic() > deadline:
+                raise RendezvousConnectionError(
+                    f"{self.lost_reason}, and it did not come back within --rdzv-timeout {self.rdzv_timeout_s:.0f}s"
+                )
+            time.sleep(1)
+
+    # ------------------------------------------------------------------ while the workers run
+    def num_nodes_waiting(self) -> int:
+        if self._poller is not None:
+            return 0 if self.lost_reason else self._poller.waiting
+        return self._inner.num_nodes_waiting()  # one node: the store is local and answers at once
+
+    def _lose(self, reason: str) -> None:
+        self.lost_reason = reason
+        first = self.node_rank * self.nproc
+        print(f"lockstep launch: {reason} (a cut link or a dead node); stopping ranks {first}-{first + self.nproc - 1} "
+              f"on this node (node {self.node_rank})", file=sys.stderr, flush=True)
+        for pid in worker_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)  # not SIGTERM: a graceful stop would wait on collectives that cannot finish
+            except ProcessLookupError:
+                pass
+
+    def _stop_watchdog(self) -> None:
+        for thread in (self._watchdog, self._poller):
+            if thread is not None:
+                thread.stop.set()
+        self._watchdog = self._poller = None
+
+    # ------------------------------------------------------------------ delegated
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # the workers are clients of the per-round store node 0's agent serves
+
+    def is_closed(self) -> bool:
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def get_run_id(self) -> str:
+        return self._inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        self._stop_watchdog()
+        if self.lost_reason is not None and self.node_rank != 0:
+            return False  # node 0's store is gone or unreachable: closing it would only wait for a timeout
+        return self._inner.shutdown()
+
+
+def create_handler(params: RendezvousParameters) -> LockstepRendezvous:
+    """The registry's creator: node 0 serves the rendezvous store on the master address, the others dial it."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as create_c10d_handler
+
+    host, port = params.get("lockstep_master_addr"), int(params.get("lockstep_port"))
+    if params.get_as_bool("is_host"):
+        store = _serve(host, port, "rendezvous store")
+        params.config["lockstep_port"] = store.port  # port 0 on one node: the one the OS gave
+    else:
+        timeout_s = float(params.get("join_timeout"))
+        try:
+            store = connect(host, port, timeout_s)
+        except Exception as e:
+            raise RendezvousConnectionError(
+                f"nobody answered at {host}:{port} (--master-addr/--master-port) within --rdzv-timeout "
+                f"{timeout_s:.0f}s: is `lockstep launch --node-rank 0` running there? ({type(e).__name__}: {e})"
+            ) from None
+    handler = LockstepRendezvous(params, store, create_c10d_handler(store, C10dRendezvousBackend(store, params.run_id), params))
+    _handlers[params.run_id] = handler
+    return handler
+
+
+def register() -> None:
+    """Make ``rdzv_backend="lockstep"`` known to torch's registry (idempotent)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(BACKEND, create_handler)
+
+
+def handler_for(run_id: str) -> LockstepRendezvous | None:
+    return _handlers.get(run_id)
+
+
+__all__ = ["BACKEND", "LockstepRendezvous", "NodesDisagree", "create_handler", "handler_for", "register"]
