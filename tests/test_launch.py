@@ -153,7 +153,7 @@ def test_restarts_exhausted_reports_rank_exit_code_and_restarts(runs):
 def test_taken_port_fails_fast_naming_the_rendezvous_flags(runs):
     proc, elapsed_s = runs["taken_port"]
     port = runs["port"]
-    assert proc.returncode == 1 and elapsed_s < 30
+    assert proc.returncode == 1 and elapsed_s < 60  # ~2 s alone; six launches run side by side here
     assert f"rendezvous at 127.0.0.1:{port} (--master-addr/--master-port) failed" in proc.stderr
     # torch's wording varies: "Address already in use" (errno text, 2.4) or "address already in use" (2.14)
     assert "address already in use" in proc.stderr.lower() and "Traceback" not in proc.stderr
