@@ -20,6 +20,9 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from lockstep.ddp.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
+from lockstep.ddp.observe import attach
+from lockstep.diagnostics.progress import observer_for
+from lockstep.diagnostics.watchdog import FROM_ENV, resolve_hang_timeout, watch_for_hangs
 from lockstep.ddp.args import caps_from_list, ignored_names, reject_unsupported, resolve_buffer_sync, resolve_group
 from lockstep.ddp.graph import on_backward_start
 from lockstep.ddp.join import DDPJoinHook
@@ -77,6 +80,10 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         batched_grad_copy: accepted; gradient copies are always batched (one call per bucket).
         forward_sync_buffers: broadcast rank 0's floating/integer buffers before each synchronised
             forward (default True), as torch's ``broadcast_buffers``.
+        hang_timeout_s: a rank stuck inside a DDP step this long makes every rank write a hang report
+            (where each rank is, whom the others wait for, every thread's stack) and end the job with
+            exit code 86 (``lockstep.diagnostics.watchdog``). Default: $LOCKSTEP_HANG_TIMEOUT_S, else 300;
+            None or 0: off. Not in torch's DDP.
 
     Differences from torch's DDP, on purpose: a parameter without a gradient raises on every rank
     at the end of backward (naming the parameter and the rank) instead of hanging or failing only
@@ -106,6 +113,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         bucket_cap_mb_list: list | None = None,
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
+        hang_timeout_s: float | None = FROM_ENV,
     ):
         # torch's __init__ never runs (it would build torch's C++ reducer): the subclass is for isinstance.
         nn.Module.__init__(self)
@@ -141,6 +149,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
         self.parameters_to_ignore = ignored_names(module)
+        self.hang_timeout_s = resolve_hang_timeout(hang_timeout_s)
         if not any(p.requires_grad for n, p in module.named_parameters() if n not in self.parameters_to_ignore):
             raise RuntimeError(
                 "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a "
@@ -156,7 +165,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
 
     def _build_reducer(self) -> Reducer:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
-        return Reducer(
+        reducer = Reducer(
             [p for _, p in named],
             [n for n, _ in named],
             self.process_group,
@@ -167,6 +176,9 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
         )
+        if watch_for_hangs(self.process_group, getattr(self, "hang_timeout_s", None)):
+            reducer.observer = attach(reducer.observer, observer_for(reducer))  # the watchdog reads its progress
+        return reducer
 
     @property
     def broadcast_buffers(self) -> bool:
