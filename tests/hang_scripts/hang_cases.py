@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from lockstep import DistributedDataParallel
 
-CASE, TIMEOUT_S = sys.argv[1], float(sys.argv[2])
+CASE = sys.argv[1]
+TIMEOUT_S = float(os.environ.get("LOCKSTEP_HANG_TIMEOUT_S", 0) if sys.argv[2] == "env" else sys.argv[2])
 STEPS, BAD_RANK, BAD_STEP = 6, 1, 3
 
 
@@ -38,6 +39,10 @@ class Net(torch.nn.Module):
         return self.head(h)
 
 
+def mark():
+    print(f"MARK {time.time():.3f}", flush=True)  # the test measures how soon after this the job ends
+
+
 def batch(step, rank):
     g = torch.Generator().manual_seed(step * 100 + rank)
     return torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)
@@ -48,26 +53,32 @@ def main():
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = Net()
-    ddp = DistributedDataParallel(model, hang_timeout_s=TIMEOUT_S, bucket_cap_mb=0.02)
+    # "env": DDP's default, from LOCKSTEP_HANG_TIMEOUT_S (`lockstep launch --hang-timeout`)
+    timeout = {} if sys.argv[2] == "env" else {"hang_timeout_s": float(sys.argv[2])}
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.02, **timeout)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     steps = STEPS - 1 if CASE == "fewer" and rank == BAD_RANK else STEPS
     for step in range(1, steps + 1):
         bad = rank == BAD_RANK and step == BAD_STEP
         x, y = batch(step, rank)
         if CASE == "data" and bad:
+            mark()
             time.sleep(1000)  # CASE:data a data loader that never returns
         model.only_c = CASE == "branch" and bad  # CASE:branch
-        out = ddp(x)
+        out = ddp(x)  # CASE:forward
         loss = torch.nn.functional.cross_entropy(out, y)
         if CASE == "skip" and bad:
             continue  # CASE:skip a rank that skips a backward (say, a NaN loss it chose to skip)
         if CASE == "kill" and bad:
+            mark()
             out.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))  # CASE:kill dies mid-backward
-        loss.backward()
+        loss.backward()  # CASE:backward
         opt.step()
         opt.zero_grad()
         if CASE == "extra" and bad:
+            mark()
             dist.barrier()  # CASE:extra a collective of its own, on one rank only
+    mark()
     dist.barrier()  # CASE:end every rank meets here after training
     print(f"rank {rank} finished {steps} steps", flush=True)
     dist.destroy_process_group()

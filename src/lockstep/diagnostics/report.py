@@ -91,7 +91,7 @@ def diagnose(infos: dict[int, Any], records: dict[int, Any], world_size: int) ->
             parts.append(f"rank {r} is past step {n}, in {describe(i)} ({_doing(i)})")
         if i.get("skipped_backward"):
             step, where = i["skipped_backward"]
-            parts[-1] += f"; it skipped a backward: its forward of step {step} at {where} had none"
+            parts[-1] += f"; it skipped a backward: its forward of step {step} was followed by another forward at {where}"
     waits = f"{_ranks(at_front)} wait{'s' if len(at_front) == 1 else ''} in {describe(front)}"
     if not parts:
         return f"every rank waits in {describe(front)}: no rank is behind (a collective issued on a group or device they do not share?)"

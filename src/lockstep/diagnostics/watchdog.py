@@ -97,6 +97,7 @@ class Watchdog(threading.Thread):
         self.beat = 0
         self.stopped = threading.Event()
         self.reporting = threading.Lock()
+        self.report_started = False
         atexit.register(self._at_exit)
 
     def set_timeout(self, hang_timeout_s: float) -> None:
@@ -150,6 +151,7 @@ class Watchdog(threading.Thread):
         return info
 
     def report_and_exit(self, alarm: dict[str, Any]) -> None:
+        self.report_started = True  # from here on, this thread ends the process (see _at_exit)
         try:
             with self.reporting:
                 self.store.set(f"s{self.rank}", json.dumps(self.own_info()))
@@ -194,9 +196,21 @@ class Watchdog(threading.Thread):
 
     # ------------------------------------------------- leaving a step by an error
     def _at_exit(self) -> None:
+        """At interpreter exit: finish a report under way, write one if the process leaves a DDP step by an
+        error, then stop the thread. A daemon thread still inside a store call when the interpreter
+        finalises aborts the process ("terminate called without an active exception"), hence the join."""
+        if self.report_started:
+            time.sleep(3 * self.grace_s + 5)  # the report's os._exit ends the process meanwhile
+        try:
+            if self.is_alive() and not self.stopped.is_set() and self.progress.phase in DDP_PHASES:
+                self._report_failure()
+        finally:
+            self.stop()
+            if self.is_alive() and threading.current_thread() is not self:
+                self.join(timeout=5.0)
+
+    def _report_failure(self) -> None:
         """The process is exiting from inside a DDP step (a collective failed): say which peers stopped beating."""
-        if self.stopped.is_set() or not self.is_alive() or self.progress.phase not in DDP_PHASES:
-            return
         try:
             before = self.records()
             time.sleep(2.5 * self.tick_s)  # long enough for every live rank to beat again
