@@ -76,11 +76,10 @@ def diagnose(infos: dict[int, Any], records: dict[int, Any], world_size: int) ->
         if r in at_front:
             continue
         n = _step(front)
-        if _step(i) < n or (_step(i) == n and i["phase"] == "data"):
-            verb = f"has not started forward of step {n}" if _step(i) <= n else ""
-            if _step(i) < n:
-                verb = f"is {n - _step(i)} step(s) behind, at step {_step(i)}"
-            parts.append(f"rank {r} {verb} ({_doing(i)})")
+        if _step(i) < n:
+            parts.append(f"rank {r} is {n - _step(i)} step(s) behind, in {describe(i)} ({_doing(i)})")
+        elif _step(i) == n and i["phase"] not in ("forward", "loss", "backward", "wait"):
+            parts.append(f"rank {r} has not started forward of step {n} ({_doing(i)})")
         elif _step(i) == n and i["phase"] == "forward":
             parts.append(f"rank {r} has not finished forward of step {n} ({_doing(i)})")
         elif _step(i) == n and i["phase"] == "loss":

@@ -165,8 +165,11 @@ class Watchdog(threading.Thread):
                     print(f"lockstep: hang report of rank {self.rank} written to {path}: "
                           f"{report.diagnose(infos, records, self.world_size)}", file=sys.stderr, flush=True)
                 self.store.set(f"done{self.rank}", "1")
-                # Whoever hosts the store (rank 0 outside the launcher's agent) must outlive the others' reads.
-                self.collect("done", deadline=time.monotonic() + self.grace_s, wanted=set(infos))
+                # Whoever hosts the store (rank 0 under `lockstep launch` and env://) must outlive the others'
+                # reads: everyone waits for every answering rank's report, and rank 0 lingers a little longer.
+                done = self.collect("done", deadline=time.monotonic() + self.grace_s, wanted=set(infos))
+                if self.rank == 0 and len(done) > 1:
+                    time.sleep(min(1.0, 5 * self.tick_s))
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -235,11 +238,12 @@ class Watchdog(threading.Thread):
 
 
 def _all_stacks() -> str:
-    """Every thread's Python stack, as faulthandler prints it (it needs a real file)."""
+    """Every thread's Python stack but the watchdog's own, as faulthandler prints it (it needs a real file)."""
     with tempfile.TemporaryFile("w+") as f:
         faulthandler.dump_traceback(f, all_threads=True)
         f.seek(0)
-        return f.read()
+        blocks = f.read().split("\n\n")
+    return "\n\n".join(b for b in blocks if not b.startswith("Current thread"))
 
 
 _WATCHDOG: Watchdog | None = None
