@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 _RULE = "=" * 100
+HANG_EXIT_CODE = 86  # every rank leaves with it once the hang report is written
 
 
 def _step(rec: dict[str, Any]) -> int:
@@ -118,7 +119,7 @@ def hang_report(alarm: dict[str, Any], infos: dict[int, Any], records: dict[int,
              f"diagnosis: {diagnose(infos, records, world_size)}", "", *_table(infos, records, world_size), ""]
     for r in sorted(infos):
         lines += [f"--- rank {r}: Python stacks of every thread (most recent call first) ---", infos[r]["stacks"].rstrip(), ""]
-    lines += [f"The job is ended (exit code 86) instead of waiting for the process group's timeout; "
+    lines += [f"The job is ended (exit code {HANG_EXIT_CODE}) instead of waiting for the process group's timeout; "
               f"hang_timeout_s={hang_timeout_s:g} (DistributedDataParallel(hang_timeout_s=...), "
               "lockstep launch --hang-timeout, $LOCKSTEP_HANG_TIMEOUT_S; 0 turns it off).", _RULE]
     return "\n".join(lines)

@@ -3,19 +3,19 @@ and, when a rank has been stuck inside a DDP step for longer than ``hang_timeout
 write a hang report and end the job.
 
 Out of band on purpose: a hung job's process group is the thing that hangs, so the watchdog talks
-through its own client of the TCPStore that ``torch.distributed`` already runs for rendezvous (the
-agent's under ``lockstep launch`` / torchrun). Cost on the training thread: none beyond the observer's
+through its own client of the TCPStore that ``torch.distributed`` already runs for rendezvous (torchrun's
+agent's, or rank 0's under ``lockstep launch`` and ``env://``). Cost on the training thread: none beyond the observer's
 attribute writes (``progress``); the thread does one store ``set`` and one ``check`` per tick
-(``tick_s``, at most 1 s). Protocol, under the key prefix ``lockstep/hang/<restart>/``:
+(``tick_s``, at most 1 s). Protocol, under the key prefix ``lockstep/hang/<restart>/<group>/``:
 
   p<rank>     this rank's progress record, rewritten every tick (a heartbeat counter in it)
   alarm       the first stalled rank's reason; every watchdog polls for it
   s<rank>     on alarm: the rank's position, user code location and every thread's stack (faulthandler)
   done<rank>  the rank has written its report (the rank hosting the store waits for the others)
 
-Then every rank leaves with ``os._exit(HANG_EXIT_CODE)``: the job ends within
-``hang_timeout_s + tick_s + 2 * grace_s`` (< 2 x ``hang_timeout_s``) of the stall, instead of gloo's
-or NCCL's 30-minute default. A rank that leaves a DDP step with an exception (a peer died and the
+Then every rank leaves with ``os._exit(HANG_EXIT_CODE)``: the job ends within about
+``hang_timeout_s + 2 * tick_s + 2 * grace_s + 1`` s of the stall (under 2 x ``hang_timeout_s`` from
+4 s up), instead of gloo's or NCCL's 30-minute default. A rank that leaves a DDP step with an exception (a peer died and the
 collective failed) writes the same kind of report at exit, naming the ranks that stopped beating.
 """
 
@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -39,7 +40,7 @@ from lockstep.diagnostics import report
 from lockstep.diagnostics.progress import (DDP_PHASES, PROGRESS, Progress, current_collective, in_library_code,
                                            thread_frame, user_location)
 
-HANG_EXIT_CODE = 86  # a hang report was written and the job was ended
+HANG_EXIT_CODE = report.HANG_EXIT_CODE  # a hang report was written and the job was ended
 DEFAULT_HANG_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "LOCKSTEP_HANG_TIMEOUT_S"  # the DDP's default, set by `lockstep launch --hang-timeout`
 LOG_DIR_ENV = "LOCKSTEP_LOG_DIR"  # where reports go (`lockstep launch` points it at its log folder)
@@ -271,7 +272,11 @@ def watch_for_hangs(process_group: Any, hang_timeout_s: float | None) -> bool:
     if _WATCHDOG is not None:
         _WATCHDOG.stop()
     # Our own client (one socket): the group's client may be blocked in a get() of its own.
-    client = dist.TCPStore(address[0], address[1], is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
+    try:
+        client = dist.TCPStore(address[0], address[1], is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
+    except Exception as e:  # the watchdog must never stop training from starting
+        warnings.warn(f"lockstep: no hang watchdog: cannot reach the rendezvous store at {address[0]}:{address[1]} ({e})")
+        return False
     group_tag = dist.distributed_c10d._get_default_group().group_name
     store = dist.PrefixStore(f"lockstep/hang/{restart}/{group_tag}/", client)
     _WATCHDOG = Watchdog(store, dist.get_rank(), dist.get_world_size(), hang_timeout_s,
