@@ -28,17 +28,34 @@ class _LinePerRefresh:
         self.stream.flush()
 
 
+def _forwarded_bar_class():
+    from tqdm import tqdm
+
+    class ForwardedBar(tqdm):
+        """Always ends with the final line, even for an epoch shorter than the refresh interval."""
+
+        def close(self) -> None:
+            if not self.disable and self.last_print_n != self.n:
+                self.refresh()
+            super().close()
+
+    return ForwardedBar
+
+
 def progress_bar(total: int, initial: int, desc: str, enabled: bool, stream: TextIO | None = None,
                  forwarded_interval_s: float = 10.0) -> Any:
     """A tqdm bar on ``stream`` (default stderr); off a terminal, a line per refresh every ``forwarded_interval_s``."""
     from tqdm import tqdm
 
     stream = stream or sys.stderr
+    _ForwardedBar = _forwarded_bar_class()
     if stream.isatty():
         return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, leave=False, file=stream)
-    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, file=_LinePerRefresh(stream),
-                mininterval=forwarded_interval_s, maxinterval=forwarded_interval_s, ascii=True, dynamic_ncols=False,
-                ncols=160)
+    # No bar in a log: "epoch 0: 40/100 steps [00:12<00:18, 3.3it/s, loss=..., step_ms=..., comm=...]", and
+    # no empty line at the start (delay): the first line comes with the first refresh, the last at close.
+    return _ForwardedBar(total=total, initial=initial, desc=desc, disable=not enabled, file=_LinePerRefresh(stream),
+                mininterval=forwarded_interval_s, maxinterval=forwarded_interval_s, delay=1e-6, leave=False,
+                bar_format="{desc}: {n_fmt}/{total_fmt} steps [{elapsed}<{remaining}, {rate_fmt}{postfix}]")
 
 
 def step_postfix(loss: float, samples_per_s: float, step_s: float, comm_share: float | None) -> dict[str, str]:
