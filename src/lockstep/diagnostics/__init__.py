@@ -1,5 +1,5 @@
-"""Seeing into a running job: hang reports (``progress``, ``watchdog``, ``report``), and further checks.
+"""Seeing into a running job: hang reports, replica and non-finite checks, the overlap timeline.
 
-Below ``ddp/`` in the layers: the wrapper builds these and attaches them to its reducer through the
-observer seam (``lockstep.ddp.observe``); nothing here imports ``ddp/``.
+Each module is one diagnostic; the DDP wrapper builds the ones its arguments ask for. Nothing here
+imports ``lockstep.ddp`` (the reducer and the wrapper are reached through the objects handed in).
 """
