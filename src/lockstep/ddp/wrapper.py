@@ -22,6 +22,9 @@ from torch.distributed.algorithms.join import Join, Joinable
 from lockstep.ddp.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
 from lockstep.ddp import diagnose
 from lockstep.ddp.autotune import resolve_auto
+from lockstep.ddp.observe import attach
+from lockstep.diagnostics.progress import observer_for
+from lockstep.diagnostics.watchdog import FROM_ENV, resolve_hang_timeout, watch_for_hangs
 from lockstep.ddp.args import caps_from_list, ignored_names, reject_unsupported, resolve_buffer_sync, resolve_group
 from lockstep.ddp.graph import on_backward_start
 from lockstep.ddp.optim_in_backward import take_over_optimizers_in_backward
@@ -82,6 +85,10 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         batched_grad_copy: accepted; gradient copies are always batched (one call per bucket).
         forward_sync_buffers: broadcast rank 0's floating/integer buffers before each synchronised
             forward (default True), as torch's ``broadcast_buffers``.
+        hang_timeout_s: a rank stuck inside a DDP step this long makes every rank write a hang report
+            (where each rank is, whom the others wait for, every thread's stack) and end the job with
+            exit code 86 (``lockstep.diagnostics.watchdog``). Default: $LOCKSTEP_HANG_TIMEOUT_S, else 300;
+            None or 0: off. Not in torch's DDP.
 
     Args (lockstep's diagnostics, off by default; README "Debugging a job"):
         check_replicas_every: every N synchronised steps, check at the next forward that every rank
@@ -126,6 +133,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         detect_nonfinite: bool = False,
         trace_dir: str | None = None,
         trace_steps: tuple[int, int] | None = None,
+        hang_timeout_s: float | None = FROM_ENV,
     ):
         # torch's __init__ never runs (it would build torch's C++ reducer): the subclass is for isinstance.
         nn.Module.__init__(self)
@@ -166,6 +174,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
         self.parameters_to_ignore = ignored_names(module)
+        self.hang_timeout_s = resolve_hang_timeout(hang_timeout_s)
         if not any(p.requires_grad for n, p in module.named_parameters() if n not in self.parameters_to_ignore):
             raise RuntimeError(
                 "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a "
@@ -182,7 +191,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
 
     def _build_reducer(self) -> Reducer:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
-        return Reducer(
+        reducer = Reducer(
             [p for _, p in named],
             [n for n, _ in named],
             self.process_group,
@@ -194,6 +203,9 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
             static_graph=self.static_graph,
             auto_buckets=self._auto_buckets,
         )
+        if watch_for_hangs(self.process_group, getattr(self, "hang_timeout_s", None)):
+            reducer.observer = attach(reducer.observer, observer_for(reducer))  # the watchdog reads its progress
+        return reducer
 
     @property
     def broadcast_buffers(self) -> bool:

@@ -52,8 +52,11 @@ class LaunchOptions:
     source: str = "flags"  # "flags", "slurm" or "single": where the node layout came from
     as_torch_ddp: bool = False  # workers build lockstep's DDP where libraries build torch's (LOCKSTEP_AS_TORCH_DDP=1)
     node_timeout_s: float = 30.0  # several nodes: a node silent this long is lost (launch/rendezvous.py)
+    hang_timeout_s: float | None = None  # the workers' DDP hang_timeout_s (LOCKSTEP_HANG_TIMEOUT_S); None: DDP's default
 
     def __post_init__(self) -> None:
+        if self.hang_timeout_s is not None and not self.hang_timeout_s >= 0:
+            raise ValueError(f"--hang-timeout must be >= 0 seconds (0: off), got {self.hang_timeout_s}")
         if self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
         if self.nnodes < 1:
@@ -150,7 +153,7 @@ def _local_addr(master_addr: str) -> str | None:
 
 
 @contextlib.contextmanager
-def _agent_environment(options: LaunchOptions) -> Iterator[None]:
+def _agent_environment(options: LaunchOptions, log_dir: str | None = None) -> Iterator[None]:
     """Environment the agent and (inherited) its workers need; restored afterwards (launch_function runs in-process)."""
     updates = {
         # The fix that makes --max-restarts work (PyTorch issue #135712): by default the agent shares its
@@ -170,6 +173,10 @@ def _agent_environment(options: LaunchOptions) -> Iterator[None]:
         picked = pick_gloo_interface(options.master_addr)
         if picked is not None:
             updates["GLOO_SOCKET_IFNAME"] = updates["LOCKSTEP_GLOO_IFNAME_PICKED"] = picked[0]
+    if options.hang_timeout_s is not None:
+        updates["LOCKSTEP_HANG_TIMEOUT_S"] = f"{options.hang_timeout_s:g}"  # DDP's default (diagnostics.watchdog)
+    if log_dir:
+        updates["LOCKSTEP_LOG_DIR"] = log_dir  # hang reports go beside the ranks' logs
     if options.as_torch_ddp:
         updates["LOCKSTEP_AS_TORCH_DDP"] = "1"  # read in every worker at `import torch` (lockstep.integrations.autoload)
     if "OMP_NUM_THREADS" not in os.environ and options.nproc_per_node > 1:
@@ -232,7 +239,7 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
     rendezvous.register()
     keep_logs = bool(options.log_dir)  # the user asked for them
     try:
-        with _agent_environment(options), _quiet_agent_failure_log():
+        with _agent_environment(options, log_dir), _quiet_agent_failure_log():
             results = elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         keep_logs = True  # the report points the user at them

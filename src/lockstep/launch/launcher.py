@@ -81,6 +81,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", "--log_dir", default=None,
                    help="keep every rank's stdout/stderr under this folder (default: a temporary folder, "
                    "kept only when a worker fails)")
+    p.add_argument("--hang-timeout", "--hang_timeout", type=float, default=None, metavar="SECONDS",
+                   help="a rank stuck this long inside a DDP step makes every rank write a hang report (beside the "
+                   "logs) and ends the job with exit code 86; 0: off (default: DDP's, 300; sets LOCKSTEP_HANG_TIMEOUT_S)")
     p.add_argument("--as-torch-ddp", "--as_torch_ddp", action="store_true",
                    help="workers build lockstep's DistributedDataParallel wherever a library (Accelerate, Lightning) "
                    "or the script builds torch's (sets LOCKSTEP_AS_TORCH_DDP=1; needs torch >= 2.5)")
@@ -119,6 +122,7 @@ def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None)
             source="slurm",
             as_torch_ddp=ns.as_torch_ddp,
             node_timeout_s=ns.node_timeout,
+            hang_timeout_s=ns.hang_timeout,
         )
     else:
         # One node (also a one-node SLURM job): loopback and a free port unless told otherwise.
@@ -139,6 +143,7 @@ def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None)
             source="flags" if any(f is not None for f in layout_flags) else "single",
             as_torch_ddp=ns.as_torch_ddp,
             node_timeout_s=ns.node_timeout,
+            hang_timeout_s=ns.hang_timeout,
         )
     if options.nnodes > 1 and options.master_addr == LOOPBACK_ADDR:
         raise ValueError("--master-addr is required with --nnodes > 1 (the address of node 0; not 127.0.0.1)")

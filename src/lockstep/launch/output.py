@@ -19,6 +19,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import LogsDest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from lockstep.diagnostics.watchdog import HANG_EXIT_CODE
+
 # torch fills ${rank} with the worker's global rank. It is torch's own style: once a worker has a
 # process group, torch's excepthook prefixes its traceback lines the same way, so on the console
 # those lines carry the prefix twice (the failure report strips one).
@@ -96,6 +98,8 @@ def _error_file_traceback(failure: ProcessFailure) -> list[str]:
 
 
 def describe_exit(exitcode: int) -> str:
+    if exitcode == HANG_EXIT_CODE:
+        return f"exit code {exitcode}: its hang watchdog ended it (the hang report is above and in the log folder)"
     if exitcode < 0:
         try:
             return f"killed by signal {signal.Signals(-exitcode).name} (exit code {exitcode})"

@@ -36,6 +36,7 @@ class TrainerConfig:
     check_replicas_every: int | None = None  # check the replicas' parameters agree every N optimizer steps
     trace_dir: str | None = None  # record the overlap timeline of trace_steps there (Chrome trace, summary, PNG)
     trace_steps: tuple[int, int] = (5, 10)  # first and last optimizer step of the timeline, inclusive
+    hang_timeout_s: float | None = None  # DDP's hang watchdog; None: DDP's default ($LOCKSTEP_HANG_TIMEOUT_S or 300); 0: off
 
     def __post_init__(self):
         positive = ["epochs", "batch_size", "grad_accum_steps", "keep_last", "log_every_steps"]
@@ -54,6 +55,9 @@ class TrainerConfig:
             isinstance(self.grad_clip_norm, (int, float)) and self.grad_clip_norm > 0
         ):
             raise ValueError(f"TrainerConfig.grad_clip_norm must be a number > 0, got {self.grad_clip_norm!r}")
+        if self.hang_timeout_s is not None and (isinstance(self.hang_timeout_s, bool) or not (
+                isinstance(self.hang_timeout_s, (int, float)) and self.hang_timeout_s >= 0)):
+            raise ValueError(f"TrainerConfig.hang_timeout_s must be a number >= 0 (0: off) or None, got {self.hang_timeout_s!r}")
         if self.autocast_dtype is not None and self.autocast_dtype not in _AUTOCAST_DTYPES:
             raise ValueError(
                 f"TrainerConfig.autocast_dtype must be None or one of {sorted(_AUTOCAST_DTYPES)}, "

@@ -20,11 +20,13 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from lockstep.ddp.wrapper import DistributedDataParallel
+from lockstep.diagnostics.progress import set_phase
 from lockstep.sampler import DistributedSampler
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.config import _AUTOCAST_DTYPES, TrainerConfig
 from lockstep.train.evaluate import evaluate
 from lockstep.train.metrics import MetricsLog, comm_report, comm_wait_share
+from lockstep.train.progress import progress_bar, step_postfix
 
 __all__ = ["Trainer", "TrainerConfig"]
 
@@ -67,9 +69,11 @@ class Trainer:
         self.device = torch.device(device)
         model.to(self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
+        hang = {} if cfg.hang_timeout_s is None else {"hang_timeout_s": cfg.hang_timeout_s}
         self.ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group,
                                            detect_nonfinite=cfg.detect_nonfinite, check_replicas_every=cfg.check_replicas_every,
-                                           trace_dir=cfg.trace_dir, trace_steps=tuple(cfg.trace_steps) if cfg.trace_dir else None)
+                                           trace_dir=cfg.trace_dir, trace_steps=tuple(cfg.trace_steps) if cfg.trace_dir else None,
+                                           **hang)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.on_step_end, self.on_epoch_end = on_step_end, on_epoch_end
         self.train_data, self.eval_data = train_data, eval_data
@@ -135,6 +139,7 @@ class Trainer:
         bar = self._progress_bar(n_batches)
         t_group, group_samples = time.perf_counter(), 0
         t_data = t_group
+        set_phase("data")  # for a hang report: the Trainer knows its phases, DDP only forward/backward
         for i, (inputs, targets) in enumerate(loader, start=self.batches_done):
             tracer = self.ddp.trace  # the timeline's data and optimizer phases (None unless tracing)
             if tracer is not None:
@@ -156,7 +161,9 @@ class Trainer:
             self.sampler.advance(len(targets))  # what was consumed, not what the loader prefetched
             t_data = time.perf_counter()
             if not sync:
+                set_phase("data")
                 continue
+            set_phase("optimizer")
             if cfg.grad_clip_norm is not None:  # the gradient is already averaged: every rank clips alike
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip_norm)
             self.optimizer.step()
@@ -171,38 +178,39 @@ class Trainer:
             self._train_time_s += step_s
             self._samples_seen += group_samples * self.world_size  # every rank steps through equal shards
             group_samples = 0
-            self._after_step(loss_value, bar)
+            self._after_step(loss_value, bar, step_s)
             t_group = t_data = time.perf_counter()  # logging and checkpoints are not step time
+            set_phase("data")
             if self._stopped() and self.batches_done < n_batches:
                 bar.close()
                 return False
         bar.close()
         return True
 
-    def _after_step(self, loss_value: float, bar) -> None:
+    def _after_step(self, loss_value: float, bar, step_s: float) -> None:
         cfg = self.config
         samples_per_s = self._samples_seen / self._train_time_s if self._train_time_s else 0.0
-        bar.set_postfix(loss=f"{loss_value:.4f}", samples_per_s=f"{samples_per_s:.0f}", refresh=False)
+        share = comm_wait_share(self.ddp, self._train_time_s)
+        bar.set_postfix(step_postfix(loss_value, samples_per_s, step_s, share), refresh=False)
         bar.update(1)
         if self.step % cfg.log_every_steps == 0:
             lr = self.optimizer.param_groups[0]["lr"]
             self.metrics.write({"event": "train", "step": self.step, "epoch": self.epoch, "loss": loss_value,
                                 "lr": lr, "samples_per_s": samples_per_s,
-                                "comm_share": comm_wait_share(self.ddp, self._train_time_s)})
+                                "comm_share": share})
         if cfg.save_every_steps and self.step % cfg.save_every_steps == 0:
             self.save_checkpoint()
         if self.on_step_end is not None:
             self.on_step_end(self)
 
     def _progress_bar(self, n_batches: int):
-        from tqdm.auto import tqdm
-
         accum = self.config.grad_accum_steps
-        return tqdm(total=math.ceil(n_batches / accum), initial=self.batches_done // accum,
-                    desc=f"epoch {self.epoch}", disable=not (self.is_writer and self.config.progress), leave=False)
+        return progress_bar(math.ceil(n_batches / accum), self.batches_done // accum, f"epoch {self.epoch}",
+                            enabled=self.is_writer and self.config.progress)
 
     def _end_epoch(self) -> None:
         # On the training device: NCCL reduces CUDA tensors only.
+        set_phase("eval")
         totals = torch.tensor([self._loss_sum, float(self._loss_count)], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, group=self.group)  # one collective per epoch
         record = {"event": "epoch", "epoch": self.epoch, "step": self.step,

@@ -1,0 +1,182 @@
+"""Where this rank is in its training step, kept in memory by the training thread and read by the watchdog.
+
+One ``Progress`` per process. The DDP reducer's observer events (``lockstep.ddp.observe``) and the
+Trainer's ``set_phase`` calls write a few attributes and one ``time.monotonic()`` per event, never
+the store: the watchdog thread reads this record and publishes it (``lockstep.diagnostics.watchdog``),
+so the step's own cost is a handful of attribute writes per bucket. Phases:
+
+  data       between a backward's end and the next forward (a plain script's data loading, logging...)
+  forward    inside DDP's forward (its buffer broadcast and the module's forward)
+  loss       the forward returned, backward has not started
+  backward   backward runs; buckets are launched as their gradients land
+  wait       the end of backward waits for bucket ``bucket``'s all-reduce (collective ``seq``)
+  optimizer, eval, checkpoint ...   set by the Trainer (``set_phase``)
+
+Only forward / backward / wait are DDP's own: a rank stalled in one of them for longer than the
+hang timeout is hung in DDP. The watchdog also notices a training thread stuck in any
+``torch.distributed`` collective of the user's own (see ``current_collective``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import sysconfig
+import threading
+import time
+import weakref
+from types import FrameType
+from typing import Any, Callable
+
+DDP_PHASES = ("forward", "backward", "wait")
+
+
+class Progress:
+    """The training thread's position. Written without a lock: each field is one attribute store (atomic
+    under the GIL); a reader may see a new ``phase`` with the previous ``since`` at worst, for one tick."""
+
+    def __init__(self) -> None:
+        self.step_done = 0  # synchronised backwards completed (the reducer's count)
+        self.phase = "data"
+        self.bucket = -1  # bucket launched or waited on last (-1: none this step)
+        self.seq = 0  # the reducer's collective sequence number of that bucket
+        self.numel = 0  # elements of the last launched bucket
+        self.since = time.monotonic()  # when the last event happened
+        self.thread_id = threading.main_thread().ident
+        self.skipped_backward: tuple[int, str] | None = None  # (step, where) of the first forward without backward
+
+    def set_phase(self, phase: str) -> None:
+        self.phase, self.since = phase, time.monotonic()
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"step_done": self.step_done, "phase": self.phase, "bucket": self.bucket, "seq": self.seq,
+                "numel": self.numel, "stalled_s": round(time.monotonic() - self.since, 3),
+                "skipped_backward": self.skipped_backward}
+
+
+PROGRESS = Progress()
+
+
+def set_phase(phase: str) -> None:
+    """Mark what the training thread does now (the Trainer: "data", "optimizer", "eval", "checkpoint")."""
+    PROGRESS.set_phase(phase)
+
+
+class ProgressObserver:
+    """The reducer's observer that keeps ``PROGRESS`` current (duck-typed ``StepObserver``: ``diagnostics``
+    sits below ``ddp`` and does not import it). ``expects_backward()`` says whether the reducer still waits for
+    the backward of its last synchronised forward: true at a forward's start means that backward was skipped."""
+
+    def __init__(self, expects_backward: Callable[[], bool], progress: Progress = PROGRESS):
+        self.progress = progress
+        self.expects_backward = expects_backward
+
+    def forward_start(self) -> None:
+        p = self.progress
+        if p.skipped_backward is None and self.expects_backward():
+            p.skipped_backward = (p.step_done + 1, user_location(sys._getframe(1)))  # once: a frame walk
+        p.thread_id = threading.get_ident()
+        p.phase, p.bucket, p.since = "forward", -1, time.monotonic()
+
+    def forward_end(self) -> None:
+        self.progress.phase, self.progress.since = "loss", time.monotonic()
+
+    def backward_start(self) -> None:
+        self.progress.phase, self.progress.since = "backward", time.monotonic()
+
+    def bucket_ready(self, bucket_index: int) -> None:
+        self.progress.since = time.monotonic()
+
+    def bucket_launch(self, bucket_index: int, numel: int, seq: int) -> None:
+        p = self.progress
+        p.bucket, p.seq, p.numel, p.since = bucket_index, seq, numel, time.monotonic()
+
+    def bucket_launched(self, bucket_index: int, seq: int) -> None: ...
+
+    def wait_start(self, bucket_index: int, seq: int) -> None:
+        p = self.progress
+        p.phase, p.bucket, p.seq, p.since = "wait", bucket_index, seq, time.monotonic()
+
+    def wait_end(self, bucket_index: int, seq: int) -> None:
+        self.progress.phase, self.progress.since = "backward", time.monotonic()
+
+    def backward_end(self, step: int) -> None:
+        p = self.progress
+        p.step_done, p.phase, p.since = step, "data", time.monotonic()
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return _ignore  # an event added to the seam later: not needed here
+
+
+def _ignore(*args: Any) -> None: ...
+
+
+def observer_for(reducer: Any) -> ProgressObserver:
+    """A progress observer for ``reducer`` (held weakly: the reducer holds the observer)."""
+    ref = weakref.ref(reducer)
+    return ProgressObserver(lambda: bool(getattr(ref(), "expect_hooks", False)))
+
+
+# ------------------------------------------------------------------- where in the user's code
+_LOCKSTEP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+@functools.lru_cache(maxsize=1)
+def _dirs() -> tuple[str, str, str]:
+    import torch
+
+    stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+    return _LOCKSTEP_DIR, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, stdlib
+
+
+def _is_library(filename: str) -> bool:
+    if filename.startswith("<frozen"):
+        return True
+    lockstep_dir, torch_dir, stdlib = _dirs()
+    path = os.path.abspath(filename)
+    if path.startswith((lockstep_dir, torch_dir)):
+        return True
+    # site-packages lives under the stdlib folder: a user's installed package counts as the user's code
+    return path.startswith(stdlib) and "-packages" + os.sep not in path
+
+
+def user_location(frame: FrameType | None) -> str:
+    """``train.py:57 in main``: the innermost frame of ``frame``'s stack outside torch, lockstep and the
+    standard library (the innermost frame itself when all are library code)."""
+    innermost = frame
+    while frame is not None and _is_library(frame.f_code.co_filename):
+        frame = frame.f_back
+    frame = frame or innermost
+    if frame is None:
+        return "?"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def thread_frame(thread_id: int | None) -> FrameType | None:
+    return sys._current_frames().get(thread_id) if thread_id is not None else None
+
+
+def current_collective(frame: FrameType | None) -> str | None:
+    """The ``torch.distributed`` function (``all_reduce``, ``barrier``...) the stack is inside, if any:
+    the outermost public one, which is the one the caller called."""
+    name = None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.endswith("distributed_c10d.py") and not code.co_name.startswith("_"):
+            name = code.co_name
+        elif name is not None and not code.co_filename.endswith("c10d_logger.py"):
+            break
+        frame = frame.f_back
+    return name
+
+
+def in_library_code(frame: FrameType | None) -> bool:
+    """True while some frame of the stack is torch's or lockstep's: the thread is still inside the DDP
+    step its phase names, not back in the user's code after an exception left the phase behind."""
+    lockstep_dir, torch_dir, _ = _dirs()
+    while frame is not None:
+        if os.path.abspath(frame.f_code.co_filename).startswith((lockstep_dir, torch_dir)):
+            return True
+        frame = frame.f_back
+    return False

@@ -1,0 +1,286 @@
+"""The hang watchdog: one thread per process that publishes this rank's progress on the rendezvous store
+and, when a rank has been stuck inside a DDP step for longer than ``hang_timeout_s``, has every rank
+write a hang report and end the job.
+
+Out of band on purpose: a hung job's process group is the thing that hangs, so the watchdog talks
+through its own client of the TCPStore that ``torch.distributed`` already runs for rendezvous (torchrun's
+agent's, or rank 0's under ``lockstep launch`` and ``env://``). Cost on the training thread: none beyond the observer's
+attribute writes (``progress``); the thread does one store ``set`` and one ``check`` per tick
+(``tick_s``, at most 1 s). Protocol, under the key prefix ``lockstep/hang/<restart>/<group>/``:
+
+  p<rank>     this rank's progress record, rewritten every tick (a heartbeat counter in it)
+  alarm       the first stalled rank's reason; every watchdog polls for it
+  s<rank>     on alarm: the rank's position, user code location and every thread's stack (faulthandler)
+  done<rank>  the rank has written its report (the rank hosting the store waits for the others)
+
+Then every rank leaves with ``os._exit(HANG_EXIT_CODE)``: the job ends within about
+``hang_timeout_s + 2 * tick_s + 2 * grace_s + 1`` s of the stall (under 2 x ``hang_timeout_s`` from
+4 s up), instead of gloo's or NCCL's 30-minute default. A rank that leaves a DDP step with an exception (a peer died and the
+collective failed) writes the same kind of report at exit, naming the ranks that stopped beating.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from lockstep.diagnostics import report
+from lockstep.diagnostics.progress import (DDP_PHASES, PROGRESS, Progress, current_collective, in_library_code,
+                                           thread_frame, user_location)
+
+HANG_EXIT_CODE = report.HANG_EXIT_CODE  # a hang report was written and the job was ended
+DEFAULT_HANG_TIMEOUT_S = 300.0
+TIMEOUT_ENV = "LOCKSTEP_HANG_TIMEOUT_S"  # the DDP's default, set by `lockstep launch --hang-timeout`
+LOG_DIR_ENV = "LOCKSTEP_LOG_DIR"  # where reports go (`lockstep launch` points it at its log folder)
+
+
+class _FromEnv:
+    def __repr__(self) -> str:
+        return f"${TIMEOUT_ENV} or {DEFAULT_HANG_TIMEOUT_S:g}"
+
+
+FROM_ENV: Any = _FromEnv()
+
+
+def resolve_hang_timeout(value: Any) -> float | None:
+    """``hang_timeout_s`` as given (``FROM_ENV``: $LOCKSTEP_HANG_TIMEOUT_S, else 300); None or 0 turns it off."""
+    source = "hang_timeout_s"
+    if value is FROM_ENV:
+        raw = os.environ.get(TIMEOUT_ENV, "")
+        if raw.strip() == "":
+            return DEFAULT_HANG_TIMEOUT_S
+        source, value = f"${TIMEOUT_ENV}", raw
+        if raw.strip().lower() in ("none", "off"):
+            return None
+    if value is None:
+        return None
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"DistributedDataParallel: {source} must be a number of seconds, None or 0, got {value!r}") from None
+    if value < 0 or value != value:
+        raise ValueError(f"DistributedDataParallel: {source} must be >= 0 (0 or None: off), got {value!r}")
+    return value or None
+
+
+def _tcp_store() -> tuple[str, int] | None:
+    """Host and port of the default group's TCPStore; None when it is another kind (FileStore, HashStore)."""
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return store.host, store.port
+    return None
+
+
+class Watchdog(threading.Thread):
+    """See the module docstring. ``store`` is this thread's own client; ranks are global ranks."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, hang_timeout_s: float, progress: Progress = PROGRESS,
+                 report_dir: str | None = None):
+        super().__init__(name="lockstep-hang-watchdog", daemon=True)
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.progress = progress
+        self.report_dir = report_dir
+        self.set_timeout(hang_timeout_s)
+        self.beat = 0
+        self.stopped = threading.Event()
+        self.reporting = threading.Lock()
+        self.report_started = False
+        atexit.register(self._at_exit)
+
+    def set_timeout(self, hang_timeout_s: float) -> None:
+        self.hang_timeout_s = hang_timeout_s
+        self.tick_s = min(1.0, hang_timeout_s / 8)
+        # Collecting the other ranks' stacks and letting them read ours: bounded so the job ends
+        # within 2 x the timeout of the stall.
+        self.grace_s = min(10.0, max(1.0, hang_timeout_s / 4))
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    # ---------------------------------------------------------------- the loop
+    def run(self) -> None:
+        try:
+            while not self.stopped.wait(self.tick_s):
+                if not dist.is_initialized():
+                    return  # the group was destroyed: nothing more to watch
+                self.publish()
+                if self.store.check(["alarm"]):
+                    self.report_and_exit(json.loads(self.store.get("alarm")))
+                reason = self.stall_reason()
+                if reason is not None:
+                    if self.store.add("alarms", 1) == 1:  # the first stalled rank names the reason
+                        self.store.set("alarm", json.dumps({"rank": self.rank, "reason": reason}))
+                    self.report_and_exit(json.loads(self.store.get("alarm")))
+        except Exception:
+            return  # the store went away (the job is ending): a watchdog must never break training
+
+    def publish(self) -> None:
+        self.beat += 1
+        record = self.progress.snapshot()
+        record.update(beat=self.beat, wall=time.time())
+        self.store.set(f"p{self.rank}", json.dumps(record))
+
+    def stall_reason(self) -> str | None:
+        p = self.progress
+        stalled_s = time.monotonic() - p.since
+        if p.phase not in DDP_PHASES or stalled_s <= self.hang_timeout_s:
+            return None
+        if not in_library_code(thread_frame(p.thread_id)):
+            return None  # an exception left the step: the phase is stale, the thread is back in user code
+        return f"rank {self.rank} waited {stalled_s:.1f} s (hang_timeout_s={self.hang_timeout_s:g}) in {report.describe(p.snapshot())}"
+
+    # ------------------------------------------------------------- the report
+    def own_info(self, frame: Any = None, stacks: str | None = None) -> dict[str, Any]:
+        frame = frame or thread_frame(self.progress.thread_id)
+        info = self.progress.snapshot()
+        info.update(rank=self.rank, where=user_location(frame), collective=current_collective(frame),
+                    stacks=stacks or _all_stacks(), beat=self.beat, wall=time.time())
+        return info
+
+    def report_and_exit(self, alarm: dict[str, Any]) -> None:
+        self.report_started = True  # from here on, this thread ends the process (see _at_exit)
+        try:
+            with self.reporting:
+                self.store.set(f"s{self.rank}", json.dumps(self.own_info()))
+                infos = self.collect("s", deadline=time.monotonic() + self.grace_s)
+                records = self.records()
+                text = report.hang_report(alarm, infos, records, self.world_size, self.hang_timeout_s)
+                path = self.write(text, "hang")
+                if alarm["rank"] == self.rank:
+                    print(text + f"\n(every rank's report: {os.path.dirname(path)})", file=sys.stderr, flush=True)
+                else:  # the full report is printed once, by the rank that raised the alarm
+                    print(f"lockstep: hang report of rank {self.rank} written to {path}: "
+                          f"{report.diagnose(infos, records, self.world_size)}", file=sys.stderr, flush=True)
+                self.store.set(f"done{self.rank}", "1")
+                # Whoever hosts the store (rank 0 under `lockstep launch` and env://) must outlive the others'
+                # reads: everyone waits for every answering rank's report, and rank 0 lingers a little longer.
+                done = self.collect("done", deadline=time.monotonic() + self.grace_s, wanted=set(infos))
+                if self.rank == 0 and len(done) > 1:
+                    time.sleep(min(1.0, 5 * self.tick_s))
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(HANG_EXIT_CODE)
+
+    def collect(self, prefix: str, deadline: float, wanted: set[int] | None = None) -> dict[int, Any]:
+        wanted = set(range(self.world_size)) if wanted is None else wanted
+        found: dict[int, Any] = {}
+        while True:
+            for r in sorted(wanted - set(found)):
+                if self.store.check([f"{prefix}{r}"]):
+                    found[r] = json.loads(self.store.get(f"{prefix}{r}"))
+            if len(found) == len(wanted) or time.monotonic() > deadline:
+                return found
+            time.sleep(min(0.1, self.tick_s))
+
+    def records(self) -> dict[int, Any]:
+        return {r: json.loads(self.store.get(f"p{r}")) for r in range(self.world_size) if self.store.check([f"p{r}"])}
+
+    def write(self, text: str, kind: str) -> str:
+        folder = self.report_dir or os.path.join(tempfile.gettempdir(), "lockstep-reports")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"{kind}-report-rank{self.rank}.txt")
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    # ------------------------------------------------- leaving a step by an error
+    def _at_exit(self) -> None:
+        """At interpreter exit: finish a report under way, write one if the process leaves a DDP step by an
+        error, then stop the thread. A daemon thread still inside a store call when the interpreter
+        finalises aborts the process ("terminate called without an active exception"), hence the join."""
+        if self.report_started:
+            time.sleep(3 * self.grace_s + 5)  # the report's os._exit ends the process meanwhile
+        try:
+            if self.is_alive() and not self.stopped.is_set() and self.progress.phase in DDP_PHASES:
+                self._report_failure()
+        finally:
+            self.stop()
+            if self.is_alive() and threading.current_thread() is not self:
+                self.join(timeout=5.0)
+
+    def _report_failure(self) -> None:
+        """The process is exiting from inside a DDP step (a collective failed): say which peers stopped beating."""
+        try:
+            before = self.records()
+            time.sleep(2.5 * self.tick_s)  # long enough for every live rank to beat again
+            after = self.records()
+            silent = sorted(r for r in after if r != self.rank and after[r]["beat"] == before.get(r, {}).get("beat"))
+            if not silent:
+                return
+            # The training thread's stack is gone by now; the exception that ended it says where it was.
+            tb = getattr(sys, "last_traceback", None)
+            frame, stacks = None, None
+            if tb is not None:
+                stacks = "".join(traceback.format_exception(sys.last_type, sys.last_value, tb))
+                while tb.tb_next is not None:
+                    tb = tb.tb_next
+                frame = tb.tb_frame
+            with self.reporting:
+                text = report.failure_report(self.rank, self.own_info(frame, stacks), after, silent, self.world_size)
+                path = self.write(text, "failure")
+            print(text + f"\n(written to {path})", file=sys.stderr, flush=True)
+        except Exception:
+            return
+
+
+def _all_stacks() -> str:
+    """Every thread's Python stack but the watchdog's own, as faulthandler prints it (it needs a real file)."""
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.seek(0)
+        blocks = f.read().split("\n\n")
+    return "\n\n".join(b for b in blocks if not b.startswith("Current thread"))
+
+
+_WATCHDOG: Watchdog | None = None
+_WATCHDOG_KEY: tuple | None = None
+
+
+def watch_for_hangs(process_group: Any, hang_timeout_s: float | None) -> bool:
+    """Start (or retune) this process's watchdog for the default group's store; False when none runs.
+
+    One watchdog per process, whatever the number of DDP models: progress is the process's. It needs a
+    TCPStore (torchrun, ``lockstep launch``, ``env://``); with a FileStore or HashStore, or a single
+    rank, there is no watchdog. Global ranks are used: the report speaks of the job's ranks.
+    """
+    global _WATCHDOG, _WATCHDOG_KEY
+    if hang_timeout_s is None or not dist.is_initialized() or dist.get_world_size() < 2:
+        return False
+    address = _tcp_store()
+    if address is None:
+        return False
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = (*address, restart, id(dist.distributed_c10d._get_default_group()))
+    if _WATCHDOG is not None and _WATCHDOG_KEY == key and _WATCHDOG.is_alive():
+        _WATCHDOG.set_timeout(hang_timeout_s)  # the latest DDP's value
+        return True
+    if _WATCHDOG is not None:
+        _WATCHDOG.stop()
+    # Our own client (one socket): the group's client may be blocked in a get() of its own.
+    try:
+        client = dist.TCPStore(address[0], address[1], is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
+    except Exception as e:  # the watchdog must never stop training from starting
+        warnings.warn(f"lockstep: no hang watchdog: cannot reach the rendezvous store at {address[0]}:{address[1]} ({e})")
+        return False
+    group_tag = dist.distributed_c10d._get_default_group().group_name
+    store = dist.PrefixStore(f"lockstep/hang/{restart}/{group_tag}/", client)
+    _WATCHDOG = Watchdog(store, dist.get_rank(), dist.get_world_size(), hang_timeout_s,
+                         report_dir=os.environ.get(LOG_DIR_ENV) or None)
+    _WATCHDOG_KEY = key
+    _WATCHDOG.start()
+    return True

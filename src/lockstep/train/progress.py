@@ -1,0 +1,66 @@
+"""The Trainer's rank-0 progress bar: tqdm on a terminal, and a line every few seconds when output is forwarded.
+
+Under ``lockstep launch`` (or any redirection) stderr is a pipe or a file, and tqdm's in-place updates
+(carriage returns, no newline) reach the launcher's line-by-line forwarding only when the bar closes,
+so a person saw nothing between epochs. Off a terminal the bar therefore writes each refresh as a
+line of its own, at most once every ``forwarded_interval_s``. The postfix carries the step time and
+the communication share (the all-reduce wait over the step time, from ``ddp.comm_stats()``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+
+class _LinePerRefresh:
+    """A file for tqdm that turns each carriage-return refresh into a line (for pipes and log files)."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").replace("\x1b[A", "")
+        if text.strip():
+            self.stream.write(text.rstrip("\n") + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _forwarded_bar_class():
+    from tqdm import tqdm
+
+    class ForwardedBar(tqdm):
+        """Always ends with the final line, even for an epoch shorter than the refresh interval."""
+
+        def close(self) -> None:
+            if not self.disable and self.last_print_n != self.n:
+                self.refresh()
+            super().close()
+
+    return ForwardedBar
+
+
+def progress_bar(total: int, initial: int, desc: str, enabled: bool, stream: TextIO | None = None,
+                 forwarded_interval_s: float = 10.0) -> Any:
+    """A tqdm bar on ``stream`` (default stderr); off a terminal, a line per refresh every ``forwarded_interval_s``."""
+    from tqdm import tqdm
+
+    stream = stream or sys.stderr
+    _ForwardedBar = _forwarded_bar_class()
+    if stream.isatty():
+        return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, leave=False, file=stream)
+    # No bar in a log: "epoch 0: 40/100 steps [00:12<00:18, 3.3it/s, loss=..., step_ms=..., comm=...]", and
+    # no empty line at the start (delay): the first line comes with the first refresh, the last at close.
+    return _ForwardedBar(total=total, initial=initial, desc=desc, disable=not enabled, file=_LinePerRefresh(stream),
+                mininterval=forwarded_interval_s, maxinterval=forwarded_interval_s, delay=1e-6, leave=False,
+                bar_format="{desc}: {n_fmt}/{total_fmt} steps [{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+
+
+def step_postfix(loss: float, samples_per_s: float, step_s: float, comm_share: float | None) -> dict[str, str]:
+    postfix = {"loss": f"{loss:.4f}", "step_ms": f"{step_s * 1e3:.1f}"}
+    if comm_share is not None:
+        postfix["comm"] = f"{comm_share:.0%}"
+    postfix["samples_per_s"] = f"{samples_per_s:.0f}"
+    return postfix

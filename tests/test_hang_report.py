@@ -1,0 +1,100 @@
+"""The hang report's words, from records (single process, no group): who waits for whom, and the settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from lockstep.diagnostics.progress import Progress, ProgressObserver, current_collective, user_location
+from lockstep.diagnostics.report import describe, diagnose
+from lockstep.diagnostics.watchdog import DEFAULT_HANG_TIMEOUT_S, FROM_ENV, resolve_hang_timeout
+
+
+def rec(step_done, phase, bucket=-1, seq=0, where="train.py:10 in main", collective=None, skipped=None):
+    return {"step_done": step_done, "phase": phase, "bucket": bucket, "seq": seq, "numel": 0, "stalled_s": 1.0,
+            "where": where, "collective": collective, "skipped_backward": skipped, "wall": 0.0, "beat": 1}
+
+
+def test_rank_behind_in_data_loading():
+    infos = {0: rec(11, "wait", 3, 40), 1: rec(11, "data", where="train.py:57 in main"), 2: rec(11, "wait", 3, 40)}
+    assert diagnose(infos, infos, 3) == ("rank 1 has not started forward of step 12 (in data loading at train.py:57 in main); "
+                                         "ranks 0, 2 wait in all-reduce of bucket 3 (collective #40) of step 12")
+
+
+def test_rank_in_forward_or_before_backward():
+    infos = {0: rec(4, "wait", 0, 9), 1: rec(4, "forward", collective="all_reduce", where="model.py:20 in forward")}
+    assert diagnose(infos, infos, 2).startswith(
+        "rank 1 has not finished forward of step 5 (in torch.distributed.all_reduce at model.py:20 in forward)")
+    infos[1] = rec(4, "loss")
+    assert diagnose(infos, infos, 2).startswith("rank 1 has not started backward of step 5")
+
+
+def test_rank_steps_behind_and_silent_rank():
+    infos = {0: rec(7, "wait", 1, 20), 1: rec(5, "optimizer")}
+    records = {**infos, 2: rec(7, "backward", 0, 19)}
+    text = diagnose(infos, records, 3)
+    assert text.startswith("rank 2 does not respond (last seen in backward of step 8, bucket 0 launched last): it died or is frozen; "
+                           "rank 1 is 2 step(s) behind, in optimizer after step 5")
+    assert text.endswith("rank 0 waits in all-reduce of bucket 1 (collective #20) of step 8")
+
+
+def test_ranks_in_different_collectives():
+    infos = {0: rec(2, "wait", 2, 8), 1: rec(2, "wait", 1, 7)}
+    assert diagnose(infos, infos, 2) == ("rank 1 is in all-reduce of bucket 1 (collective #7) of step 3 instead: the ranks' "
+                                         "collectives differ (in the end of backward at train.py:10 in main); "
+                                         "rank 0 waits in all-reduce of bucket 2 (collective #8) of step 3")
+
+
+def test_describe_phases():
+    assert describe(rec(0, "data")) == "data loading before step 1"
+    assert describe(rec(3, "optimizer")) == "optimizer after step 3"
+
+
+def test_observer_tracks_phases_and_a_skipped_backward():
+    progress = Progress()
+    expects = [False]
+    obs = ProgressObserver(lambda: expects[0], progress)
+    obs.forward_start()
+    assert progress.phase == "forward"
+    obs.forward_end()
+    expects[0] = True  # the reducer waits for this forward's backward, which never comes
+    obs.forward_start()
+    assert progress.skipped_backward[0] == 1 and "test_hang_report.py" in progress.skipped_backward[1]
+    obs.backward_start()
+    obs.bucket_launch(0, 100, 5)
+    obs.wait_start(0, 5)
+    assert (progress.phase, progress.bucket, progress.seq) == ("wait", 0, 5)
+    obs.backward_end(1)
+    assert (progress.phase, progress.step_done) == ("data", 1)
+    obs.some_event_added_later(1, 2)  # the seam may grow: unknown events are ignored
+
+
+def test_user_location_skips_library_frames():
+    import sys
+
+    assert user_location(sys._getframe()).startswith("test_hang_report.py:")
+    assert current_collective(sys._getframe()) is None
+
+
+def test_hang_timeout_settings(monkeypatch):
+    monkeypatch.delenv("LOCKSTEP_HANG_TIMEOUT_S", raising=False)
+    assert resolve_hang_timeout(FROM_ENV) == DEFAULT_HANG_TIMEOUT_S == 300
+    monkeypatch.setenv("LOCKSTEP_HANG_TIMEOUT_S", "42")
+    assert resolve_hang_timeout(FROM_ENV) == 42.0
+    monkeypatch.setenv("LOCKSTEP_HANG_TIMEOUT_S", "0")
+    assert resolve_hang_timeout(FROM_ENV) is None
+    assert resolve_hang_timeout(None) is None and resolve_hang_timeout(0) is None and resolve_hang_timeout(5) == 5.0
+    monkeypatch.setenv("LOCKSTEP_HANG_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match=r"\$LOCKSTEP_HANG_TIMEOUT_S must be a number"):
+        resolve_hang_timeout(FROM_ENV)
+    with pytest.raises(ValueError, match="hang_timeout_s must be >= 0"):
+        resolve_hang_timeout(-1)
+
+
+def test_trainer_config_and_launcher_flag():
+    from lockstep.launch.launcher import _build_parser
+    from lockstep.train.config import TrainerConfig
+
+    assert TrainerConfig(hang_timeout_s=30).hang_timeout_s == 30
+    with pytest.raises(ValueError, match="TrainerConfig.hang_timeout_s"):
+        TrainerConfig(hang_timeout_s=-1)
+    assert _build_parser().parse_args(["--hang-timeout", "12", "x.py"]).hang_timeout == 12.0
