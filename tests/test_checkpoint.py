@@ -30,7 +30,8 @@ def test_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     # a large tensor first, so bytes really hit the temporary file before pickling fails
     with pytest.raises(RuntimeError, match="refuses to be pickled"):
         ckpt.save_atomic({"format": ckpt.FORMAT, "big": torch.zeros(1 << 16), "bad": Unpicklable()}, path)
-    assert sorted(os.listdir(tmp_path)) == [path.name]
+    assert sorted(os.listdir(tmp_path)) == sorted([path.name, ckpt.meta_path(path).name])
+    assert ckpt.verify(path) is None
     payload = ckpt.load_checkpoint(path)
     assert payload["step"] == 5 and torch.equal(payload["weights"], torch.arange(3))
 

@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 from dist_utils import run_ranks
 from lockstep import Trainer, TrainerConfig
-from lockstep.train.checkpoint import list_checkpoints, load_checkpoint
+from lockstep.train.checkpoint import list_checkpoints, load_checkpoint, save_atomic
 from lockstep.launch.launcher import launch_function
 from lockstep.train.metrics import measure_exposed_comm, read_metrics
 
@@ -156,7 +156,7 @@ def _scenarios(rank, world_size, root):
     t.fit()
     out["clipped_step_norm"] = torch.cat([(a - b).flatten() for a, b in zip(_params(model), before)]).norm().item()
     # 10. resuming a checkpoint written by another number of ranks is refused on every rank
-    torch.save({"format": "lockstep-trainer-v1", "world_size": 3}, os.path.join(root, "ckpt-000000001.pt")) \
+    save_atomic({"format": "lockstep-trainer-v1", "step": 1, "world_size": 3}, os.path.join(root, "ckpt-000000001.pt")) \
         if rank == 0 else None
     try:
         _train(root, resume=True, checkpoint_dir=root)

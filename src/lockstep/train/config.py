@@ -31,6 +31,9 @@ class TrainerConfig:
     progress: bool = True  # a tqdm bar on global rank 0
     num_workers: int = 0  # DataLoader workers per rank
     max_steps: int | None = None  # stop after this many optimizer steps in total (resumed ones included)
+    on_save_error: str = "raise"  # a checkpoint that cannot be written (disk full): "raise" on every rank, or "continue"
+    preempt_on_sigterm: bool = True  # with checkpoint_dir: SIGTERM -> finish the step, checkpoint, exit 75 (requeue)
+    sample_log_path: str | None = None  # per-rank JSON lines of each step's sample ids; "{rank}" is replaced
 
     def __post_init__(self):
         positive = ["epochs", "batch_size", "grad_accum_steps", "keep_last", "log_every_steps"]
@@ -54,6 +57,8 @@ class TrainerConfig:
                 f"TrainerConfig.autocast_dtype must be None or one of {sorted(_AUTOCAST_DTYPES)}, "
                 f"got {self.autocast_dtype!r} (float16 would need a GradScaler, which the Trainer does not run)"
             )
+        if self.on_save_error not in ("raise", "continue"):
+            raise ValueError(f"TrainerConfig.on_save_error must be 'raise' or 'continue', got {self.on_save_error!r}")
         for name in ("resume", "save_every_steps"):
             if getattr(self, name) and self.checkpoint_dir is None:
                 raise ValueError(f"TrainerConfig.{name} needs TrainerConfig.checkpoint_dir to be set")
