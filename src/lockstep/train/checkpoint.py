@@ -30,6 +30,7 @@ from lockstep.train.checkpoint_files import (  # noqa: F401  (re-exported: the p
     meta_path,
     newest_good_checkpoint,
     probe_writable,
+    remove_stale_temporaries,
     prune_checkpoints,
     save_atomic,
     verify,
@@ -116,8 +117,7 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
                           CheckpointWarning, stacklevel=2)
         return None
     trainer._saved_step = trainer.step
-    if path is not None:
-        trainer.last_checkpoint = path
+    trainer.last_checkpoint = checkpoint_path(trainer.config.checkpoint_dir, trainer.step)  # on every rank
     return path
 
 

@@ -73,10 +73,15 @@ class _HashingWriter:
 
     def __init__(self, f, kill: KillPoint | None, step: int):
         self.f, self.sha256, self.nbytes = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
         self.kill, self.step = kill, step
 
     def write(self, data) -> int:
-        written = self.f.write(data)
+        try:
+            written = self.f.write(data)
+        except OSError as e:
+            self.error = e  # torch's zip writer raises its own RuntimeError on top of this one as it unwinds
+            raise
         self.sha256.update(data)
         self.nbytes += len(data)
         if self.kill is not None and self.nbytes >= CKPT_WRITE_KILL_AFTER_NBYTES:
@@ -140,14 +145,15 @@ def save_atomic(payload: dict, path: str | os.PathLike, kill: KillPoint | None =
         # the file counts as unfinished rather than as matching a checksum it no longer has
         meta_path(path).unlink(missing_ok=True)
         os.replace(tmp, path)
+        maybe_kill(kill, "ckpt_meta", step)
         meta = {"format": FORMAT, "file": path.name, "step": step, "nbytes": writer.nbytes,
                 "sha256": writer.sha256.hexdigest()}
         _write_durably(meta_path(path), (json.dumps(meta, indent=1) + "\n").encode())
-    except OSError as e:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
-        raise _save_error(path, e, writer.nbytes if writer else 0) from e
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+        os_error = writer.error if writer is not None and writer.error is not None else e
+        if isinstance(os_error, OSError):
+            raise _save_error(path, os_error, writer.nbytes if writer else 0) from e
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -223,6 +229,15 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"checkpoint {path} is not a lockstep Trainer checkpoint (format {FORMAT!r})")
     return payload
+
+
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Delete ``.ckpt-*.tmp-<pid>`` files that writers killed mid-save left behind (call before training)."""
+    directory = Path(directory)
+    stale = sorted(directory.glob(".ckpt-*.tmp-*")) if directory.is_dir() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
 
 
 def probe_writable(directory: str | os.PathLike) -> None:

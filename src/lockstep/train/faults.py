@@ -7,7 +7,9 @@ points, and this module reads one environment variable:
 
     LOCKSTEP_TEST_KILL_AT="step=7,phase=backward,rank=1"      (optional: ",attempt=0")
 
-``phase`` is one of PHASES; ``step`` is the optimizer step being computed (forward,
+``phase`` is one of PHASES (ckpt_open: the temporary file was just opened; ckpt_write:
+64 KiB of it written; ckpt_rename: written and fsynced, not yet renamed; ckpt_meta:
+renamed, its checksum file not yet written); ``step`` is the optimizer step being computed (forward,
 backward, optimizer) or the step whose checkpoint is being written (ckpt_*); ``rank`` the
 global rank to kill; ``attempt`` the elastic attempt (TORCHELASTIC_RESTART_COUNT, default
 0) so that a restarted group runs through. The process is killed with SIGKILL: no
@@ -25,7 +27,7 @@ import sys
 from dataclasses import dataclass
 
 ENV_VAR = "LOCKSTEP_TEST_KILL_AT"
-PHASES = ("forward", "backward", "optimizer", "ckpt_open", "ckpt_write", "ckpt_rename")
+PHASES = ("forward", "backward", "optimizer", "ckpt_open", "ckpt_write", "ckpt_rename", "ckpt_meta")
 CKPT_WRITE_KILL_AFTER_NBYTES = 64 * 1024  # "mid-write": once this much of the temporary file is written
 
 

@@ -12,8 +12,8 @@ Exit code: ``REQUEUE_EXIT_CODE`` = 75, sysexits.h's EX_TEMPFAIL ("temporary fail
 again"). ``lockstep launch`` passes it on, and ``lockstep slurm-script`` requeues the job
 on it (``scontrol requeue``; or set ``RequeueExit=75`` in slurm.conf).
 
-A second SIGTERM while the first is being honoured kills the process at once (the
-default action), so a rank stuck outside training can still be stopped.
+Further SIGTERMs are ignored (the scheduler and the launcher's agent both send one); SIGKILL,
+which the agent sends after its shutdown timeout, is the hard stop.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL
-PREEMPT_DIR_ENV = "LOCKSTEP_PREEMPT_DIR"  # set by `lockstep launch`: each preempted rank leaves a file there
+from lockstep.slurm import PREEMPT_DIR_ENV, REQUEUE_EXIT_CODE  # the contract with launch/, at the bottom layer
+
+__all__ = ["PREEMPT_DIR_ENV", "REQUEUE_EXIT_CODE", "Preempted", "PreemptionWatch", "leave_marker"]
 
 
 class Preempted(SystemExit):
@@ -66,9 +67,10 @@ class PreemptionWatch:
             self.installed = False
 
     def _handle(self, signum, frame) -> None:
-        if self.requested:  # the second one: stop now, as if no handler were installed
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        if self.requested:
+            # Repeats are expected, not an escalation: SLURM or systemd signal every process while the
+            # launcher's agent forwards its own SIGTERM. The agent's SIGKILL after its shutdown timeout
+            # (15 s in lockstep launch) stops a rank that cannot finish.
             return
         self.requested = True
         sys.stderr.write(f"lockstep: {signal.Signals(signum).name} received; finishing the current step on every "

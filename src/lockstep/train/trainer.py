@@ -25,6 +25,7 @@ from lockstep.ddp.wrapper import DistributedDataParallel
 from lockstep.sampler import DistributedSampler
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.config import _AUTOCAST_DTYPES, TrainerConfig
+from lockstep.train.departures import PeerLeft, announce_departure, departed_peers
 from lockstep.train.evaluate import evaluate
 from lockstep.train.faults import install_kill_hooks, kill_point_from_env
 from lockstep.train.metrics import MetricsLog, comm_report, comm_wait_share
@@ -137,6 +138,9 @@ class Trainer:
                 watch.drain()
             if cfg.checkpoint_dir and self._saved_step != self.step:
                 self.save_checkpoint(on_error="raise" if self.preempted else None)
+        except BaseException as e:
+            self._explain_departure(e)
+            raise
         finally:
             if watch is not None:
                 watch.uninstall()
@@ -150,12 +154,23 @@ class Trainer:
             raise Preempted(self.step, str(self.last_checkpoint))
         return self.summary()
 
+    def _explain_departure(self, error: BaseException) -> None:
+        """Leaving training early: tell the other ranks why; failing because another rank left: say which."""
+        if isinstance(error, KeyboardInterrupt):
+            return
+        others = departed_peers(dist.get_rank(), dist.get_world_size())
+        announce_departure(dist.get_rank(), self.step, error)
+        if others and not isinstance(error, SystemExit):
+            raise PeerLeft(f"{others}; rank {self.rank} was in step {self.step + 1} and cannot go on without it "
+                           f"(every rank must run every step): {type(error).__name__}: {error}") from error
+
     def _check_checkpoint_dir(self) -> None:
         # before any step: a directory nobody can write to fails now, on every rank, not at the first save
         status = [None]
         if self.is_writer:
             try:
                 ckpt.probe_writable(self.config.checkpoint_dir)
+                ckpt.remove_stale_temporaries(self.config.checkpoint_dir)  # left by a writer killed mid-save
             except ckpt.CheckpointSaveError as e:
                 status = [str(e)]
         dist.broadcast_object_list(status, src=0, group=self.group)  # one small collective per fit()

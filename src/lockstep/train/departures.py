@@ -1,0 +1,59 @@
+"""Why a rank left training, told to the ranks it left behind.
+
+When one rank leaves ``fit()`` early (an exception, or a ``sys.exit(0)`` in a callback) the
+others only see their next collective fail ("Connection closed by peer"), which names no
+cause. So a leaving rank writes one line to the process group's key-value store (the
+TCPStore every rank already talks to), and a rank whose own step fails reads the others'
+lines and raises an error that names the rank that left, the step and the reason.
+
+Cost: nothing on the normal path; one store write when a rank leaves, one read per rank
+when a step fails. The store lives in global rank 0's process: if rank 0 is the one gone,
+the others say so instead.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+_KEY = "lockstep/trainer/left/{rank}"
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()  # torch's own store; no public accessor
+    except Exception:
+        return None
+
+
+def announce_departure(rank: int, step: int, error: BaseException) -> None:
+    """Record (best effort) that ``rank`` left training after ``step`` because of ``error``."""
+    store = _store()
+    if store is None:
+        return
+    what = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    try:
+        store.set(_KEY.format(rank=rank), f"rank {rank} left training after step {step} ({what})")
+    except Exception:
+        pass  # the store may be gone already (rank 0 left first): the others then say that
+
+
+def departed_peers(rank: int, world_size: int) -> str | None:
+    """What the other ranks that left said, or why we cannot know; None if no one else left a word."""
+    store = _store()
+    if store is None:
+        return None
+    said = []
+    try:
+        for other in range(world_size):
+            key = _KEY.format(rank=other)
+            if other != rank and store.check([key]):
+                said.append(store.get(key).decode())
+    except Exception as e:
+        if rank != 0:
+            return f"the store in global rank 0's process is unreachable ({type(e).__name__}): rank 0 is gone"
+        return None
+    return "; ".join(said) or None
+
+
+class PeerLeft(RuntimeError):
+    """This rank's step failed because another rank had left training; the message names it."""
