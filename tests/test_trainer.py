@@ -417,15 +417,17 @@ def test_checkpoint_from_another_model_names_missing_and_unexpected_keys(results
     for rank in range(2):
         error = out[rank]["other_model_error"]
         assert error.startswith("ValueError: checkpoint ") and "ckpt-000000099.pt is from another model" in error
-        assert "missing keys: 0.weight, 0.bias, 3.weight, 3.bias" in error
-        assert "unexpected keys: none" in error and "shape mismatches: 0.weight: (3, 6) saved, (32, 6) here" in error
+        assert "missing keys: 3.bias, 3.weight; unexpected keys: none" in error
+        assert "shape mismatches: 0.bias: (3,) saved, (32,) here, 0.weight: (3, 6) saved, (32, 6) here" in error
 
 
 def test_failed_save_raises_on_every_rank_or_goes_on_as_configured(results):
     _, out = results
     for rank in range(2):
         error = out[rank]["save_raise"]
-        assert error.startswith("CheckpointSaveError:") and "ckpt-000000003.pt could not be written" in error
+        assert error.startswith("CheckpointSaveError: [Errno 21] checkpoint ")
+        assert "ckpt-000000003.pt could not be written: [Errno 21] Is a directory" in error
+        assert f"(reported by global rank 0 to rank {rank})" in error
         assert "there is no previous checkpoint" in error
         assert out[rank]["save_continue"] is None and out[rank]["save_continue_steps"] == 15
         (failure,) = out[rank]["save_continue_errors"]
@@ -438,7 +440,8 @@ def test_unwritable_checkpoint_dir_fails_every_rank_before_training(results):
         pytest.skip("running as root where mount is not allowed: no way to make a directory read-only")
     for rank in range(2):
         error = out[rank]["read_only_error"]
-        assert "TrainerConfig.checkpoint_dir" in error and "read-only" in error and "is not writable" in error
+        assert error.startswith("CheckpointSaveError: [Errno 30] TrainerConfig.checkpoint_dir ")
+        assert "read-only is not writable: Read-only file system" in error
         assert "checked by global rank 0 before training" in error
 
 

@@ -104,9 +104,13 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
         kill = trainer._kill if trainer._kill is not None and trainer._kill.phase.startswith("ckpt") else None
         try:
             path = save_atomic(payload, checkpoint_path(directory, trainer.step), kill=kill)
-            prune_checkpoints(directory, trainer.config.keep_last)
-        except CheckpointSaveError as e:
-            status = [str(e)]
+        except Exception as e:  # whatever it is, every rank must hear of it: rank 0 alone must not leave
+            status = [str(e) if isinstance(e, CheckpointSaveError) else f"checkpoint {directory}: {type(e).__name__}: {e}"]
+        if path is not None:
+            try:
+                prune_checkpoints(directory, trainer.config.keep_last)
+            except OSError as e:  # the new checkpoint is safe; an old one that will not go is only untidy
+                warnings.warn(f"lockstep: could not delete an old checkpoint in {directory}: {e}", CheckpointWarning)
     dist.broadcast_object_list(status, src=0, group=trainer.group)
     if status[0] is not None:
         if on_error == "raise":

@@ -13,9 +13,23 @@ the others say so instead.
 
 from __future__ import annotations
 
+import itertools
+
 import torch.distributed as dist
 
-_KEY = "lockstep/trainer/left/{rank}"
+# One key space per fit(): ranks call fit() equally often, so the n-th fit of every rank shares a number
+# and a departure from an earlier fit in the same process group is never read as a new one.
+_KEY = "lockstep/trainer/{fit}/left/{rank}"
+_fits = itertools.count()
+
+
+def next_fit() -> int:
+    return next(_fits)
+
+
+def is_communication_failure(error: BaseException) -> bool:
+    """A collective failed (gloo/NCCL errors are plain RuntimeErrors or torch's DistError), not the code around it."""
+    return type(error) is RuntimeError or isinstance(error, getattr(dist, "DistError", ()))
 
 
 def _store():
@@ -25,19 +39,19 @@ def _store():
         return None
 
 
-def announce_departure(rank: int, step: int, error: BaseException) -> None:
+def announce_departure(fit: int, rank: int, step: int, error: BaseException) -> None:
     """Record (best effort) that ``rank`` left training after ``step`` because of ``error``."""
     store = _store()
     if store is None:
         return
     what = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
     try:
-        store.set(_KEY.format(rank=rank), f"rank {rank} left training after step {step} ({what})")
+        store.set(_KEY.format(fit=fit, rank=rank), f"rank {rank} left training after step {step} ({what})")
     except Exception:
         pass  # the store may be gone already (rank 0 left first): the others then say that
 
 
-def departed_peers(rank: int, world_size: int) -> str | None:
+def departed_peers(fit: int, rank: int, world_size: int) -> str | None:
     """What the other ranks that left said, or why we cannot know; None if no one else left a word."""
     store = _store()
     if store is None:
@@ -45,7 +59,7 @@ def departed_peers(rank: int, world_size: int) -> str | None:
     said = []
     try:
         for other in range(world_size):
-            key = _KEY.format(rank=other)
+            key = _KEY.format(fit=fit, rank=other)
             if other != rank and store.check([key]):
                 said.append(store.get(key).decode())
     except Exception as e:
