@@ -125,6 +125,29 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
     return path
 
 
+def open_writer_files(trainer):
+    """Global rank 0 checks the checkpoint directory (a probe file; stale temporaries removed) and opens the
+    metrics file; a failure there ends every rank alike when the Trainer is built (one small collective),
+    not rank 0 alone with the others left waiting in their first step. Returns the MetricsLog."""
+    from lockstep.train.metrics import MetricsLog
+
+    cfg, status, metrics = trainer.config, [None], MetricsLog(None, enabled=False)
+    if trainer.is_writer:
+        try:
+            if cfg.checkpoint_dir:
+                probe_writable(cfg.checkpoint_dir)
+                remove_stale_temporaries(cfg.checkpoint_dir)  # left by a writer killed mid-save
+            metrics = MetricsLog(cfg.metrics_path, enabled=True)
+        except CheckpointSaveError as e:
+            status = [str(e)]
+        except OSError as e:
+            status = [f"TrainerConfig.metrics_path {cfg.metrics_path} cannot be opened for writing: {e}"]
+    dist.broadcast_object_list(status, src=0, group=trainer.group)
+    if status[0] is not None:
+        raise CheckpointSaveError(status[0])
+    return metrics
+
+
 def _check_same_model(path, saved: dict, model: torch.nn.Module) -> None:
     expected = model.state_dict()
     missing = sorted(set(expected) - set(saved))

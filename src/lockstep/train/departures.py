@@ -71,3 +71,17 @@ def departed_peers(fit: int, rank: int, world_size: int) -> str | None:
 
 class PeerLeft(RuntimeError):
     """This rank's step failed because another rank had left training; the message names it."""
+
+
+def explain_departure(trainer, error: BaseException) -> None:
+    """Called as ``trainer.fit()`` unwinds: leaving early, tell the others why; failing because
+    another rank left, raise PeerLeft naming it."""
+    if isinstance(error, KeyboardInterrupt):
+        return
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    others = departed_peers(trainer._fit, rank, world_size) if is_communication_failure(error) else None
+    if others is None:
+        announce_departure(trainer._fit, rank, trainer.step, error)  # this rank is where it started
+    else:
+        raise PeerLeft(f"{others}; rank {trainer.rank} was in step {trainer.step + 1} and cannot go on without it "
+                       f"(every rank must run every step): {type(error).__name__}: {error}") from error

@@ -25,8 +25,7 @@ from lockstep.ddp.wrapper import DistributedDataParallel
 from lockstep.sampler import DistributedSampler
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.config import _AUTOCAST_DTYPES, TrainerConfig
-from lockstep.train.departures import (PeerLeft, announce_departure, departed_peers, is_communication_failure,
-                                       next_fit)
+from lockstep.train.departures import explain_departure, next_fit
 from lockstep.train.evaluate import evaluate
 from lockstep.train.faults import install_kill_hooks, kill_point_from_env
 from lockstep.train.metrics import MetricsLog, comm_report, comm_wait_share
@@ -95,7 +94,7 @@ class Trainer:
         self._train_time_s, self._samples_seen = 0.0, 0
         self.history: list[dict] = []
         self.last_checkpoint, self._saved_step, self.resumed_from = None, None, None
-        self.metrics = self._open_writer_files()
+        self.metrics = ckpt.open_writer_files(self)  # rank 0's files checked on every rank alike
         self.save_errors: list[str] = []  # checkpoints that failed under on_save_error="continue"
         self.preempted, self._watch = False, None
         self._sample_log = None  # opened by fit() when sample_log_path is set
@@ -139,7 +138,7 @@ class Trainer:
             if cfg.checkpoint_dir and self._saved_step != self.step:
                 self.save_checkpoint(on_error="raise" if self.preempted else None)
         except BaseException as e:
-            self._explain_departure(e)
+            explain_departure(self, e)  # tell the others why this rank leaves, or name the rank that left
             raise
         finally:
             if watch is not None:
@@ -153,37 +152,6 @@ class Trainer:
             leave_marker(dist.get_rank(), self.step, str(self.last_checkpoint))
             raise Preempted(self.step, str(self.last_checkpoint))
         return self.summary()
-
-    def _explain_departure(self, error: BaseException) -> None:
-        """Leaving training early: tell the other ranks why; failing because another rank left: say which."""
-        if isinstance(error, KeyboardInterrupt):
-            return
-        others = departed_peers(self._fit, dist.get_rank(), dist.get_world_size()) \
-            if is_communication_failure(error) else None
-        if others is None:
-            announce_departure(self._fit, dist.get_rank(), self.step, error)  # this rank is where it started
-        else:
-            raise PeerLeft(f"{others}; rank {self.rank} was in step {self.step + 1} and cannot go on without it "
-                           f"(every rank must run every step): {type(error).__name__}: {error}") from error
-
-    def _open_writer_files(self) -> MetricsLog:
-        """Global rank 0 checks the checkpoint directory and opens the metrics file; a failure there ends every
-        rank alike before any step (one small collective), not rank 0 alone with the others left waiting."""
-        cfg, status, metrics = self.config, [None], MetricsLog(None, enabled=False)
-        if self.is_writer:
-            try:
-                if cfg.checkpoint_dir:
-                    ckpt.probe_writable(cfg.checkpoint_dir)
-                    ckpt.remove_stale_temporaries(cfg.checkpoint_dir)  # left by a writer killed mid-save
-                metrics = MetricsLog(cfg.metrics_path, enabled=True)
-            except ckpt.CheckpointSaveError as e:
-                status = [str(e)]
-            except OSError as e:
-                status = [f"TrainerConfig.metrics_path {cfg.metrics_path} cannot be opened for writing: {e}"]
-        dist.broadcast_object_list(status, src=0, group=self.group)
-        if status[0] is not None:
-            raise ckpt.CheckpointSaveError(status[0])
-        return metrics
 
     def _open_sample_log(self) -> None:
         path = self.config.sample_log_path.replace("{rank}", str(self.rank))
