@@ -36,7 +36,7 @@ from lockstep.train.faults import PHASES
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "fault_scripts", "train.py")
 KILL_RUNS = int(os.environ.get("LOCKSTEP_KILL_RUNS", "2"))
-KILL_SEED = int(os.environ.get("LOCKSTEP_KILL_SEED", "20261123"))
+KILL_SEED = int(os.environ.get("LOCKSTEP_KILL_SEED", "20261135"))  # default: backward, then ckpt_write
 STEPS, SAVE_STEPS, N_TRAIN = 15, [2, 4, 6, 8, 10, 12, 14, 15], 150
 MAX_RESTARTS = 2
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
@@ -52,14 +52,15 @@ def draw_kill_points(seed: int, n: int) -> list[str]:
     first = [rng.choice(train), rng.choice(ckpt)]
     rest = [p for p in PHASES if p not in first]
     rng.shuffle(rest)
-    phases = (first + rest + [rng.choice(PHASES) for _ in range(n)])[:n]
+    count = max(n, 10)  # the same draw whatever n: the default run's points are the first of CI's ten
+    phases = (first + rest + [rng.choice(PHASES) for _ in range(count)])[:count]
     points = []
     for phase in phases:
         if phase.startswith("ckpt"):  # only global rank 0 writes, at the steps that save
             points.append(f"step={rng.choice(SAVE_STEPS)},phase={phase},rank=0")
         else:
             points.append(f"step={rng.randint(1, STEPS)},phase={phase},rank={rng.randint(0, 1)}")
-    return points
+    return points[:n]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
