@@ -109,6 +109,7 @@ def _write_durably(path: Path, data: bytes) -> None:
 def _save_error(path: Path, e: OSError, nbytes: int) -> CheckpointSaveError:
     older = [p.name for _, p in list_checkpoints(path.parent) if p != path]
     kept = f"the previous checkpoint {older[-1]} is intact" if older else "there is no previous checkpoint"
+    # (the temporary is already deleted here, so the free space is what a retry would have)
     if e.errno in _NO_SPACE:
         try:
             space = f"{free_mb(path.parent):.1f} MB free"
@@ -116,7 +117,7 @@ def _save_error(path: Path, e: OSError, nbytes: int) -> CheckpointSaveError:
             space = "free space unknown"
         return CheckpointSaveError(
             e.errno, f"checkpoint {path} could not be written: {e.strerror or e} after {nbytes / 2**20:.1f} MB "
-            f"({space} on the file system of {path.parent}); the partial file was removed and {kept}")
+            f"were written ({space} on the file system of {path.parent} once the partial file was removed); {kept}")
     return CheckpointSaveError(e.errno, f"checkpoint {path} could not be written: {e}; {kept}")
 
 
