@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from lockstep.train.checkpoint_files import (  # noqa: F401  (re-exported: the public file API)
     FORMAT,
+    UNFINISHED,
     CheckpointSaveError,
     checkpoint_path,
     latest_checkpoint,
@@ -166,8 +167,9 @@ def load_trainer_checkpoint(trainer) -> str | None:
 
     Rank 0 checks the checksums, newest first, skips bad files with a CheckpointWarning naming
     each and why, and broadcasts its choice, so every rank loads the same file even if a
-    directory listing differs between hosts. If checkpoints exist but none is good, every
-    rank raises rather than silently starting over.
+    directory listing differs between hosts. If the only checkpoints are unfinished saves, it
+    starts from step 0; if a committed one is damaged and none is good, every rank raises
+    rather than silently starting over.
     """
     choice = [None, []]
     if trainer.is_writer:
@@ -180,9 +182,12 @@ def load_trainer_checkpoint(trainer) -> str | None:
             warnings.warn(f"lockstep: skipping checkpoint {bad}: {why}; "
                           f"{'resuming from ' + path if path else 'no older good one'}", CheckpointWarning, stacklevel=2)
     if path is None:
-        if skipped:
+        # only unfinished saves (killed before their metadata): as if there were none, start from step 0;
+        # a committed checkpoint that is damaged, with nothing older, is data lost: say so, do not start over
+        damaged = [(bad, why) for bad, why in skipped if not why.startswith(UNFINISHED)]
+        if damaged:
             raise RuntimeError(f"no good checkpoint in {trainer.config.checkpoint_dir}: "
-                               + "; ".join(f"{bad}: {why}" for bad, why in skipped))
+                               + "; ".join(f"{bad}: {why}" for bad, why in damaged))
         return None
     payload = load_checkpoint(path)
     if payload["world_size"] != trainer.world_size:

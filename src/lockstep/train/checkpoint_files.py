@@ -27,6 +27,7 @@ import torch
 from lockstep.train.faults import CKPT_WRITE_KILL_AFTER_NBYTES, KillPoint, maybe_kill
 
 FORMAT = "lockstep-trainer-v1"
+UNFINISHED = "no metadata file "  # how verify() begins the reason for a save that never committed
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # full disk, quota, file-size limit (RLIMIT_FSIZE)
 
@@ -171,7 +172,7 @@ def verify(path: str | os.PathLike) -> str | None:
     """
     path, meta_file = Path(path), meta_path(path)
     if not meta_file.is_file():
-        return f"no metadata file {meta_file.name} (its save never finished)"
+        return f"{UNFINISHED}{meta_file.name} (its save never finished)"
     try:
         meta = json.loads(meta_file.read_text())
         expected_nbytes, expected_sha = int(meta["nbytes"]), str(meta["sha256"])
