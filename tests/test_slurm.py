@@ -90,11 +90,18 @@ def test_sbatch_script_runs_one_launch_agent_per_node(capsys):
     for expected in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                      "#SBATCH --time=02:00:00", "#SBATCH --job-name=big"):
         assert expected in lines
-    assert lines[-1] == ("srun --ntasks-per-node=1 lockstep launch --nproc-per-node 8 --max-restarts 2 "
-                         "train.py --epochs 3 --name 'a b'")
+    srun = [line for line in lines if line.startswith("srun ")]
+    assert srun == ["srun --ntasks-per-node=1 lockstep launch --nproc-per-node 8 --max-restarts 2 "
+                    "train.py --epochs 3 --name 'a b' && rc=0 || rc=$?"]
+    # preemption: SIGTERM 120 s ahead, and the job requeued when the workers exit 75 after their checkpoint
+    assert "#SBATCH --signal=TERM@120" in lines and "#SBATCH --requeue" in lines
+    assert 'if [ "$rc" -eq 75 ]; then' in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert lines[-1] == 'exit "$rc"'
+    from lockstep.train.preempt import REQUEUE_EXIT_CODE
+    assert REQUEUE_EXIT_CODE == 75
     cpu = sbatch_script(["t.py"], nodes=2)
     assert not any("gpus-per-node" in line for line in cpu.splitlines())
-    assert cpu.splitlines()[-1] == "srun --ntasks-per-node=1 lockstep launch --nproc-per-node auto t.py"
+    assert "srun --ntasks-per-node=1 lockstep launch --nproc-per-node auto t.py && rc=0 || rc=$?" in cpu.splitlines()
     with pytest.raises(ValueError, match="--nodes"):
         sbatch_script(["t.py"], nodes=0)
     # the CLI prints the same script

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -16,7 +17,7 @@ from torch.utils.data import TensorDataset
 
 from dist_utils import run_ranks
 from lockstep import Trainer, TrainerConfig
-from lockstep.train.checkpoint import list_checkpoints, load_checkpoint
+from lockstep.train.checkpoint import list_checkpoints, load_checkpoint, save_atomic
 from lockstep.launch.launcher import launch_function
 from lockstep.train.metrics import measure_exposed_comm, read_metrics
 
@@ -156,20 +157,97 @@ def _scenarios(rank, world_size, root):
     t.fit()
     out["clipped_step_norm"] = torch.cat([(a - b).flatten() for a, b in zip(_params(model), before)]).norm().item()
     # 10. resuming a checkpoint written by another number of ranks is refused on every rank
-    torch.save({"format": "lockstep-trainer-v1", "world_size": 3}, os.path.join(root, "ckpt-000000001.pt")) \
+    save_atomic({"format": "lockstep-trainer-v1", "step": 1, "world_size": 3}, os.path.join(root, "ckpt-000000001.pt")) \
         if rank == 0 else None
     try:
         _train(root, resume=True, checkpoint_dir=root)
         out["world_size_error"] = None
     except ValueError as e:
         out["world_size_error"] = str(e)
+    out.update(_fault_scenarios(rank, root))
+    return out
+
+
+def _read_only_dir(path) -> str | None:
+    """A directory this process cannot write to: a read-only tmpfs as root, chmod 555 otherwise; None if neither."""
+    os.makedirs(path)
+    if os.geteuid() != 0:
+        os.chmod(path, 0o555)
+        return "chmod 555"
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", path], capture_output=True)
+    return "read-only tmpfs" if done.returncode == 0 else None
+
+
+def _fault_scenarios(rank, root):
+    """Checkpoint faults at the Trainer level (issue 12, sections 2 and 5); every rank must end alike."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from lockstep.train.checkpoint import CheckpointSaveError, CheckpointWarning
+
+    out = {}
+
+    def attempt(fn):
+        try:
+            fn()
+            return None
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+
+    # the newest checkpoint corrupted (one byte flipped): resume takes the older one, warns, ends identical
+    f_dir = os.path.join(root, "f")
+    _train(f_dir, crash_at=7)  # checkpoints 3 and 6
+    if rank == 0:
+        newest = os.path.join(f_dir, "ckpt-000000006.pt")
+        data = bytearray(open(newest, "rb").read())
+        data[len(data) // 2] ^= 0x01
+        open(newest, "wb").write(bytes(data))
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed_f, _ = _train(f_dir, init_seed=96, resume=True)
+    out["f_params"] = _params(resumed_f.model)
+    out["f_resumed_from"] = str(resumed_f.resumed_from)
+    out["f_warnings"] = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+    # a checkpoint from another model, newer than the good ones: an error naming the keys, on every rank
+    if rank == 0:
+        other = nn.Sequential(nn.Linear(6, 3))
+        save_atomic({"format": "lockstep-trainer-v1", "step": 99, "world_size": 2, "model": other.state_dict()},
+                    os.path.join(f_dir, "ckpt-000000099.pt"))
+    dist.barrier()
+    out["other_model_error"] = attempt(lambda: _train(f_dir, resume=True))
+    # a save that fails on rank 0 (a directory squats on the file name): every rank raises, or every rank goes on
+    for mode in ("raise", "continue"):
+        g_dir = os.path.join(root, f"g_{mode}")
+        if rank == 0:
+            os.makedirs(os.path.join(g_dir, "ckpt-000000003.pt", "squatter"))
+        dist.barrier()
+        holder = {}
+        out[f"save_{mode}"] = attempt(lambda: holder.update(t=_train(g_dir, on_save_error=mode)[0]))
+        if "t" in holder:
+            out[f"save_{mode}_steps"] = holder["t"].step
+            out[f"save_{mode}_errors"] = holder["t"].save_errors
+    # a checkpoint directory nobody can write to: every rank fails before the first step
+    ro_dir = os.path.join(root, "read-only")
+    how = [_read_only_dir(ro_dir) if rank == 0 else None]
+    dist.broadcast_object_list(how, src=0)
+    out["read_only_how"] = how[0]
+    if how[0]:
+        out["read_only_error"] = attempt(lambda: _train(ro_dir))
+        if rank == 0 and how[0].endswith("tmpfs"):
+            subprocess.run(["umount", ro_dir], check=False)
+    # fewer samples than ranks: refused at construction, on every rank alike
+    model = _model(0)
+    out["small_data_error"] = attempt(lambda: Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                                      nn.functional.cross_entropy, _data(1, 0)))
     return out
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("trainer"))
-    return root, run_ranks(_scenarios, world_size=2, args=(root,), timeout_s=150)
+    return root, run_ranks(_scenarios, world_size=2, args=(root,), timeout_s=240)
 
 
 def _equal(xs, ys):
@@ -319,3 +397,56 @@ def test_killed_rank_restarted_by_the_elastic_agent_resumes_exactly(results, tmp
         assert not finals[rank]["first"]  # these results come from the restarted attempt
         assert finals[rank]["resumed_from"].endswith("ckpt-000000006.pt")
         assert _equal(finals[rank]["params"], out[rank]["a_params"]), f"rank {rank} diverged after the restart"
+
+
+# ---------------------------------------------------------------- faults (issue 12, sections 2 and 5)
+
+
+def test_corrupted_newest_checkpoint_is_skipped_with_a_warning_and_resume_stays_exact(results):
+    _, out = results
+    for rank in range(2):
+        assert out[rank]["f_resumed_from"].endswith("ckpt-000000003.pt")
+        assert _equal(out[rank]["f_params"], out[rank]["a_params"]), f"rank {rank} diverged"
+    (warning,) = out[0]["f_warnings"]  # rank 0 chose, and says so once
+    assert "skipping checkpoint" in warning and "ckpt-000000006.pt: checksum mismatch" in warning
+    assert "resuming from" in warning and warning.endswith("ckpt-000000003.pt")
+
+
+def test_checkpoint_from_another_model_names_missing_and_unexpected_keys(results):
+    _, out = results
+    for rank in range(2):
+        error = out[rank]["other_model_error"]
+        assert error.startswith("ValueError: checkpoint ") and "ckpt-000000099.pt is from another model" in error
+        assert "missing keys: 3.bias, 3.weight; unexpected keys: none" in error
+        assert "shape mismatches: 0.bias: (3,) saved, (32,) here, 0.weight: (3, 6) saved, (32, 6) here" in error
+
+
+def test_failed_save_raises_on_every_rank_or_goes_on_as_configured(results):
+    _, out = results
+    for rank in range(2):
+        error = out[rank]["save_raise"]
+        assert error.startswith("CheckpointSaveError: [Errno 21] checkpoint ")
+        assert "ckpt-000000003.pt could not be written: [Errno 21] Is a directory" in error
+        assert f"(reported by global rank 0 to rank {rank})" in error
+        assert "there is no previous checkpoint" in error
+        assert out[rank]["save_continue"] is None and out[rank]["save_continue_steps"] == 15
+        (failure,) = out[rank]["save_continue_errors"]
+        assert "ckpt-000000003.pt could not be written" in failure
+
+
+def test_unwritable_checkpoint_dir_fails_every_rank_before_training(results):
+    _, out = results
+    if out[0]["read_only_how"] is None:
+        pytest.skip("running as root where mount is not allowed: no way to make a directory read-only")
+    for rank in range(2):
+        error = out[rank]["read_only_error"]
+        assert error.startswith("CheckpointSaveError: [Errno 30] TrainerConfig.checkpoint_dir ")
+        assert "read-only is not writable: Read-only file system" in error
+        assert "checked by global rank 0 before training" in error
+
+
+def test_dataset_smaller_than_the_world_is_refused(results):
+    _, out = results
+    for rank in range(2):
+        assert out[rank]["small_data_error"] == ("ValueError: Trainer: train_data has 1 samples, fewer than the 2 "
+                                                 "ranks; every rank needs at least one sample of its own")

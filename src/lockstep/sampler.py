@@ -135,6 +135,23 @@ class DistributedSampler(Sampler[int]):
             self._yielded = j + 1  # counted as it is handed out: the generator pauses at the yield
             yield order[(self.rank + j * self.num_replicas) % n]
 
+    @property
+    def consumed(self) -> int:
+        """Indices reported consumed this epoch through ``advance()`` (a resumed position included once
+        iteration has begun); the position the loop body is at, whatever the loader prefetched."""
+        return self._advanced or 0
+
+    def indices(self, start: int, stop: int) -> list[int]:
+        """This rank's dataset indices at positions ``[start, stop)`` of the current epoch (what
+        ``__iter__`` yields there). For audit logs: the permutation is cached per epoch, one
+        ``randperm`` per epoch rather than per call."""
+        key = (self.epoch, self.seed, len(self.dataset), self.shuffle)
+        cached = getattr(self, "_order_cache", None)
+        if cached is None or cached[0] != key:
+            cached = self._order_cache = (key, self._order())
+        order, n = cached[1], len(cached[1])
+        return [order[(self.rank + j * self.num_replicas) % n] for j in range(start, min(stop, self.num_samples))]
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's shuffle. Re-setting the epoch just loaded keeps the resumed position."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:

@@ -11,6 +11,11 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+# Preemption contract between the Trainer (train/preempt.py), `lockstep launch` and the sbatch script:
+REQUEUE_EXIT_CODE = 75  # a worker exits with this after its preemption checkpoint (sysexits.h EX_TEMPFAIL)
+PREEMPT_DIR_ENV = "LOCKSTEP_PREEMPT_DIR"  # set by `lockstep launch`; each preempted worker leaves a file there
+PREEMPT_NOTICE_S = 120  # sbatch --signal lead time before the time limit
+
 _BRACKET = re.compile(r"^(?P<prefix>[^\[\]]*)\[(?P<body>[^\[\]]+)\](?P<rest>.*)$")
 
 
@@ -167,6 +172,10 @@ def sbatch_script(
     lines += [
         f"#SBATCH --time={time}",
         "#SBATCH --output=%x-%j.out",
+        # Preemption: SIGTERM to every task 120 s before the time limit; the Trainer finishes the step,
+        # checkpoints and exits 75 (EX_TEMPFAIL), and the job goes back to the queue to resume.
+        f"#SBATCH --signal=TERM@{PREEMPT_NOTICE_S}",
+        "#SBATCH --requeue",
         "",
         "set -euo pipefail",
         "# One task per node: each runs one lockstep launch agent, which starts the node's workers.",
@@ -179,5 +188,11 @@ def sbatch_script(
     if max_restarts:
         launch.append(f"--max-restarts {max_restarts}")
     launch += [shlex.quote(a) for a in script_and_args]
-    lines.append("srun --ntasks-per-node=1 " + " ".join(launch))
+    lines.append("srun --ntasks-per-node=1 " + " ".join(launch) + " && rc=0 || rc=$?")
+    lines += [
+        f"if [ \"$rc\" -eq {REQUEUE_EXIT_CODE} ]; then  # preempted after a checkpoint: requeue, resume=True continues",
+        "  scontrol requeue \"$SLURM_JOB_ID\" || true  # (or RequeueExit=75 in slurm.conf)",
+        "fi",
+        "exit \"$rc\"",
+    ]
     return "\n".join(lines) + "\n"

@@ -25,10 +25,15 @@ from typing import Any, Callable, Iterator, Sequence
 from lockstep.launch import rendezvous
 from lockstep.launch.output import RANK_PREFIX_TEMPLATE, LaunchError, RankLogsSpecs, failure_report
 from lockstep.network import pick_gloo_interface, route_source_addr
+from lockstep.slurm import PREEMPT_DIR_ENV, REQUEUE_EXIT_CODE
 
 _SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # the agent stops the workers, then exits, on these
 _SHUTDOWN_TIMEOUT_S = 15  # SIGTERM, then SIGKILL after this long: a stuck worker cannot hold the launcher
 LOOPBACK_ADDR = "127.0.0.1"  # single-node default: the rendezvous and MASTER_ADDR stay on loopback
+
+
+class WorkersPreempted(RuntimeError):
+    """SIGTERM reached the launcher and every worker here checkpointed and exited REQUEUE_EXIT_CODE."""
 
 
 class RendezvousFailed(RuntimeError):
@@ -153,7 +158,7 @@ def _local_addr(master_addr: str) -> str | None:
 
 
 @contextlib.contextmanager
-def _agent_environment(options: LaunchOptions, log_dir: str | None = None) -> Iterator[None]:
+def _agent_environment(options: LaunchOptions, log_dir: str | None = None, extra: dict[str, str] | None = None) -> Iterator[None]:
     """Environment the agent and (inherited) its workers need; restored afterwards (launch_function runs in-process)."""
     updates = {
         # The fix that makes --max-restarts work (PyTorch issue #135712): by default the agent shares its
@@ -177,6 +182,7 @@ def _agent_environment(options: LaunchOptions, log_dir: str | None = None) -> It
         updates["LOCKSTEP_HANG_TIMEOUT_S"] = f"{options.hang_timeout_s:g}"  # DDP's default (diagnostics.watchdog)
     if log_dir:
         updates["LOCKSTEP_LOG_DIR"] = log_dir  # hang reports go beside the ranks' logs
+    updates.update(extra or {})
     if options.as_torch_ddp:
         updates["LOCKSTEP_AS_TORCH_DDP"] = "1"  # read in every worker at `import torch` (lockstep.integrations.autoload)
     if "OMP_NUM_THREADS" not in os.environ and options.nproc_per_node > 1:
@@ -227,6 +233,7 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
     naming the first failed rank, its exit code and the tail of its stderr once the
     restarts are used up, and RendezvousFailed when the nodes cannot meet.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
@@ -238,9 +245,19 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
     config = _launch_config(options, logs)
     rendezvous.register()
     keep_logs = bool(options.log_dir)  # the user asked for them
+    # Preempted workers leave a file here (train/preempt.py): after a SIGTERM the agent keeps no exit codes
+    preempt_dir = tempfile.mkdtemp(prefix="preempted-", dir=log_dir)
     try:
-        with _agent_environment(options, log_dir), _quiet_agent_failure_log():
+        with _agent_environment(options, log_dir, {PREEMPT_DIR_ENV: preempt_dir}), _quiet_agent_failure_log():
             results = elastic_launch(config, entrypoint)(*args)
+    except SignalException as e:
+        done = sorted(os.listdir(preempt_dir))
+        if e.sigval == signal.SIGTERM and len(done) >= options.nproc_per_node:
+            raise WorkersPreempted(
+                f"lockstep launch: stopped by SIGTERM; every worker here ({', '.join(done)}) finished its step and "
+                f"wrote a checkpoint; exit code {REQUEUE_EXIT_CODE} asks the scheduler to requeue (resume=True continues)"
+            ) from None
+        raise
     except ChildFailedError as e:
         keep_logs = True  # the report points the user at them
         report = failure_report(e, logs, restarts_used=logs.restart_count)
@@ -265,6 +282,7 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
             f"lockstep launch: the rendezvous at {config.rdzv_endpoint} (--master-addr/--master-port) failed: {why}"
         ) from e
     finally:
+        shutil.rmtree(preempt_dir, ignore_errors=True)
         if not keep_logs:
             shutil.rmtree(log_dir, ignore_errors=True)
     return dict(results or {})

@@ -17,10 +17,10 @@ import signal
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
-from lockstep.launch.agent import LOOPBACK_ADDR, LaunchOptions, RendezvousFailed, run_agent
+from lockstep.launch.agent import LOOPBACK_ADDR, LaunchOptions, RendezvousFailed, WorkersPreempted, run_agent
 from lockstep.launch.output import LaunchError
 from lockstep.network import ensure_gloo_interface
-from lockstep.slurm import sbatch_script, slurm_launch_env
+from lockstep.slurm import REQUEUE_EXIT_CODE, sbatch_script, slurm_launch_env
 
 __all__ = [
     "LaunchError",
@@ -224,8 +224,14 @@ def cli_main(argv: Sequence[str]) -> int:
         run_agent(options, sys.executable, ["-u", script, *script_args])
     except LaunchError as e:
         sys.stderr.write(str(e) + "\n")
+        if e.exitcode == REQUEUE_EXIT_CODE:
+            sys.stderr.write(f"lockstep launch: exit code {REQUEUE_EXIT_CODE}: the workers were preempted (SIGTERM) "
+                             "after writing a checkpoint; requeue the job to resume\n")
         sys.stderr.flush()
         return _exit_code(e)
+    except WorkersPreempted as e:
+        print(e, file=sys.stderr)
+        return REQUEUE_EXIT_CODE
     except RendezvousFailed as e:
         print(e, file=sys.stderr)
         return 1

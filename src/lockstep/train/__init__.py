@@ -1,6 +1,9 @@
 """Training on top of the DDP: the Trainer with exact checkpoint/resume, metrics, data, and the demo."""
 
+from lockstep.train.checkpoint_files import CheckpointSaveError
 from lockstep.train.config import TrainerConfig
+from lockstep.train.departures import PeerLeft
+from lockstep.train.preempt import REQUEUE_EXIT_CODE, Preempted
 from lockstep.train.trainer import Trainer
 
-__all__ = ["Trainer", "TrainerConfig"]
+__all__ = ["CheckpointSaveError", "PeerLeft", "Preempted", "REQUEUE_EXIT_CODE", "Trainer", "TrainerConfig"]

@@ -5,24 +5,41 @@ optimizer, scheduler, step, each rank's sampler position and each rank's RNG sta
 (torch, numpy, Python's ``random``; CUDA's when present) — ranks draw different
 dropout masks, so one rank's RNG is not enough. Everything is stored as tensors and
 plain containers so ``torch.load(weights_only=True)`` reads it: loading a checkpoint
-never runs code from the file. Writing is atomic (temporary file in the same
-directory, fsync, rename, fsync of the directory), so a crash mid-write leaves the
-previous checkpoint intact and never a half-written newest one.
+never runs code from the file. The files themselves (atomic writes, the SHA-256 in
+``ckpt-<step>.meta.json``, finding the newest good one) are ``checkpoint_files``; this
+module gathers what each rank must keep and puts it back.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import re
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-FORMAT = "lockstep-trainer-v1"
-_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+from lockstep.train.checkpoint_files import (  # noqa: F401  (re-exported: the public file API)
+    FORMAT,
+    UNFINISHED,
+    CheckpointSaveError,
+    checkpoint_path,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    meta_path,
+    newest_good_checkpoint,
+    probe_writable,
+    remove_stale_temporaries,
+    prune_checkpoints,
+    save_atomic,
+    verify,
+)
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped on resume (truncated, corrupted, unfinished); the message names it and why."""
 
 
 # -- RNG states as weights_only-safe values ----------------------------------------------
@@ -63,122 +80,121 @@ def restore_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# -- files ---------------------------------------------------------------------------------
-def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
-    # zero-padded so a directory listing sorts by step, for people as well as for list_checkpoints
-    return Path(directory) / f"ckpt-{step:09d}.pt"
-
-
-def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint in ``directory``, oldest first; temporaries are ignored."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = []
-    for entry in directory.iterdir():
-        match = _NAME.match(entry.name)
-        if match:
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
-
-
-def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    found = list_checkpoints(directory)
-    return found[-1][1] if found else None
-
-
-def save_atomic(payload: dict, path: str | os.PathLike) -> Path:
-    """Write ``payload`` to ``path`` so that ``path`` is either absent, the old file, or complete.
-
-    Cost: one fsync of the file and one of the directory (milliseconds on a local disk,
-    more on network file systems) per checkpoint.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # the temporary lives in the same directory: os.replace is atomic only within a file system
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-    return path
-
-
-def prune_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` checkpoints; returns what was deleted."""
-    if keep_last < 1:
-        raise ValueError(f"prune_checkpoints: keep_last must be >= 1, got {keep_last}")
-    found = list_checkpoints(directory)
-    doomed = [path for _, path in found[:-keep_last]]
-    for path in doomed:
-        path.unlink(missing_ok=True)
-    return doomed
-
-
-def load_checkpoint(path: str | os.PathLike) -> dict:
-    """Read a checkpoint with ``weights_only=True`` and check it is one of ours."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise RuntimeError(f"checkpoint {path} could not be read safely (weights_only=True): {e}") from e
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {path} is not a lockstep Trainer checkpoint (format {FORMAT!r})")
-    return payload
-
-
 # -- the Trainer's checkpoint ------------------------------------------------------------
-def save_trainer_checkpoint(trainer) -> Path | None:
+def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None:
     """Gather every rank's sampler position, RNG states and epoch loss; global rank 0 writes atomically.
 
-    A collective: every rank of ``trainer.group`` must call it at the same step.
+    A collective: every rank of ``trainer.group`` must call it at the same step. Rank 0
+    broadcasts whether its write succeeded (one small collective per checkpoint), so a
+    failed save ends on every rank alike: all raise CheckpointSaveError (``on_error``
+    "raise", default TrainerConfig.on_save_error) or all train on ("continue", a warning).
     """
+    on_error = on_error or trainer.config.on_save_error
     mine = {"sampler": trainer.sampler.state_dict(), "rng": capture_rng_state(),
             "loss_sum": trainer._loss_sum, "loss_count": trainer._loss_count}
     gathered = [None] * trainer.world_size if trainer.is_writer else None
     dist.gather_object(mine, gathered, dst=0, group=trainer.group)  # pickled in memory between our own ranks only
-    trainer._saved_step = trainer.step
-    if not trainer.is_writer:
+    path, status = None, [None]
+    if trainer.is_writer:
+        scheduler = trainer.scheduler
+        payload = {"format": FORMAT, "step": trainer.step, "epoch": trainer.epoch,
+                   "batches_done": trainer.batches_done, "world_size": trainer.world_size,
+                   "model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+                   "scheduler": scheduler.state_dict() if scheduler is not None else None, "ranks": gathered}
+        directory = trainer.config.checkpoint_dir
+        kill = trainer._kill if trainer._kill is not None and trainer._kill.phase.startswith("ckpt") else None
+        try:
+            path = save_atomic(payload, checkpoint_path(directory, trainer.step), kill=kill)
+        except Exception as e:  # whatever it is, every rank must hear of it: rank 0 alone must not leave
+            status = [str(e) if isinstance(e, CheckpointSaveError) else f"checkpoint {directory}: {type(e).__name__}: {e}"]
+        if path is not None:
+            try:
+                prune_checkpoints(directory, trainer.config.keep_last)
+            except OSError as e:  # the new checkpoint is safe; an old one that will not go is only untidy
+                warnings.warn(f"lockstep: could not delete an old checkpoint in {directory}: {e}", CheckpointWarning)
+    dist.broadcast_object_list(status, src=0, group=trainer.group)
+    if status[0] is not None:
+        if on_error == "raise":
+            raise CheckpointSaveError(status[0] + f" (reported by global rank 0 to rank {trainer.rank})")
+        trainer.save_errors.append(status[0])
+        if trainer.is_writer:
+            warnings.warn(f"{status[0]}; training goes on (TrainerConfig.on_save_error='continue')",
+                          CheckpointWarning, stacklevel=2)
         return None
-    scheduler = trainer.scheduler
-    payload = {"format": FORMAT, "step": trainer.step, "epoch": trainer.epoch, "batches_done": trainer.batches_done,
-               "world_size": trainer.world_size, "model": trainer.model.state_dict(),
-               "optimizer": trainer.optimizer.state_dict(),
-               "scheduler": scheduler.state_dict() if scheduler is not None else None, "ranks": gathered}
-    directory = trainer.config.checkpoint_dir
-    path = save_atomic(payload, checkpoint_path(directory, trainer.step))
-    prune_checkpoints(directory, trainer.config.keep_last)
-    trainer.last_checkpoint = path
+    trainer._saved_step = trainer.step
+    trainer.last_checkpoint = checkpoint_path(trainer.config.checkpoint_dir, trainer.step)  # on every rank
     return path
 
 
-def load_trainer_checkpoint(trainer) -> str | None:
-    """Load the newest checkpoint into ``trainer`` on every rank; None (and no change) if there is none.
+def open_writer_files(trainer):
+    """Global rank 0 checks the checkpoint directory (a probe file; stale temporaries removed) and opens the
+    metrics file; a failure there ends every rank alike when the Trainer is built (one small collective),
+    not rank 0 alone with the others left waiting in their first step. Returns the MetricsLog."""
+    from lockstep.train.metrics import MetricsLog
 
-    Rank 0 picks the file and broadcasts its name, so every rank loads the same one even
-    if a directory listing differs between hosts.
+    cfg, status, metrics = trainer.config, [None], MetricsLog(None, enabled=False)
+    if trainer.is_writer:
+        try:
+            if cfg.checkpoint_dir:
+                probe_writable(cfg.checkpoint_dir)
+                remove_stale_temporaries(cfg.checkpoint_dir)  # left by a writer killed mid-save
+            metrics = MetricsLog(cfg.metrics_path, enabled=True)
+        except CheckpointSaveError as e:
+            status = [str(e)]
+        except OSError as e:
+            status = [f"TrainerConfig.metrics_path {cfg.metrics_path} cannot be opened for writing: {e}"]
+    dist.broadcast_object_list(status, src=0, group=trainer.group)
+    if status[0] is not None:
+        raise CheckpointSaveError(status[0])
+    return metrics
+
+
+def _check_same_model(path, saved: dict, model: torch.nn.Module) -> None:
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    shapes = [f"{k}: {tuple(saved[k].shape)} saved, {tuple(expected[k].shape)} here" for k in sorted(set(saved) & set(expected))
+              if hasattr(saved[k], "shape") and saved[k].shape != expected[k].shape]
+    if missing or unexpected or shapes:
+        def few(keys):
+            return ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "") if keys else "none"
+        raise ValueError(f"checkpoint {path} is from another model: missing keys: {few(missing)}; "
+                         f"unexpected keys: {few(unexpected)}" + (f"; shape mismatches: {few(shapes)}" if shapes else ""))
+
+
+def load_trainer_checkpoint(trainer) -> str | None:
+    """Load the newest good checkpoint into ``trainer`` on every rank; None (and no change) if there is none.
+
+    Rank 0 checks the checksums, newest first, skips bad files with a CheckpointWarning naming
+    each and why, and broadcasts its choice, so every rank loads the same file even if a
+    directory listing differs between hosts. If the only checkpoints are unfinished saves, it
+    starts from step 0; if a committed one is damaged and none is good, every rank raises
+    rather than silently starting over.
     """
-    choice = [str(latest_checkpoint(trainer.config.checkpoint_dir) or "") if trainer.is_writer else None]
+    choice = [None, []]
+    if trainer.is_writer:
+        good, skipped = newest_good_checkpoint(trainer.config.checkpoint_dir)
+        choice = [str(good) if good else None, [(str(p), why) for p, why in skipped]]
     dist.broadcast_object_list(choice, src=0, group=trainer.group)
-    path = choice[0]
-    if not path:
+    path, skipped = choice
+    if trainer.is_writer:
+        for bad, why in skipped:
+            warnings.warn(f"lockstep: skipping checkpoint {bad}: {why}; "
+                          f"{'resuming from ' + path if path else 'no older good one'}", CheckpointWarning, stacklevel=2)
+    if path is None:
+        # only unfinished saves (killed before their metadata): as if there were none, start from step 0;
+        # a committed checkpoint that is damaged, with nothing older, is data lost: say so, do not start over
+        damaged = [(bad, why) for bad, why in skipped if not why.startswith(UNFINISHED)]
+        if damaged:
+            raise RuntimeError(f"no good checkpoint in {trainer.config.checkpoint_dir}: "
+                               + "; ".join(f"{bad}: {why}" for bad, why in damaged))
         return None
     payload = load_checkpoint(path)
     if payload["world_size"] != trainer.world_size:
         raise ValueError(f"checkpoint {path} was written by {payload['world_size']} ranks; this run has "
-                         f"{trainer.world_size}, and an exact resume needs the same number")
+                         f"{trainer.world_size}, and an exact resume needs the same number (each rank's "
+                         f"sampler position and RNG states are saved per rank)")
+    _check_same_model(path, payload["model"], trainer.model)
     if (payload["scheduler"] is None) != (trainer.scheduler is None):
         raise ValueError(f"checkpoint {path} and this Trainer disagree on having an lr scheduler")
     trainer.model.load_state_dict(payload["model"])

@@ -37,6 +37,9 @@ class TrainerConfig:
     trace_dir: str | None = None  # record the overlap timeline of trace_steps there (Chrome trace, summary, PNG)
     trace_steps: tuple[int, int] = (5, 10)  # first and last optimizer step of the timeline, inclusive
     hang_timeout_s: float | None = None  # DDP's hang watchdog; None: DDP's default ($LOCKSTEP_HANG_TIMEOUT_S or 300); 0: off
+    on_save_error: str = "raise"  # a checkpoint that cannot be written (disk full): "raise" on every rank, or "continue"
+    preempt_on_sigterm: bool = True  # with checkpoint_dir: SIGTERM -> finish the step, checkpoint, exit 75 (requeue)
+    sample_log_path: str | None = None  # per-rank JSON lines of each step's sample ids; "{rank}" is replaced
 
     def __post_init__(self):
         positive = ["epochs", "batch_size", "grad_accum_steps", "keep_last", "log_every_steps"]
@@ -67,6 +70,8 @@ class TrainerConfig:
         if not (isinstance(steps, (tuple, list)) and len(steps) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in steps)
                 and 1 <= steps[0] <= steps[1]):
             raise ValueError(f"TrainerConfig.trace_steps must be (first, last) with 1 <= first <= last, got {steps!r}")
+        if self.on_save_error not in ("raise", "continue"):
+            raise ValueError(f"TrainerConfig.on_save_error must be 'raise' or 'continue', got {self.on_save_error!r}")
         for name in ("resume", "save_every_steps"):
             if getattr(self, name) and self.checkpoint_dir is None:
                 raise ValueError(f"TrainerConfig.{name} needs TrainerConfig.checkpoint_dir to be set")

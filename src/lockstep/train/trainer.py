@@ -11,7 +11,9 @@ has its own generator), so a resumed run repeats an uninterrupted one bit for bi
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import sys
 import time
 from typing import Callable
 
@@ -24,8 +26,11 @@ from lockstep.diagnostics.progress import set_phase
 from lockstep.sampler import DistributedSampler
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.config import _AUTOCAST_DTYPES, TrainerConfig
+from lockstep.train.departures import explain_departure, next_fit
 from lockstep.train.evaluate import evaluate
+from lockstep.train.faults import install_kill_hooks, kill_point_from_env
 from lockstep.train.metrics import MetricsLog, comm_report, comm_wait_share
+from lockstep.train.preempt import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch, leave_marker
 from lockstep.train.progress import progress_bar, step_postfix
 
 __all__ = ["Trainer", "TrainerConfig"]
@@ -77,6 +82,9 @@ class Trainer:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.on_step_end, self.on_epoch_end = on_step_end, on_epoch_end
         self.train_data, self.eval_data = train_data, eval_data
+        if len(train_data) < self.world_size:  # every rank computes this alike: all raise, no collective needed
+            raise ValueError(f"Trainer: train_data has {len(train_data)} samples, fewer than the {self.world_size} "
+                             f"ranks; every rank needs at least one sample of its own")
         self.sampler = DistributedSampler(train_data, self.world_size, self.rank, shuffle=True, seed=cfg.seed)
         self.global_batch = cfg.batch_size * cfg.grad_accum_steps * self.world_size
         if cfg.warmup_steps or cfg.lr_scale_base_batch:
@@ -92,7 +100,13 @@ class Trainer:
         self._train_time_s, self._samples_seen = 0.0, 0
         self.history: list[dict] = []
         self.last_checkpoint, self._saved_step, self.resumed_from = None, None, None
-        self.metrics = MetricsLog(cfg.metrics_path, enabled=self.is_writer)
+        self.metrics = ckpt.open_writer_files(self)  # rank 0's files checked on every rank alike
+        self.save_errors: list[str] = []  # checkpoints that failed under on_save_error="continue"
+        self.preempted, self._watch = False, None
+        self._sample_log = None  # opened by fit() when sample_log_path is set
+        self._kill = kill_point_from_env(dist.get_rank())  # test-only fault hook (faults.py); None normally
+        if self._kill is not None:
+            install_kill_hooks(self, self._kill)
 
     # -- data ------------------------------------------------------------------------------
     def _loader(self, data, sampler, batch_size: int, epoch: int) -> DataLoader:
@@ -111,20 +125,47 @@ class Trainer:
     def fit(self) -> dict:
         """Train (resuming first if configured), evaluate each epoch, checkpoint; return a summary."""
         cfg = self.config
+        self._fit = next_fit()  # names this fit's departure keys in the store (departures.py)
         if cfg.resume:
             self.load_latest()
+        watch = PreemptionWatch(self.group, self.device) if cfg.checkpoint_dir and cfg.preempt_on_sigterm else None
+        self._watch = watch
         try:
-            while self.epoch < cfg.epochs and not self._stopped():
+            if watch is not None:
+                watch.install()
+            if cfg.sample_log_path:
+                self._open_sample_log()
+            while self.epoch < cfg.epochs and not self._stopped() and not self.preempted:
                 if not self._train_epoch():
-                    break  # stopped mid-epoch by max_steps: no epoch summary
+                    break  # stopped mid-epoch by max_steps or preemption: no epoch summary
                 self._end_epoch()
+            if watch is not None:
+                watch.drain()
             if cfg.checkpoint_dir and self._saved_step != self.step:
-                self.save_checkpoint()
+                self.save_checkpoint(on_error="raise" if self.preempted else None)
             if self.ddp.trace is not None and not self.ddp.trace.finished:
                 self.ddp.trace.write()  # a run shorter than the window: write what was recorded
+        except BaseException as e:
+            explain_departure(self, e)  # tell the others why this rank leaves, or name the rank that left
+            raise
         finally:
+            if watch is not None:
+                watch.uninstall()
+            if self._sample_log is not None:
+                self._sample_log.close()
             self.metrics.close()
+        if self.preempted:
+            print(f"lockstep: rank {self.rank} preempted: stopped after step {self.step}, checkpoint "
+                  f"{self.last_checkpoint}; exiting with {REQUEUE_EXIT_CODE} (requeue)", file=sys.stderr, flush=True)
+            leave_marker(dist.get_rank(), self.step, str(self.last_checkpoint))
+            raise Preempted(self.step, str(self.last_checkpoint))
         return self.summary()
+
+    def _open_sample_log(self) -> None:
+        path = self.config.sample_log_path.replace("{rank}", str(self.rank))
+        self._sample_log = open(path, "a", buffering=1)  # line-buffered: each step's line survives a SIGKILL
+        self._sample_log.write(json.dumps({"event": "start", "step": self.step, "resumed_from": self.resumed_from})
+                               + "\n")
 
     def _stopped(self) -> bool:
         return self.config.max_steps is not None and self.step >= self.config.max_steps
@@ -140,6 +181,7 @@ class Trainer:
         t_group, group_samples = time.perf_counter(), 0
         t_data = t_group
         set_phase("data")  # for a hang report: the Trainer knows its phases, DDP only forward/backward
+        step_ids: list[int] | None = [] if self._sample_log is not None else None
         for i, (inputs, targets) in enumerate(loader, start=self.batches_done):
             tracer = self.ddp.trace  # the timeline's data and optimizer phases (None unless tracing)
             if tracer is not None:
@@ -158,6 +200,9 @@ class Trainer:
             self._loss_count += len(targets)
             group_samples += len(targets)
             self.batches_done = i + 1
+            if step_ids is not None:  # audit log only: positions consumed so far -> dataset indices
+                consumed = self.sampler.consumed
+                step_ids += self.sampler.indices(consumed, consumed + len(targets))
             self.sampler.advance(len(targets))  # what was consumed, not what the loader prefetched
             t_data = time.perf_counter()
             if not sync:
@@ -178,9 +223,16 @@ class Trainer:
             self._train_time_s += step_s
             self._samples_seen += group_samples * self.world_size  # every rank steps through equal shards
             group_samples = 0
+            if step_ids is not None:
+                self._sample_log.write(json.dumps({"step": self.step, "epoch": self.epoch, "ids": step_ids}) + "\n")
+                step_ids = []
             self._after_step(loss_value, bar, step_s)
             t_group = t_data = time.perf_counter()  # logging and checkpoints are not step time
             set_phase("data")
+            if self._watch is not None and self._watch.should_stop():  # every rank agrees on the same step
+                self.preempted = True
+                bar.close()
+                return False
             if self._stopped() and self.batches_done < n_batches:
                 bar.close()
                 return False
@@ -233,9 +285,11 @@ class Trainer:
                         self.config.eval_batch_size or self.config.batch_size, self.device, self._autocast, self.group)
 
     # -- checkpoints -----------------------------------------------------------------------
-    def save_checkpoint(self):
-        """Every rank must call this (it gathers each rank's sampler position and RNG); global rank 0 writes."""
-        return ckpt.save_trainer_checkpoint(self)
+    def save_checkpoint(self, on_error: str | None = None):
+        """Every rank must call this (it gathers each rank's sampler position and RNG); global rank 0 writes.
+
+        ``on_error`` ("raise" / "continue") overrides TrainerConfig.on_save_error for this save."""
+        return ckpt.save_trainer_checkpoint(self, on_error)
 
     def load_latest(self):
         """Load the newest checkpoint in checkpoint_dir on every rank; returns its path, or None if there is none."""
