@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from lockstep.perf.costmodel import ALGORITHMS, bus_bandwidth_gb_s, fit_link
+from lockstep.perf.spawn import spawn_and_collect
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 RATIO_MIN_NBYTES = 4 << 20
@@ -114,36 +115,12 @@ def _timed(all_reduce, buf, algo, dist) -> tuple[float, float]:
 
 def run(sizes, algorithms=ALGORITHMS, world_size=2, iters=20, min_iters=3, budget_s=6.0, dtype="float32", timeout_s=600.0):
     """Spawn ``world_size`` gloo ranks on this host and return the timing rows."""
-    import multiprocessing as mp
-    import queue as queue_mod
-
     from lockstep.process_group import free_port
 
     port = free_port()
     cfg = dict(sizes=list(sizes), algorithms=list(algorithms), iters=iters, min_iters=min_iters,
                budget_s=budget_s, dtype=dtype, timeout_s=timeout_s)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, cfg, q)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            try:
-                status, payload = q.get(timeout=1.0)
-                break
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"bench ranks {dead or 'all'} died or timed out after {timeout_s:.0f} s")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    if status != "ok":
-        raise RuntimeError(payload)
+    payload = spawn_and_collect(_worker, world_size, port, cfg, timeout_s, "bench")
     for row in payload:
         row["algbw_gb_s"] = row["nbytes"] / row["median_s"] / 1e9
         row["busbw_gb_s"] = bus_bandwidth_gb_s(row["nbytes"], world_size, row["median_s"])

@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from lockstep.perf.spawn import spawn_and_collect
 from lockstep.perf.costmodel import LINKS
 from lockstep.perf.plan import PlanConfig, make_plan
 
@@ -147,35 +148,9 @@ def _worker(rank: int, world_size: int, port: int, cfg: dict, queue) -> None:
 
 def run_world(world_size: int, cfg: dict) -> list[dict]:
     """Spawn ``world_size`` ranks and return their rows (one per mode)."""
-    import multiprocessing as mp
-    import queue as queue_mod
-
     from lockstep.process_group import free_port
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, cfg, q)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + cfg["timeout_s"]
-    try:
-        while True:
-            try:
-                status, payload = q.get(timeout=1.0)
-                break
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"scaling ranks {dead or 'all'} of {world_size} died or timed out")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    if status != "ok":
-        raise RuntimeError(payload)
-    return payload
+    return spawn_and_collect(_worker, world_size, free_port(), cfg, cfg["timeout_s"], "scaling")
 
 
 def add_efficiency_and_prediction(rows: list[dict], link_name: str) -> None:

@@ -1,0 +1,38 @@
+"""Run a benchmark worker on a few spawned processes of this host and collect its result."""
+
+from __future__ import annotations
+
+import time
+
+
+def spawn_and_collect(worker, world_size: int, port: int, cfg: dict, timeout_s: float, what: str):
+    """Start ``worker(rank, world_size, port, cfg, queue)`` on ``world_size`` spawned processes and return
+    the first ``("ok", payload)`` one puts on the queue; a rank that dies or a run past ``timeout_s``
+    raises, naming the ranks (a silent death must not look like a hang).
+    """
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world_size, port, cfg, q)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                status, payload = q.get(timeout=1.0)
+                break
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"{what} ranks {dead or 'all'} of {world_size} died or timed out after {timeout_s:.0f} s")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if status != "ok":
+        raise RuntimeError(payload)
+    return payload
