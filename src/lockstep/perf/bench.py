@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from lockstep.perf.costmodel import ALGORITHMS, bus_bandwidth_gb_s, fit_link
-from lockstep.perf.spawn import spawn_and_collect
+from lockstep.perf.spawn import report_to_parent, spawn_and_collect
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 RATIO_MIN_NBYTES = 4 << 20
@@ -62,13 +62,13 @@ def _worker(rank, world_size, port, cfg, queue):
     from lockstep.collectives import all_reduce
 
     torch.set_num_threads(1)
-    try:
+    with report_to_parent(rank, queue) as rows:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=cfg["timeout_s"]),
         )
         dtype = getattr(torch, cfg["dtype"])
-        algos, rows = cfg["algorithms"], []
+        algos = cfg["algorithms"]
         for nbytes in cfg["sizes"]:
             numel = max(1, nbytes // torch.empty((), dtype=dtype).element_size())
             buf = torch.empty(numel, dtype=dtype)
@@ -97,13 +97,6 @@ def _worker(rank, world_size, port, cfg, queue):
                 rows.append({"algorithm": algo, "nbytes": numel * buf.element_size(), "iters": iters,
                              "median_s": statistics.median(times[:, k].tolist()), "min_s": times[:, k].min().item()})
             del buf
-        if rank == 0:
-            queue.put(("ok", rows))
-    except BaseException as e:  # the parent reports it; a silent death would look like a hang
-        queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _timed(all_reduce, buf, algo, dist) -> tuple[float, float]:

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from lockstep.perf.spawn import spawn_and_collect
+from lockstep.perf.spawn import report_to_parent, spawn_and_collect
 from lockstep.perf.costmodel import LINKS
 from lockstep.perf.plan import PlanConfig, make_plan
 
@@ -95,14 +95,13 @@ def _worker(rank: int, world_size: int, port: int, cfg: dict, queue) -> None:
     from lockstep.ddp.wrapper import DistributedDataParallel
 
     torch.set_num_threads(cfg["threads"])
-    try:
+    with report_to_parent(rank, queue) as rows:
         cuda = cfg["cuda"]
         if cuda:
             torch.cuda.set_device(rank)
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=cfg["timeout_s"]))
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-        rows = []
         for mode in cfg["modes"]:
             batch = cfg["batch"] // world_size if mode == "strong" else cfg["batch"]
             torch.manual_seed(0)
@@ -137,13 +136,6 @@ def _worker(rank: int, world_size: int, port: int, cfg: dict, queue) -> None:
                          "comm_wait_s_per_step": waits.item() / world_size / len(timed),
                          "params": sum(p.numel() for p in model.parameters()),
                          "tensors": sum(1 for _ in model.parameters())})
-        if rank == 0:
-            queue.put(("ok", rows))
-    except BaseException as e:  # the parent reports it; a silent death would look like a hang
-        queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def run_world(world_size: int, cfg: dict) -> list[dict]:

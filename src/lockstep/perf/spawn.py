@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Any, Iterator
 
 
 def spawn_and_collect(worker, world_size: int, port: int, cfg: dict, timeout_s: float, what: str):
@@ -36,3 +38,23 @@ def spawn_and_collect(worker, world_size: int, port: int, cfg: dict, timeout_s: 
     if status != "ok":
         raise RuntimeError(payload)
     return payload
+
+
+@contextlib.contextmanager
+def report_to_parent(rank: int, queue: Any) -> Iterator[list]:
+    """A worker's side of ``spawn_and_collect``: the body fills the yielded list; rank 0 sends it as
+    ``("ok", rows)``, any rank's exception is sent as ``("error", text)`` (a silent death would look
+    like a hang), and the process group is destroyed either way.
+    """
+    import torch.distributed as dist
+
+    rows: list = []
+    try:
+        yield rows
+        if rank == 0:
+            queue.put(("ok", rows))
+    except BaseException as e:
+        queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
