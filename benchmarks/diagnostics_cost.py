@@ -26,32 +26,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-
-def mlp_10m() -> nn.Module:
-    # 1024*2048 + 2*2048*2048 + 2048*10 (+ biases) = 10.5M parameters, 42 MB of fp32 gradients.
-    return nn.Sequential(
-        nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10)
-    )
-
-
-class Transformer(nn.Module):
-    """Embedding + 4 encoder layers + head: 52 parameter tensors, ~2.2M parameters."""
-
-    def __init__(self, vocab: int = 1000, d_model: int = 192, layers: int = 4):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d_model)
-        layer = nn.TransformerEncoderLayer(d_model, 4, 4 * d_model, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(d_model, 10)
-
-    def forward(self, tokens):
-        return self.head(self.encoder(self.embed(tokens)).mean(1))
-
-
-MODELS = {
-    "mlp": (mlp_10m, lambda g: (torch.randn(32, 1024, generator=g), torch.randint(0, 10, (32,), generator=g))),
-    "transformer": (Transformer, lambda g: (torch.randint(0, 1000, (16, 32), generator=g), torch.randint(0, 10, (16,), generator=g))),
-}
+sys.path.insert(0, os.path.dirname(__file__))
+from ddp_step import MODELS  # noqa: E402  the same models as the step benchmark
 
 
 def _contenders(build, bucket_view: bool, diagnostics: bool = False):
