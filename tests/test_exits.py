@@ -7,9 +7,13 @@ suite runs a few rounds per case; CI's exit-loop step runs LOCKSTEP_EXIT_RUNS=50
 
 from __future__ import annotations
 
+import glob
 import os
+import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -32,18 +36,44 @@ def _command(launcher: str, ending: str) -> list[str]:
     return [sys.executable, SCRIPT, "lockstep", ending, "spawn"]
 
 
+def _allow_core_dumps() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+def _backtraces(workdir: str) -> str:
+    """An abort is rare and its cause is in C++: when the kernel left a core file in the run's directory
+    (core_pattern "core", the default) and gdb is installed, the failure message carries every thread's
+    native backtrace, so one failure in CI is enough to see which thread aborted and where."""
+    cores = glob.glob(os.path.join(workdir, "core*"))
+    if not cores or shutil.which("gdb") is None:
+        return ""
+    out = []
+    for core in cores[:1]:
+        gdb = subprocess.run(
+            ["gdb", "-batch", "-nx", "-ex", "thread apply all bt 25", sys.executable, core],
+            capture_output=True, text=True, timeout=120,
+        )
+        lines = [line for line in gdb.stdout.splitlines() if line.startswith(("Thread ", "#"))]
+        out.append(f"backtraces from {os.path.basename(core)}:\n" + "\n".join(lines[:400]))
+    return "\n" + "\n".join(out)
+
+
 def _one(launcher: str, ending: str, i: int, retry: bool = True) -> str | None:
     env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(_command(launcher, ending), capture_output=True, text=True, timeout=180, env=env)
-    trained = proc.stdout.count("trained") if not ending.startswith("quick") else 2
-    if proc.returncode != 0 or trained != 2:
-        output = proc.stdout + proc.stderr
-        if retry and JOBS > 1 and "address already in use" in output.lower():
-            # Two jobs side by side: torch's agent picks a free port by binding port 0 and closing it,
-            # so a neighbour may take it first. A start-up race of the test, not an exit: run again.
-            return _one(launcher, ending, i, retry=False)
-        tail = output.strip().splitlines()[-12:]
-        return f"run {i}: exit {proc.returncode}, {trained} ranks trained: " + " | ".join(tail)
+    with tempfile.TemporaryDirectory(prefix="lockstep-exit-") as workdir:  # where a core file would land
+        proc = subprocess.run(_command(launcher, ending), capture_output=True, text=True, timeout=180, env=env,
+                              cwd=workdir, preexec_fn=_allow_core_dumps)
+        trained = proc.stdout.count("trained") if not ending.startswith("quick") else 2
+        if proc.returncode != 0 or trained != 2:
+            output = proc.stdout + proc.stderr
+            if retry and JOBS > 1 and "address already in use" in output.lower():
+                # Two jobs side by side: torch's agent picks a free port by binding port 0 and closing it,
+                # so a neighbour may take it first. A start-up race of the test, not an exit: run again.
+                return _one(launcher, ending, i, retry=False)
+            tail = output.strip().splitlines()[-12:]
+            aborts = [line for line in output.splitlines() if "terminate called" in line or "Fatal Python" in line]
+            return (f"run {i}: exit {proc.returncode}, {trained} ranks trained: " + " | ".join(aborts + tail)
+                    + _backtraces(workdir))
     return None
 
 

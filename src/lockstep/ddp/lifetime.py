@@ -1,24 +1,61 @@
 """What a reducer leaves behind, and when it goes: the process must exit 0 however the script ends.
 
-Every collective launched inside backward captures torch's thread-local
-state, which then holds a Python object (the ``contextvars`` context that
-``_engine_run_backward`` stashes for the length of the backward). Whichever thread
-drops the last reference to such a ``Work`` frees that object and needs the GIL; if
-it is gloo's worker thread while the interpreter is finalising, the thread is made
-to exit inside a noexcept destructor and the process aborts ("terminate called
-without an active exception"). So no gloo thread may hold the last reference: each
-bucket keeps its work (and the status exchange its own) until the next backward
-replaces it, long after gloo's thread let go, and at interpreter exit the works of
-every live reducer are released here, on the main thread, before finalisation
-starts. The hooks hold the reducer weakly, so a dropped DDP object takes its
-reducer, buffers and process-group reference with it.
+Every collective launched inside backward captures torch's thread-local state, which then holds a
+Python object (the ``contextvars`` context that ``_engine_run_backward`` stashes for the length of
+the backward). Whichever thread drops the last reference to such a ``Work`` frees that object and
+needs the GIL. gloo's worker thread holds its own reference to a work until a moment *after* it
+marked the work complete (it wakes the waiter first, then lets go), and on a crowded machine it can
+be descheduled in between for as long as the main thread needs to finish the script. If the main
+thread dropped its reference meanwhile and the interpreter is finalising when the worker lets go,
+the worker is made to exit inside a noexcept destructor and the process aborts ("terminate called
+without an active exception"; a core showed exactly this: ``~AsyncAllreduceWork`` ->
+``~ThreadLocalState`` -> ``decref`` -> ``take_gil`` -> ``pthread_exit`` in ``ProcessGroupGloo::runLoop``
+while the main thread was in ``Py_FinalizeEx``).
+
+So no work launched in backward may have its main-thread reference dropped shortly before exit:
+
+- during training each bucket keeps its work until the next backward replaces it (gloo's thread let
+  go long before, and the interpreter is not finalising, so whichever thread is last is safe);
+- a reducer that dies (its DDP object was dropped) and, at interpreter exit, every live reducer hand
+  their last works to ``bury``: a graveyard that is never freed, so the main thread's reference is never
+  dropped and the worker's cannot be the last. Entries older than ``_SAFE_AFTER_S`` are dropped when
+  the next arrives (long since let go by gloo, on a live interpreter), so a process that builds many
+  DDP objects keeps only the most recent ones' buffers; what remains at exit is reclaimed with the process.
+
+The hooks hold the reducer weakly, so a dropped DDP object takes its reducer, buffers and
+process-group reference with it.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
+import time
 import weakref
-from typing import Any
+from typing import Any, Iterable
+
+# Seconds after which gloo's worker has surely let go of a finished work. It lets go microseconds
+# after completion unless descheduled; this is many scheduler time slices on the most crowded machine.
+_SAFE_AFTER_S = 10.0
+
+_GRAVEYARD: list[tuple[float, list[Any]]] = []
+# One reference that nothing ever drops: finalisation clears the module's globals, but the list and
+# the works in it stay alive until the process is gone.
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_GRAVEYARD))
+
+
+def bury(works: Iterable[Any], graveyard: list = _GRAVEYARD) -> None:
+    """Keep finished works (``Work`` objects or futures) alive for good; see the module docstring.
+
+    Callable from ``__del__`` during finalisation (the graveyard comes in as a default argument, not
+    through the module's globals, which may already be gone).
+    """
+    now = time.monotonic()
+    while graveyard and now - graveyard[0][0] > _SAFE_AFTER_S:
+        graveyard.pop(0)  # dropped on a live interpreter, long after gloo's thread let go
+    kept = [w for w in works if w is not None]
+    if kept:
+        graveyard.append((now, kept))
 
 
 def remove_handles(handles: list) -> None:
@@ -37,7 +74,7 @@ def register_for_exit(reducer: Any) -> None:
 
 
 def _release_at_exit() -> None:
-    # atexit runs before the interpreter starts finalising: gloo's threads are idle and the GIL is ours.
+    # atexit runs before the interpreter starts finalising; the works go to the graveyard, not away.
     atexit.unregister(_release_at_exit)
     for reducer in list(_LIVE_REDUCERS):
         reducer.release_works()

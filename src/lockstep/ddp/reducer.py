@@ -32,7 +32,7 @@ from lockstep.ddp.buckets import assign_buckets
 from lockstep.ddp.copy_back import copy_back
 from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.launch_order import LaunchOrder
-from lockstep.ddp.lifetime import register_for_exit, remove_handles
+from lockstep.ddp.lifetime import bury, register_for_exit, remove_handles
 from lockstep.ddp.observe import StepObserver
 from lockstep.ddp.optim_in_backward import step_optimizers_in_backward
 from lockstep.ddp.reducer_state import Bucket, UsageTracker, raise_missing_gradients
@@ -375,10 +375,16 @@ class Reducer(ReducerSurface):
         remove_handles(self._handles)
 
     def release_works(self) -> None:
-        """Drop the finished works of the last backward, on the calling thread (see the module docstring)."""
+        """Hand the finished works of the last backward to the graveyard (see ``lifetime``)."""
+        bury([bucket.work for bucket in self.buckets] + [self.usage.last_work])
         for bucket in self.buckets:
             bucket.work = None
         self.usage.last_work = None
+
+    def __del__(self, _bury=bury) -> None:
+        # A dropped DDP object, or finalisation's collection: its works must not be freed here (``lifetime``).
+        state = self.__dict__  # a reducer that failed in __init__ may lack either
+        _bury([bucket.work for bucket in state.get("buckets", ())] + [getattr(state.get("usage"), "last_work", None)])
 
 
 def _make_hook(reducer_ref: weakref.ref, index: int) -> Callable[[torch.Tensor], None]:
