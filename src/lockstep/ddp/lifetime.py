@@ -19,8 +19,9 @@ So no work launched in backward may have its main-thread reference dropped short
 - a reducer that dies (its DDP object was dropped) and, at interpreter exit, every live reducer hand
   their last works to ``bury``: a graveyard that is never freed, so the main thread's reference is never
   dropped and the worker's cannot be the last. Entries older than ``_SAFE_AFTER_S`` are dropped when
-  the next arrives (long since let go by gloo, on a live interpreter), so a process that builds many
-  DDP objects keeps only the most recent ones' buffers; what remains at exit is reclaimed with the process.
+  the next arrives or a reducer is built (long since let go by gloo, on a live interpreter), so a
+  process that builds many DDP objects keeps only the last few seconds' dropped buffers; what remains
+  at exit is reclaimed with the process.
 
 The hooks hold the reducer weakly, so a dropped DDP object takes its reducer, buffers and
 process-group reference with it.
@@ -36,7 +37,7 @@ from typing import Any, Iterable
 
 # Seconds after which gloo's worker has surely let go of a finished work. It lets go microseconds
 # after completion unless descheduled; this is many scheduler time slices on the most crowded machine.
-_SAFE_AFTER_S = 10.0
+_SAFE_AFTER_S = 5.0
 
 _GRAVEYARD: list[tuple[float, list[Any]]] = []
 # One reference that nothing ever drops: finalisation clears the module's globals, but the list and
@@ -44,15 +45,18 @@ _GRAVEYARD: list[tuple[float, list[Any]]] = []
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_GRAVEYARD))
 
 
-def bury(works: Iterable[Any], graveyard: list = _GRAVEYARD) -> None:
+def bury(works: Iterable[Any], graveyard: list = _GRAVEYARD, clock: Any = time.monotonic,
+         safe_after_s: float = _SAFE_AFTER_S) -> None:
     """Keep finished works (``Work`` objects or futures) alive for good; see the module docstring.
 
-    Callable from ``__del__`` during finalisation (the graveyard comes in as a default argument, not
-    through the module's globals, which may already be gone).
+    Works buried more than ``safe_after_s`` ago are let go first (on a live interpreter, long after
+    gloo's thread did): a dropped DDP object's bucket buffers are held that long, until the next call.
+    Callable from ``__del__`` during finalisation: everything it uses comes in as default arguments,
+    not through the module's globals, which may already be gone.
     """
-    now = time.monotonic()
-    while graveyard and now - graveyard[0][0] > _SAFE_AFTER_S:
-        graveyard.pop(0)  # dropped on a live interpreter, long after gloo's thread let go
+    now = clock()
+    while graveyard and now - graveyard[0][0] > safe_after_s:
+        graveyard.pop(0)
     kept = [w for w in works if w is not None]
     if kept:
         graveyard.append((now, kept))
@@ -68,6 +72,7 @@ _LIVE_REDUCERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def register_for_exit(reducer: Any) -> None:
+    bury(())  # let go of what earlier, dropped reducers left
     if not _LIVE_REDUCERS:
         atexit.register(_release_at_exit)  # once per process while reducers exist; a second call is harmless
     _LIVE_REDUCERS.add(reducer)
