@@ -14,10 +14,11 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
-from lockstep.launch.launcher import LaunchError, launch_function
+from lockstep.launch.launcher import LaunchError, launch_function, parse_launch_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "launch_scripts")
@@ -200,9 +201,10 @@ def test_five_failures_in_a_row_give_five_working_restarts(tmp_path):
     print(f"5 restarts took {elapsed_s:.1f}s")
 
 
-def test_sigterm_to_the_launcher_stops_every_worker():
+def _sigterm_forever(launch_args: list[str], script_args: list[str], timeout_s: float = 40) -> tuple[Any, str, list[int], float]:
+    """Start forever.py on 2 workers, SIGTERM the launcher once both are up; (proc, stderr, pids, seconds to exit)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", script("forever.py")],
+        [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", *launch_args, script("forever.py"), *script_args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=HERE,
     )
     try:
@@ -214,11 +216,15 @@ def test_sigterm_to_the_launcher_stops_every_worker():
                 pids.append(int(match.group(1)))
         assert len(pids) == 2
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=40)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=timeout_s)
+        took_s = time.monotonic() - sent
     finally:
         proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM
-    assert "lockstep launch: stopped by SIGTERM" in err
+    return proc, err, pids, took_s
+
+
+def _assert_gone(pids: list[int]) -> None:
     # no orphan keeps running after the launcher is gone (allow init a moment to reap them)
     deadline = time.monotonic() + 5
     alive = set(pids)
@@ -226,6 +232,38 @@ def test_sigterm_to_the_launcher_stops_every_worker():
         alive = {pid for pid in alive if _exists(pid)}
         time.sleep(0.1)
     assert not alive, f"workers {sorted(alive)} outlived the launcher"
+
+
+def test_sigterm_to_the_launcher_stops_every_worker():
+    proc, err, pids, _ = _sigterm_forever([], [])
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "lockstep launch: stopped by SIGTERM" in err
+    _assert_gone(pids)
+
+
+def test_shutdown_timeout_bounds_a_worker_that_ignores_sigterm():
+    """--shutdown-timeout is the preemption grace window: workers that do not finish are SIGKILLed after it."""
+    from lockstep.launch.agent import launch_config_fields
+
+    if "shutdown_timeout" not in launch_config_fields():
+        with pytest.raises(ValueError, match="--shutdown-timeout needs torch's LaunchConfig.shutdown_timeout"):
+            parse_launch_args(["--shutdown-timeout", "3", script("forever.py")])
+        return
+    proc, err, pids, took_s = _sigterm_forever(["--shutdown-timeout", "3"], ["ignore-sigterm"])
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert 3 <= took_s < 20, f"the launcher exited {took_s:.1f} s after SIGTERM; the window was 3 s"
+    _assert_gone(pids)
+
+
+def test_shutdown_timeout_is_validated_and_reaches_the_agent(tmp_path):
+    from lockstep.launch.agent import LaunchOptions, _launch_config, launch_config_fields
+    from lockstep.launch.output import RankLogsSpecs
+
+    with pytest.raises(ValueError, match=r"--shutdown-timeout must be in 1\.\.3600 seconds, got 0"):
+        LaunchOptions(nproc_per_node=1, shutdown_timeout_s=0)
+    if "shutdown_timeout" in launch_config_fields():
+        options, _, _ = parse_launch_args(["--shutdown-timeout", "40", script("forever.py")])
+        assert _launch_config(options, RankLogsSpecs(str(tmp_path))).shutdown_timeout == 40
 
 
 def _exists(pid: int) -> bool:

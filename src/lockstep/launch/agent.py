@@ -28,7 +28,8 @@ from lockstep.network import pick_gloo_interface, route_source_addr
 from lockstep.slurm import PREEMPT_DIR_ENV, REQUEUE_EXIT_CODE
 
 _SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # the agent stops the workers, then exits, on these
-_SHUTDOWN_TIMEOUT_S = 15  # SIGTERM, then SIGKILL after this long: a stuck worker cannot hold the launcher
+DEFAULT_SHUTDOWN_TIMEOUT_S = 15.0  # SIGTERM, then SIGKILL after this long: a stuck worker cannot hold the launcher
+_TORCH_DEFAULT_SHUTDOWN_TIMEOUT_S = 30  # what an agent whose LaunchConfig has no shutdown_timeout field waits
 LOOPBACK_ADDR = "127.0.0.1"  # single-node default: the rendezvous and MASTER_ADDR stay on loopback
 
 
@@ -58,6 +59,8 @@ class LaunchOptions:
     as_torch_ddp: bool = False  # workers build lockstep's DDP where libraries build torch's (LOCKSTEP_AS_TORCH_DDP=1)
     node_timeout_s: float = 30.0  # several nodes: a node silent this long is lost (launch/rendezvous.py)
     hang_timeout_s: float | None = None  # the workers' DDP hang_timeout_s (LOCKSTEP_HANG_TIMEOUT_S); None: DDP's default
+    # After a SIGTERM (preemption) the workers get this long to finish their step and checkpoint before SIGKILL.
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.hang_timeout_s is not None and not self.hang_timeout_s >= 0:
@@ -83,6 +86,15 @@ class LaunchOptions:
             raise ValueError(f"--rdzv-timeout must be > 0 seconds, got {self.rdzv_timeout_s}")
         if not 3 <= self.node_timeout_s <= 3600:
             raise ValueError(f"--node-timeout must be in 3..3600 seconds, got {self.node_timeout_s}")
+        if not 1 <= self.shutdown_timeout_s <= 3600:
+            raise ValueError(f"--shutdown-timeout must be in 1..3600 seconds, got {self.shutdown_timeout_s}")
+        if (self.shutdown_timeout_s != DEFAULT_SHUTDOWN_TIMEOUT_S and "shutdown_timeout" not in launch_config_fields()):
+            import torch
+
+            raise ValueError(
+                f"--shutdown-timeout needs torch's LaunchConfig.shutdown_timeout, which torch {torch.__version__} "
+                f"lacks: its agent always waits {_TORCH_DEFAULT_SHUTDOWN_TIMEOUT_S} s after SIGTERM before SIGKILL"
+            )
 
     @property
     def world_size(self) -> int:
@@ -143,8 +155,9 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
     )
     # Passed only where this torch's LaunchConfig has the field. Without signals_to_handle the agent
     # handles the same four signals (hard-coded, or from TORCHELASTIC_SIGNALS_TO_HANDLE, which
-    # _agent_environment sets); without shutdown_timeout it waits torch's default 30 s before SIGKILL.
-    optional = {"signals_to_handle": _SIGNALS_TO_HANDLE, "shutdown_timeout": _SHUTDOWN_TIMEOUT_S}
+    # _agent_environment sets); without shutdown_timeout it waits torch's default 30 s before SIGKILL
+    # (LaunchOptions refuses a --shutdown-timeout it cannot honour). torch's field is an int of seconds.
+    optional = {"signals_to_handle": _SIGNALS_TO_HANDLE, "shutdown_timeout": max(1, round(options.shutdown_timeout_s))}
     fields = launch_config_fields()
     kwargs.update((name, value) for name, value in optional.items() if name in fields)
     return LaunchConfig(**kwargs)

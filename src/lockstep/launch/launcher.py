@@ -17,7 +17,14 @@ import signal
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
-from lockstep.launch.agent import LOOPBACK_ADDR, LaunchOptions, RendezvousFailed, WorkersPreempted, run_agent
+from lockstep.launch.agent import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    LOOPBACK_ADDR,
+    LaunchOptions,
+    RendezvousFailed,
+    WorkersPreempted,
+    run_agent,
+)
 from lockstep.launch.output import LaunchError
 from lockstep.network import ensure_gloo_interface
 from lockstep.slurm import REQUEUE_EXIT_CODE, sbatch_script, slurm_launch_env
@@ -84,6 +91,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hang-timeout", "--hang_timeout", type=float, default=None, metavar="SECONDS",
                    help="a rank stuck this long inside a DDP step makes every rank write a hang report (beside the "
                    "logs) and ends the job with exit code 86; 0: off (default: DDP's, 300; sets LOCKSTEP_HANG_TIMEOUT_S)")
+    p.add_argument("--shutdown-timeout", "--shutdown_timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help="after a SIGTERM (preemption), how long the workers get to finish their step and write a "
+                   f"checkpoint before SIGKILL (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g}; whole seconds)")
     p.add_argument("--as-torch-ddp", "--as_torch_ddp", action="store_true",
                    help="workers build lockstep's DistributedDataParallel wherever a library (Accelerate, Lightning) "
                    "or the script builds torch's (sets LOCKSTEP_AS_TORCH_DDP=1; needs torch >= 2.5)")
@@ -123,6 +134,7 @@ def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None)
             as_torch_ddp=ns.as_torch_ddp,
             node_timeout_s=ns.node_timeout,
             hang_timeout_s=ns.hang_timeout,
+            shutdown_timeout_s=ns.shutdown_timeout,
         )
     else:
         # One node (also a one-node SLURM job): loopback and a free port unless told otherwise.
@@ -144,6 +156,7 @@ def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None)
             as_torch_ddp=ns.as_torch_ddp,
             node_timeout_s=ns.node_timeout,
             hang_timeout_s=ns.hang_timeout,
+            shutdown_timeout_s=ns.shutdown_timeout,
         )
     if options.nnodes > 1 and options.master_addr == LOOPBACK_ADDR:
         raise ValueError("--master-addr is required with --nnodes > 1 (the address of node 0; not 127.0.0.1)")

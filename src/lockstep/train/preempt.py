@@ -70,7 +70,7 @@ class PreemptionWatch:
         if self.requested:
             # Repeats are expected, not an escalation: SLURM or systemd signal every process while the
             # launcher's agent forwards its own SIGTERM. The agent's SIGKILL after its shutdown timeout
-            # (15 s in lockstep launch) stops a rank that cannot finish.
+            # (`lockstep launch --shutdown-timeout`, default 15 s) stops a rank that cannot finish.
             return
         self.requested = True
         sys.stderr.write(f"lockstep: {signal.Signals(signum).name} received; finishing the current step on every "
