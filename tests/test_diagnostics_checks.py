@@ -132,7 +132,36 @@ def _nonfinite(rank, world_size):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     handle = ddp.module[3].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("inf"))) if rank == 0 else None
     out["inf"] = _error(lambda: _train(ddp, opt, 1, rank))
+    if handle is not None:
+        handle.remove()
+    # The ranks split the check of the averaged buckets: a NaN from rank 1 in the share rank 0 reads (one
+    # bucket per parameter: element 0 of 3.weight), an Inf from rank 0 in rank 1's share (one bucket: the last
+    # element of 0.weight). Each is still caught, and named by the rank it came from.
+    for case, kwargs, param, element, culprit, value in [
+        ("split", {"bucket_cap_mb_list": [0.0001]}, "3.weight", 0, 1, float("nan")),
+        ("split_reverse", {}, "0.weight", -1, 0, float("inf")),
+    ]:
+        ddp = DDP(_mlp(), detect_nonfinite=True, **kwargs)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        p = dict(ddp.module.named_parameters())[param]
+        element %= p.numel()
+        _train(ddp, opt, 2, rank)  # healthy steps first: the buckets are rebuilt at the second forward
+        out[case + "_reader"] = _reader(ddp, p, element, world_size)
+        if rank == culprit:
+            p.register_hook(lambda g: g.flatten().index_fill(0, torch.tensor([element]), value).view_as(g))
+        before = [q.detach().clone() for q in ddp.parameters()]
+        out[case] = _error(lambda: _train(ddp, opt, 1, rank))
+        out[case + "_params_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, ddp.parameters()))
     return out
+
+
+def _reader(ddp, param, element: int, world_size: int) -> int:
+    """The rank whose share of the averaged bucket holds ``param``'s element ``element``."""
+    reducer = ddp.reducer
+    b, slot = reducer._location[next(i for i, p in enumerate(reducer.params) if p is param)]
+    plan = reducer.buckets[b].plan
+    position = plan.offsets[slot] + element
+    return next(r for r in range(world_size) if plan.numel * r // world_size <= position < plan.numel * (r + 1) // world_size)
 
 
 def _parity(rank, world_size):
@@ -142,6 +171,7 @@ def _parity(rank, world_size):
         "plain": lambda m: DDP(m),
         "checked": lambda m: DDP(m, detect_nonfinite=True, check_replicas_every=1),
         "checked_buckets": lambda m: DDP(m, detect_nonfinite=True, check_replicas_every=2, bucket_cap_mb_list=[0.0001]),
+        "checked_view": lambda m: DDP(m, detect_nonfinite=True, gradient_as_bucket_view=True),  # the fused divide
         "torch": lambda m: torch.nn.parallel.DistributedDataParallel(m),
     }.items():
         ddp = build(_mlp())
@@ -230,7 +260,21 @@ def test_inf_gradient_from_rank_0(results):
 
 def test_checks_change_no_result(results):
     for r in results:
-        assert r["parity"] == {"plain": 0.0, "checked": 0.0, "checked_buckets": 0.0, "torch": 0.0}
+        assert r["parity"] == {"plain": 0.0, "checked": 0.0, "checked_buckets": 0.0, "checked_view": 0.0, "torch": 0.0}
+
+
+@pytest.mark.parametrize("case, param, culprit, reader, what", [
+    ("split", "3.weight", 1, 0, "1 NaN, 0 Inf of 64"),
+    ("split_reverse", "0.weight", 0, 1, "0 NaN, 1 Inf of 128"),
+])
+def test_split_check_catches_a_value_in_the_other_ranks_share(results, case, param, culprit, reader, what):
+    r0, r1 = (r["nonfinite"] for r in results)
+    assert r0[case + "_reader"] == r1[case + "_reader"] == reader  # the other rank reads where the bad value lands
+    assert r0[case] == r1[case], (r0[case], r1[case])
+    assert r0[case].startswith(f"NonfiniteGradientError: non-finite gradient on rank {culprit}, caught before")
+    assert f"rank {culprit}: 1 of 4 parameters, '{param}' ({what}). Every rank raises here" in r0[case]
+    assert f"rank {1 - culprit}:" not in r0[case]
+    assert r0[case + "_params_unchanged"] and r1[case + "_params_unchanged"]
 
 
 def test_profiler_shows_lockstep_phases_only_while_it_runs(results):
