@@ -132,7 +132,36 @@ def _nonfinite(rank, world_size):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     handle = ddp.module[3].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("inf"))) if rank == 0 else None
     out["inf"] = _error(lambda: _train(ddp, opt, 1, rank))
+    if handle is not None:
+        handle.remove()
+    # The ranks split the check of the averaged buckets: a NaN from rank 1 in the share rank 0 reads (one
+    # bucket per parameter: element 0 of 3.weight), an Inf from rank 0 in rank 1's share (one bucket: the last
+    # element of 0.weight). Each is still caught, and named by the rank it came from.
+    for case, kwargs, param, element, culprit, value in [
+        ("split", {"bucket_cap_mb_list": [0.0001]}, "3.weight", 0, 1, float("nan")),
+        ("split_reverse", {}, "0.weight", -1, 0, float("inf")),
+    ]:
+        ddp = DDP(_mlp(), detect_nonfinite=True, **kwargs)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        p = dict(ddp.module.named_parameters())[param]
+        element %= p.numel()
+        _train(ddp, opt, 2, rank)  # healthy steps first: the buckets are rebuilt at the second forward
+        out[case + "_reader"] = _reader(ddp, p, element, world_size)
+        if rank == culprit:
+            p.register_hook(lambda g: g.flatten().index_fill(0, torch.tensor([element]), value).view_as(g))
+        before = [q.detach().clone() for q in ddp.parameters()]
+        out[case] = _error(lambda: _train(ddp, opt, 1, rank))
+        out[case + "_params_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, ddp.parameters()))
     return out
+
+
+def _reader(ddp, param, element: int, world_size: int) -> int:
+    """The rank whose share of the averaged bucket holds ``param``'s element ``element``."""
+    reducer = ddp.reducer
+    b, slot = reducer._location[next(i for i, p in enumerate(reducer.params) if p is param)]
+    plan = reducer.buckets[b].plan
+    position = plan.offsets[slot] + element
+    return next(r for r in range(world_size) if plan.numel * r // world_size <= position < plan.numel * (r + 1) // world_size)
 
 
 def _parity(rank, world_size):
@@ -142,6 +171,7 @@ def _parity(rank, world_size):
         "plain": lambda m: DDP(m),
         "checked": lambda m: DDP(m, detect_nonfinite=True, check_replicas_every=1),
         "checked_buckets": lambda m: DDP(m, detect_nonfinite=True, check_replicas_every=2, bucket_cap_mb_list=[0.0001]),
+        "checked_view": lambda m: DDP(m, detect_nonfinite=True, gradient_as_bucket_view=True),  # the fused divide
         "torch": lambda m: torch.nn.parallel.DistributedDataParallel(m),
     }.items():
         ddp = build(_mlp())
@@ -230,7 +260,21 @@ def test_inf_gradient_from_rank_0(results):
 
 def test_checks_change_no_result(results):
     for r in results:
-        assert r["parity"] == {"plain": 0.0, "checked": 0.0, "checked_buckets": 0.0, "torch": 0.0}
+        assert r["parity"] == {"plain": 0.0, "checked": 0.0, "checked_buckets": 0.0, "checked_view": 0.0, "torch": 0.0}
+
+
+@pytest.mark.parametrize("case, param, culprit, reader, what", [
+    ("split", "3.weight", 1, 0, "1 NaN, 0 Inf of 64"),
+    ("split_reverse", "0.weight", 0, 1, "0 NaN, 1 Inf of 128"),
+])
+def test_split_check_catches_a_value_in_the_other_ranks_share(results, case, param, culprit, reader, what):
+    r0, r1 = (r["nonfinite"] for r in results)
+    assert r0[case + "_reader"] == r1[case + "_reader"] == reader  # the other rank reads where the bad value lands
+    assert r0[case] == r1[case], (r0[case], r1[case])
+    assert r0[case].startswith(f"NonfiniteGradientError: non-finite gradient on rank {culprit}, caught before")
+    assert f"rank {culprit}: 1 of 4 parameters, '{param}' ({what}). Every rank raises here" in r0[case]
+    assert f"rank {1 - culprit}:" not in r0[case]
+    assert r0[case + "_params_unchanged"] and r1[case + "_params_unchanged"]
 
 
 def test_profiler_shows_lockstep_phases_only_while_it_runs(results):
@@ -250,3 +294,80 @@ def test_fingerprints_see_one_ulp_and_nothing_else():
     nudged = [p.clone() for p in params]
     nudged[0][123, 4] = torch.nextafter(nudged[0][123, 4], torch.tensor(1e9))  # one ulp in 6000 elements
     assert (fingerprints(nudged) != same).any(dim=1).tolist() == [True, False, False, False]
+
+
+def _three_ranks(rank, world_size):
+    """3 ranks: fp16 and bf16 buckets, an average that overflows, bucket views at a world size that is no power of two."""
+    out = {}
+
+    def train(ddp, opt, steps, dtype):
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = _batch(rank, step)
+            F.cross_entropy(ddp(x.to(dtype)).float(), y).backward()
+            opt.step()
+
+    fill = {"nan": lambda g: g * float("nan"), "inf": lambda g: g.flatten().index_fill(0, torch.tensor([3]), float("inf")).view_as(g),
+            "max": lambda g: torch.full_like(g, torch.finfo(g.dtype).max)}  # finite everywhere; 3 x (max / 3) overflows
+    for case, dtype, kwargs, param, culprits, how in [
+        ("fp16_nan", torch.float16, {}, "0.bias", [2], "nan"),
+        ("bf16_inf", torch.bfloat16, {"bucket_cap_mb_list": [0.0001]}, "3.weight", [1], "inf"),
+        ("view_nan", torch.float32, {"gradient_as_bucket_view": True}, "0.bias", [1], "nan"),
+        ("fp16_overflow", torch.float16, {}, "3.bias", [0, 1, 2], "max"),
+    ]:
+        ddp = DDP(_mlp().to(dtype), detect_nonfinite=True, **kwargs)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        train(ddp, opt, 2, dtype)
+        before = [p.detach().clone() for p in ddp.parameters()]
+        p = dict(ddp.module.named_parameters())[param]
+        handle = p.register_hook(fill[how]) if rank in culprits else None
+        out[case] = _error(lambda: train(ddp, opt, 1, dtype))
+        if handle is not None:
+            handle.remove()
+        out[case + "_params_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, ddp.parameters()))
+        out[case + "_after"] = _error(lambda: train(ddp, opt, 2, dtype))
+    # Each layout with the check against the same without it. (At 3 ranks the layouts themselves may round apart: gloo
+    # sums buckets of other sizes in other orders, and bucket views divide by 3 where copies multiply by 1/3, as torch.)
+    runs = {}
+    for name, kwargs in {"plain": {}, "buckets": {"bucket_cap_mb_list": [0.0001]}, "view": {"gradient_as_bucket_view": True}}.items():
+        for checked in (False, True):
+            ddp = DDP(_mlp(), detect_nonfinite=checked, **kwargs)
+            train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), 4, torch.float32)
+            runs[name, checked] = [p.detach().clone() for p in ddp.parameters()]
+    out["parity"] = {name: max((a - b).abs().max().item() for a, b in zip(runs[name, True], runs[name, False]))
+                     for name, _ in runs}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results3():
+    return run_ranks(_three_ranks, 3, timeout_s=240)
+
+
+@pytest.mark.parametrize("case, culprit, what", [
+    ("fp16_nan", 2, "'0.bias' (16 NaN, 0 Inf of 16)"),
+    ("bf16_inf", 1, "'3.weight' (0 NaN, 1 Inf of 64)"),
+    ("view_nan", 1, "'0.bias' (16 NaN, 0 Inf of 16)"),
+])
+def test_three_ranks_low_precision_and_bucket_views(results3, case, culprit, what):
+    texts = [r[case] for r in results3]
+    assert texts[0] is not None and texts.count(texts[0]) == 3, texts  # the same error on every rank
+    assert texts[0].startswith(f"NonfiniteGradientError: non-finite gradient on rank {culprit}, caught before")
+    assert f"rank {culprit}: 1 of 4 parameters, {what}. Every rank raises here" in texts[0]
+    assert all(r[case + "_params_unchanged"] for r in results3)
+    assert all(r[case + "_after"] is None for r in results3)
+
+
+def test_average_that_overflows_on_finite_gradients_raises(results3):
+    texts = [r["fp16_overflow"] for r in results3]
+    assert texts[0] is not None and texts.count(texts[0]) == 3, texts
+    assert texts[0].startswith("NonfiniteGradientError: non-finite average of finite gradients: every rank's local gradients "
+                               "were finite, but the all-reduce's sum overflowed (float16)")
+    assert "1 of 4 parameters, '3.bias' (0 NaN, 4 Inf of 4). Every rank raises here" in texts[0]
+    assert all(r["fp16_overflow_params_unchanged"] for r in results3)
+    assert all(r["fp16_overflow_after"] is None for r in results3)
+
+
+def test_checks_change_no_result_at_three_ranks(results3):
+    for r in results3:
+        assert r["parity"] == {"plain": 0.0, "buckets": 0.0, "view": 0.0}

@@ -43,7 +43,7 @@ def setup(ddp: Any, check_replicas_every: int | None, detect_nonfinite: bool, tr
 def attach_nonfinite(ddp: Any) -> None:
     """(Re)attach the non-finite check to the current reducer."""
     if ddp.detect_nonfinite:
-        ddp.reducer.nonfinite = NonfiniteCheck(ddp.reducer.names, ddp.process_group)
+        ddp.reducer.nonfinite = NonfiniteCheck(ddp.reducer.names, ddp.process_group, ddp.reducer.gradient_as_bucket_view)
 
 
 def _detach_trace(ddp: Any) -> None:

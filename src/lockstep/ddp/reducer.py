@@ -259,9 +259,8 @@ class Reducer(ReducerSurface):
         if observer is not None:
             observer.bucket_launched(bucket.index, bucket.seq)
 
-    def _issue(self, bucket: Bucket) -> None:
-        if self.nonfinite is not None:
-            self.nonfinite.check_bucket(bucket, bucket.plan.param_indices)  # the local gradients, before they travel
+    def _issue(self, bucket: Bucket) -> None:  # the NaN check first, where it must see the local gradients
+        divided = self.nonfinite is not None and self.nonfinite.check_bucket(bucket, self.divisor, self.comm_hook is not None)
         if self.comm_hook is not None:
             bucket.work = self.comm_hook(self.comm_hook_state, GradBucket(bucket, len(self.buckets)))
             if not isinstance(bucket.work, torch._C.Future):  # torch.futures.Future and the C++ futures of get_future()
@@ -270,7 +269,7 @@ class Reducer(ReducerSurface):
                     f"torch.futures.Future, got {type(bucket.work).__name__}"
                 )
             return
-        if self.gradient_as_bucket_view and self.divisor != 1:
+        if self.gradient_as_bucket_view and self.divisor != 1 and not divided:
             bucket.flat.div_(self.divisor)  # one pass per bucket instead of one call per parameter
         if bucket.index == len(self.buckets) - 1:
             bucket.buffer[-1] = float(self._missing_flag)  # every rank's flag is summed with the last bucket
@@ -376,7 +375,7 @@ class Reducer(ReducerSurface):
 
     def release_works(self) -> None:
         """Hand the finished works of the last backward to the graveyard (see ``lifetime``)."""
-        bury([bucket.work for bucket in self.buckets] + [self.usage.last_work])
+        bury([bucket.work for bucket in self.buckets] + [self.usage.last_work, getattr(self.nonfinite, "last_work", None)])
         for bucket in self.buckets:
             bucket.work = None
         self.usage.last_work = None
@@ -384,7 +383,7 @@ class Reducer(ReducerSurface):
     def __del__(self, _bury=bury) -> None:
         # A dropped DDP object, or finalisation's collection: its works must not be freed here (``lifetime``).
         state = self.__dict__  # a reducer that failed in __init__ may lack either
-        _bury([bucket.work for bucket in state.get("buckets", ())] + [getattr(state.get("usage"), "last_work", None)])
+        _bury([b.work for b in state.get("buckets", ())] + [getattr(state.get(k), "last_work", None) for k in ("usage", "nonfinite")])
 
 
 def _make_hook(reducer_ref: weakref.ref, index: int) -> Callable[[torch.Tensor], None]:

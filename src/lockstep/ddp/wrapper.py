@@ -94,9 +94,9 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         check_replicas_every: every N synchronised steps, check at the next forward that every rank
             holds the same parameters (one all-gather of two 64-bit fingerprints per parameter); a mismatch raises
             ``ReplicaMismatchError`` on every rank naming the parameter, the ranks and the difference.
-        detect_nonfinite: check each bucket's local gradients for NaN/Inf before its all-reduce (one
-            sum per bucket; the verdict rides in the last bucket); every rank raises
-            ``NonfiniteGradientError`` naming the rank and the parameter, before the optimizer step.
+        detect_nonfinite: check the gradients for NaN/Inf (on CPU each rank sums its 1/world_size share
+            of each averaged bucket, then one tiny all-reduce; ``lockstep.diagnostics.nonfinite``); every rank
+            raises ``NonfiniteGradientError`` naming the rank and the parameter, before the optimizer step.
         trace_dir: record the overlap timeline of synchronised steps ``trace_steps`` (default 5..10;
             env ``LOCKSTEP_TRACE=DIR``, ``LOCKSTEP_TRACE_STEPS=5:10``); rank 0 writes a Chrome trace,
             a summary and a PNG there when the window closes (at the next forward, or ``self.trace.write()``).

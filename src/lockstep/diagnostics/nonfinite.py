@@ -1,20 +1,45 @@
 """Non-finite gradients: find the rank and the parameter that produced a NaN or Inf before it is averaged.
 
 An all-reduce spreads one rank's NaN to every rank in the same step, and from then on nobody can tell
-where it came from. ``DDP(detect_nonfinite=True)`` checks each bucket's local gradients just before its
-collective is issued: one sum over the bucket (a NaN or Inf anywhere makes the sum non-finite), about
-one extra read of the gradients. The verdict rides on a collective every rank issues anyway: the last
-bucket's spare element, which already carries the missing-gradient flag, gets ``(world_size + 1)`` times
-this rank's count of bad buckets added, so the sum over ranks tells every rank, at the end of backward,
-whether any rank saw a non-finite gradient. Only then a small extra round (an all-gather of each rank's
-offending parameters) names them, and every rank raises the same error before the averaged gradients
-reach ``.grad`` (so no optimizer step applies them).
+where it came from. ``DDP(detect_nonfinite=True)`` catches it and names it; how depends on where the
+local values still exist.
 
-Cost: on CPU one host read of the sum per bucket (free there). On CUDA no host sync is added: the flags
-stay on the device and are summed into the spare element by device ops; the end of backward reads that
-element anyway (the missing-gradient flag), and only on a flagged step are the offenders read back.
-With a comm hook the spare element is not reduced, so the count goes in one extra 4-byte all-reduce at the
-end of backward (a host sync on CUDA).
+The common path (CPU, no comm hook, gradients copied into the buckets): the check reads the *averaged*
+buckets, after their all-reduces. A NaN or Inf in any rank's local gradient survives the sum (NaN + x
+is NaN, Inf + finite is Inf, Inf - Inf is NaN) and the scaling, so the average is non-finite wherever
+some rank's gradient was; and the average is the same on every rank, so the ranks split the reading:
+rank r sums only its 1/world_size slice of each bucket (a NaN or Inf anywhere in it makes the sum
+non-finite; a sum that overflowed on large finite values is looked at element by element before it
+counts), and one all-reduce of a few int32 flags (one per bucket) tells every rank whether any slice
+was bad. That is half a read of the gradients at two ranks, where checking the local gradients before
+the all-reduce costs a whole one. Only on a flagged step each rank looks at its own local gradients,
+still held (untouched by the all-reduce) by the buckets until the copy back, to name the offenders.
+
+Where the local values are gone after the all-reduce, they are checked before it, and the verdict rides
+on a collective every rank issues anyway: the last bucket's spare element, which already carries the
+missing-gradient flag, gets ``(world_size + 1)`` times this rank's count of bad buckets added, so the sum
+over ranks tells every rank, at the end of backward, whether any rank saw a non-finite gradient:
+
+- ``gradient_as_bucket_view=True`` (the gradients are averaged in place): the check rides in the
+  pass that divides the bucket by the world size, one ``_amp_foreach_non_finite_check_and_unscale_``
+  (a multiply by the reciprocal, bit-identical to the divide when the world size is a power of two)
+  instead of a divide; at other world sizes a sum before the divide.
+- CUDA: a sum per bucket whose flag stays on the device and is added into the spare element by device
+  ops, so no host sync is added (the end of backward reads that element anyway, the missing-gradient
+  flag); only on a flagged step are the offenders read back. A sum that overflowed on finite values
+  is not an error there.
+- A comm hook: a sum per bucket before the hook; the spare element is not reduced, so the count goes
+  in one extra 4-byte all-reduce at the end of backward (a host sync on CUDA).
+
+Then a small extra round (an all-gather of each rank's offending parameters) names them, and every
+rank raises the same error before the averaged gradients reach ``.grad`` (so no optimizer step applies
+them).
+
+A non-finite average of finite local gradients (the all-reduce's sum overflowed: fp16 gradients near
+65504 on three ranks, say) is caught on the common path too, and raises ``NonfiniteGradientError``
+naming the parameters whose average is non-finite; until this check moved after the all-reduce such an
+average was accepted silently and reached the optimizer. On the other paths it still is (they look at
+the local values only).
 """
 
 from __future__ import annotations
@@ -25,19 +50,26 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+_FUSABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # what the fused check-and-scale takes
+
 
 class NonfiniteGradientError(RuntimeError):
-    """Raised on every rank when some rank's local gradient held a NaN or Inf."""
+    """Raised on every rank when some rank's local gradient held a NaN or Inf, or their average overflowed."""
 
 
 class NonfiniteCheck:
-    """Per-bucket finiteness of the local gradients, agreed across ranks through the last bucket's spare element."""
+    """Finiteness of the gradients of each backward, agreed across ranks (see the module docstring)."""
 
-    def __init__(self, names: Sequence[str], group: dist.ProcessGroup):
+    def __init__(self, names: Sequence[str], group: dist.ProcessGroup, bucket_view: bool = False):
         self.names = list(names)
         self.group = group
         self.world_size = dist.get_world_size(group)
+        self.group_rank = dist.get_rank(group)
+        self.bucket_view = bucket_view  # gradient_as_bucket_view: the local values are averaged in place
         self.scale = float(self.world_size + 1)  # missing-gradient flags sum to <= world_size: this keeps them apart
+        self.last_work: Any = None  # the flags' all-reduce of the last backward, kept as the buckets' works are
+        self._found = torch.zeros(1)  # the fused check's found-inf flag (CPU)
+        self._inv: dict[int, torch.Tensor] = {}  # divisor -> 1 / divisor, as the fused check takes it
         self.reset()
 
     def reset(self) -> None:
@@ -45,24 +77,40 @@ class NonfiniteCheck:
         self._offenders: list[tuple[str, int, int, int]] = []  # (name, nan count, inf count, numel), CPU only
         self._device_flags: dict[int, torch.Tensor] = {}  # bucket index -> device bool (CUDA)
 
-    def check_bucket(self, bucket: Any, param_indices: Sequence[int]) -> None:
-        """Before the bucket's collective: does this rank's part hold a NaN or Inf?"""
+    def after_reduce(self, tensor: torch.Tensor, comm_hook: bool) -> bool:
+        """The common path, checked after the all-reduce on the average: a CPU bucket, no hook, copied gradients."""
+        return not (comm_hook or self.bucket_view) and tensor.device.type == "cpu"
+
+    def check_bucket(self, bucket: Any, divisor: int = 1, comm_hook: bool = False) -> bool:
+        """Before the bucket's collective. True when it also divided the bucket by ``divisor`` (bucket view)."""
         flat = bucket.flat
-        if flat.numel() == 0:
-            return
+        if flat.numel() == 0 or self.after_reduce(flat, comm_hook):
+            return False  # nothing here: the average is read at the end of backward
+        if (self.bucket_view and not comm_hook and flat.device.type == "cpu" and flat.dtype in _FUSABLE
+                and divisor > 1 and divisor & (divisor - 1) == 0):
+            inv = self._inv.get(divisor)
+            if inv is None:
+                inv = self._inv[divisor] = torch.tensor([1.0 / divisor])
+            self._found.zero_()
+            torch._amp_foreach_non_finite_check_and_unscale_([flat], self._found, inv)  # the divide, checked
+            if self._found.item():  # scaled by a power of two, the NaN and Inf are where they were
+                self._note(self._find(bucket.views, bucket.plan.param_indices))
+            return True
         # One pass. fp16/bf16 are summed in float32, where a sum of finite gradients cannot overflow.
-        total = flat.sum(dtype=torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else None)
+        total = _sum(flat)
         if flat.device.type == "cpu":
-            if math.isfinite(total.item()):  # a host read: free on CPU
-                return
-            found = self._find(bucket.views, param_indices)
-            if found:  # an all-finite bucket whose sum overflowed is not an error
-                self._offenders += found
-                self._count += 1
-            return
+            if not math.isfinite(total.item()):  # a host read: free on CPU
+                self._note(self._find(bucket.views, bucket.plan.param_indices))  # none: the sum overflowed
+            return False
         bad = ~torch.isfinite(total)  # stays on the device: no sync on the step's path
         self._device_flags[bucket.index] = bad
         self._count = self._count + bad.to(flat.dtype)
+        return False
+
+    def _note(self, found: list[tuple[str, int, int, int]]) -> None:
+        if found:
+            self._offenders += found
+            self._count += 1
 
     def _find(self, views: Sequence[torch.Tensor], param_indices: Sequence[int]) -> list[tuple[str, int, int, int]]:
         found = []
@@ -83,11 +131,19 @@ class NonfiniteCheck:
     def after_wait(self, buckets: Sequence[Any], comm_hook: bool) -> None:
         """End of backward, every rank, after the waits and before the status exchange: raise if any rank was bad."""
         try:
+            if self.after_reduce(buckets[-1].buffer, comm_hook):
+                flags = torch.tensor([int(not self._slice_finite(b.flat)) for b in buckets], dtype=torch.int32)
+                self.last_work = dist.all_reduce(flags, group=self.group, async_op=True)  # kept: see ddp.lifetime
+                self.last_work.wait()
+                if flags.any():
+                    self._raise(buckets, [b for b, bad in zip(buckets, flags.tolist()) if bad])
+                return
             if comm_hook:
                 count = torch.tensor([float(self._count)], dtype=torch.float32)
                 if dist.get_backend(self.group) == "nccl":
                     count = count.to(buckets[-1].buffer.device)
-                dist.all_reduce(count, group=self.group)
+                self.last_work = dist.all_reduce(count, group=self.group, async_op=True)
+                self.last_work.wait()
                 total_bad = int(round(count.item()))
             else:
                 spare = buckets[-1].buffer[-1:]
@@ -100,8 +156,32 @@ class NonfiniteCheck:
         finally:
             self.reset()
 
-    def _raise(self, buckets: Sequence[Any]) -> None:
-        mine = list(self._offenders)
+    def _slice_finite(self, flat: torch.Tensor) -> bool:
+        """This rank's share of an averaged bucket: elements [n*r/w, n*(r+1)/w)."""
+        n = flat.numel()
+        lo, hi = n * self.group_rank // self.world_size, n * (self.group_rank + 1) // self.world_size
+        if hi == lo:
+            return True
+        part = flat[lo:hi]
+        # A float32 sum of large finite values can overflow: only then look element by element.
+        return math.isfinite(_sum(part).item()) or bool(torch.isfinite(part).all())
+
+    def _local(self, buckets: Sequence[Any]) -> list[tuple[str, int, int, int]]:
+        """This rank's local gradients in these buckets that hold a NaN or Inf (a flagged step only)."""
+        found = []
+        for bucket in buckets:
+            for i, g, view in zip(bucket.plan.param_indices, bucket.grads, bucket.views):
+                if g is None:
+                    continue  # this rank contributed zeros
+                if g.data_ptr() != view.data_ptr():
+                    found += self._find([g.detach()], [i])  # untouched by the all-reduce
+                elif not bool(torch.isfinite(view).all()):  # .grad was the bucket's view: averaged in place
+                    found.append((self.names[i], -1, -1, view.numel()))
+        return found
+
+    def _raise(self, buckets: Sequence[Any], averaged: Sequence[Any] | None = None) -> None:
+        """Every rank: name the offenders. ``averaged``: the flagged buckets, checked after the all-reduce."""
+        mine = list(self._offenders) if averaged is None else self._local(averaged)
         for index, flag in self._device_flags.items():  # CUDA: find them now (a flagged step only)
             if bool(flag.item()):
                 bucket = buckets[index]
@@ -112,21 +192,35 @@ class NonfiniteCheck:
                     mine.append((" / ".join(self.names[i] for i in bucket.plan.param_indices[:8]), -1, -1, bucket.flat.numel()))
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, (dist.get_rank(), mine), group=self.group)
+        parts = [f"rank {rank}: {self._describe(found)}" for rank, found in gathered if found]
+        if parts:
+            first_rank = next(rank for rank, found in gathered if found)
+            raise NonfiniteGradientError(
+                f"non-finite gradient on rank {first_rank}, caught before any rank's optimizer could apply it: {'; '.join(parts)}. "
+                "Every rank raises here, so no optimizer step runs. When every gradient is non-finite, the loss was "
+                "(look at that rank's inputs and loss for this step); when a few are, the last of them in the "
+                "model's order is where backward first produced one. Pass detect_nonfinite=False to turn the check off."
+            )
+        if averaged:  # every rank's local gradients were finite: their sum overflowed (the same text on every rank)
+            found = [f for b in averaged for f in self._find(b.views, b.plan.param_indices)]
+            dtypes = sorted({str(b.flat.dtype).replace("torch.", "") for b in averaged})
+            raise NonfiniteGradientError(
+                f"non-finite average of finite gradients: every rank's local gradients were finite, but the all-reduce's "
+                f"sum overflowed ({'/'.join(dtypes)}), caught before any rank's optimizer could apply it: {self._describe(found)}. "
+                "Every rank raises here, so no optimizer step runs. The gradients are near the largest value of their "
+                "dtype: lower the loss scale or the learning rate, clip the loss, or train these parameters in a wider "
+                "dtype. Pass detect_nonfinite=False to turn the check off."
+            )
+        # CUDA: every flagged sum had overflowed on finite local values (not an error there)
+
+    def _describe(self, found: list[tuple[str, int, int, int]]) -> str:
         order = {name: i for i, name in enumerate(self.names)}
-        parts = []
-        for rank, found in gathered:
-            if not found:
-                continue
-            found = sorted(found, key=lambda f: order.get(f[0], -1))  # registration order: forward's order
-            shown = [f"{name!r} ({'?' if nans < 0 else f'{nans} NaN, {infs} Inf of {numel}'})" for name, nans, infs, numel in found[:4]]
-            more = f" and {len(found) - 4} more" if len(found) > 4 else ""
-            parts.append(f"rank {rank}: {len(found)} of {len(self.names)} parameters, {', '.join(shown)}{more}")
-        if not parts:
-            return  # every flagged sum had overflowed on finite values
-        first_rank = next(rank for rank, found in gathered if found)
-        raise NonfiniteGradientError(
-            f"non-finite gradient on rank {first_rank}, caught before any rank's optimizer could apply it: {'; '.join(parts)}. "
-            "Every rank raises here, so no optimizer step runs. When every gradient is non-finite, the loss was "
-            "(look at that rank's inputs and loss for this step); when a few are, the last of them in the "
-            "model's order is where backward first produced one. Pass detect_nonfinite=False to turn the check off."
-        )
+        found = sorted(found, key=lambda f: order.get(f[0], -1))  # registration order: forward's order
+        shown = [f"{name!r} ({'?' if nans < 0 else f'{nans} NaN, {infs} Inf of {numel}'})" for name, nans, infs, numel in found[:4]]
+        more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+        return f"{len(found)} of {len(self.names)} parameters, {', '.join(shown)}{more}"
+
+
+def _sum(flat: torch.Tensor) -> torch.Tensor:
+    """One pass; fp16/bf16 summed in float32, where a sum of finite values cannot overflow."""
+    return flat.sum(dtype=torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else None)
