@@ -72,10 +72,15 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
             parameter used in any micro-batch of a ``no_sync`` window is synchronised. Costs a
             graph walk per forward and one small all-reduce per backward.
         check_reduction: deprecated in torch, ignored.
-        gradient_as_bucket_view: ``param.grad`` becomes a view into the bucket buffer, which saves
-            the copy back and one gradient's worth of memory. With ``zero_grad(set_to_none=True)``
-            (torch's default) the fresh gradient is copied in once per step; ``set_to_none=False``
-            keeps the view and avoids it.
+        gradient_as_bucket_view: None (lockstep's default): after each synchronised backward
+            ``param.grad`` is its slot in the bucket buffer, holding the average, so nothing is copied
+            back: one pass over the gradients per step instead of two, and one model's worth of
+            gradient memory less from the end of backward to the next ``zero_grad``. The values are torch's bit for bit (the same fused
+            scale-and-copy in); see "Differences" below for what aliasing means. False: torch's
+            default, exactly: the averages are copied back into the local gradient tensors (pass it
+            when code keeps references to ``.grad`` across steps). True: torch's bucket views: with
+            ``zero_grad(set_to_none=True)`` the fresh gradient is copied in once per step and the
+            bucket divided at launch; ``set_to_none=False`` keeps the view and avoids the copy.
         static_graph: the first iteration records unused parameters and how many pieces each
             gradient arrives in (activation checkpointing); later iterations reuse that.
         delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
@@ -104,7 +109,13 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
     Differences from torch's DDP, on purpose: a parameter without a gradient raises on every rank
     at the end of backward (naming the parameter and the rank) instead of hanging or failing only
     on the next iteration; the outputs are returned as the module made them (torch's ``_DDPSink``
-    clones them under static_graph / find_unused_parameters).
+    clones them under static_graph / find_unused_parameters). By default (``gradient_as_bucket_view``
+    not passed) ``param.grad`` aliases the bucket buffer after a synchronised backward, as with torch's
+    ``gradient_as_bucket_view=True``: a reference to ``.grad`` kept across steps sees the next step's
+    averages (``zero_grad(set_to_none=True)`` drops the reference, the next backward writes the same
+    memory), and ``.grad`` is a view into a larger buffer (``.grad.data_ptr()`` differs between
+    parameters by their offsets; ``.grad._base`` is the buffer). Values and ``state_dict`` are as
+    torch's; pass ``gradient_as_bucket_view=False`` for torch's copies.
     """
 
     def __init__(
@@ -119,7 +130,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
-        gradient_as_bucket_view: bool = False,
+        gradient_as_bucket_view: bool | None = None,
         static_graph: bool = False,
         delay_all_reduce_named_params: Any = None,
         param_to_hook_all_reduce: Any = None,
