@@ -58,13 +58,7 @@ class GradIntake:
         """
         bucket.grads[slot] = grad  # the local gradient, kept to the end of backward (the non-finite check reads it)
         view = bucket.views[slot]
-        if grad is None:
-            if self.grad_mode == ALIAS:
-                # A hook that fired with no gradient: .grad may still be the slot, holding what it held
-                # (accumulation); it must keep that where no rank used the parameter (a rare path: one clone).
-                held = self.params[index].grad
-                if held is not None and held.data_ptr() == view.data_ptr():
-                    self.params[index].grad = view.clone()
+        if grad is None:  # .grad is None (a hook that fires with no gradient reads .grad, as torch's)
             view.zero_()  # no local gradient: this rank contributes zero
             self._fixups += 1  # copy_back gives it the average where some rank used it, as torch
             return
