@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 COPY, ALIAS, VIEW = "copy", "alias", "view"
+_FLOAT32_SCALED = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def grad_mode(gradient_as_bucket_view: bool | None) -> str:
@@ -48,6 +49,7 @@ class GradIntake:
     buckets: list
     _graph_grads: bool
     _fixups: int
+    _scale_cache: tuple = (0, None)  # (divisor, 0-dim float32 tensor of 1/divisor): ``_scale_for``
 
     def _copy_in(self, index: int, bucket: Any, slot: int, grad: torch.Tensor | None, hooked: bool) -> None:
         """``grad`` (the local gradient, or None) into ``bucket``'s slot; ``hooked``: from the parameter's own hook.
@@ -79,7 +81,7 @@ class GradIntake:
         # The average's scaling fused into the copy. A multiply by the reciprocal, as torch's reducer does
         # (bit-equal to it at any world size) and cheaper than a divide. A comm hook gets the plain local
         # gradients, as in torch.
-        scale = None if self.comm_hook is not None else 1.0 / self.divisor
+        scale = None if self.comm_hook is not None else self._scale_for(grad)
         if mode == ALIAS and grad.data_ptr() == view.data_ptr():
             if not hooked:
                 # Its .grad must survive as it is if no rank used it: a copy of the local values takes its
@@ -100,6 +102,21 @@ class GradIntake:
                 self.params[index].grad = view  # the all-reduce will leave the average here: no copy back
             else:
                 self._fixups += 1
+
+    def _scale_for(self, grad: torch.Tensor) -> Any:
+        """1/divisor as a cached 0-dim float32 tensor for float32/float16/bfloat16 CPU gradients, else a float.
+
+        A Python float costs torch a scalar-to-tensor wrap per call (~3 us, half of a small gradient's
+        copy-in); the cached tensor takes the same kernel path with the same float32 value (torch's
+        double 1/divisor, rounded as its kernel rounds it), so the products are bit-identical. float64 and
+        other dtypes keep the float: a float32 reciprocal would round them differently.
+        """
+        cached = self._scale_cache
+        if cached[0] != self.divisor:
+            cached = self._scale_cache = (self.divisor, torch.tensor(1.0 / self.divisor, dtype=torch.float32))
+        if grad.dtype in _FLOAT32_SCALED and grad.is_cpu:
+            return cached[1]
+        return 1.0 / self.divisor
 
     def _unalias_grads(self) -> None:
         """Before a joined rank's shadow round zeroes and reduces the buckets: a ``.grad`` that is a slot
