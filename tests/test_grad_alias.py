@@ -234,6 +234,8 @@ def _aliasing(rank):
         out[impl] = record
     view = lockstep.DistributedDataParallel(_Net(), gradient_as_bucket_view=True)
     out["view_logging"] = {k: view._get_ddp_logging_data().get(k) for k in ("gradient_as_bucket_view", "grads_alias_buckets")}
+    checked = lockstep.DistributedDataParallel(_Net(), detect_nonfinite=True)  # copies: its error comes before .grad
+    out["nonfinite_aliases"] = checked._get_ddp_logging_data()["grads_alias_buckets"]
     # The first step: no .grad before it; after it, every .grad is its bucket slot.
     first = lockstep.DistributedDataParallel(_Net())
     before = [p.grad is None for p in first.parameters()]
@@ -325,4 +327,5 @@ def test_logging_data_reports_the_argument_as_torch(results):
     assert a["alias"]["logging"] == {"gradient_as_bucket_view": 0, "grads_alias_buckets": 1}
     assert a["copy"]["logging"] == {"gradient_as_bucket_view": 0, "grads_alias_buckets": 0}
     assert a["view_logging"] == {"gradient_as_bucket_view": 1, "grads_alias_buckets": 1}
+    assert a["nonfinite_aliases"] == 0
     assert a["alias"]["attr"] is None and a["copy"]["attr"] is False and a["torch"]["attr"] is False

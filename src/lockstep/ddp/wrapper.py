@@ -80,7 +80,8 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
             default, exactly: the averages are copied back into the local gradient tensors (pass it
             when code keeps references to ``.grad`` across steps). True: torch's bucket views: with
             ``zero_grad(set_to_none=True)`` the fresh gradient is copied in once per step and the
-            bucket divided at launch; ``set_to_none=False`` keeps the view and avoids the copy.
+            bucket divided at launch; ``set_to_none=False`` keeps the view and avoids the copy. With
+            ``detect_nonfinite=True`` None means False (the check stops a step before .grad sees the average).
         static_graph: the first iteration records unused parameters and how many pieces each
             gradient arrives in (activation checkpointing); later iterations reuse that.
         delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
@@ -197,18 +198,24 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
             verify_params_across_ranks(named_params, process_group)
             buffers = syncable_buffers(module, self.parameters_to_ignore) if init_sync_buffers else []
             broadcast_coalesced([p for _, p in named_params] + buffers, process_group)
+        self.detect_nonfinite = bool(detect_nonfinite)  # read by _build_reducer (diagnose.setup sets it too)
         self.reducer = self._build_reducer()
         diagnose.setup(self, check_replicas_every, detect_nonfinite, trace_dir, trace_steps)
 
     def _build_reducer(self) -> Reducer:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
+        view = self.gradient_as_bucket_view
+        if view is None and getattr(self, "detect_nonfinite", False):
+            # The non-finite check raises before the averages reach .grad; with .grad in the bucket they
+            # would be there already. Copies keep its promise (a debugging mode: the copy back is its cost).
+            view = False
         reducer = Reducer(
             [p for _, p in named],
             [n for n, _ in named],
             self.process_group,
             bucket_cap_bytes=max(1, self.bucket_bytes_cap),
             first_bucket_bytes=DEFAULT_FIRST_BUCKET_BYTES,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            gradient_as_bucket_view=view,
             bucket_caps_bytes=self._bucket_caps_bytes,
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
