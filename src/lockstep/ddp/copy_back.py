@@ -6,6 +6,7 @@ from typing import Sequence
 
 import torch
 
+from lockstep.ddp.copy_in import ALIAS, COPY, VIEW
 from lockstep.ddp.reducer_state import Bucket
 
 
@@ -13,29 +14,34 @@ def copy_back(
     buckets: Sequence[Bucket],
     params: Sequence[torch.nn.Parameter],
     globally_used: list[bool] | None,
-    gradient_as_bucket_view: bool,
+    mode: str,
     fast: bool,
 ) -> None:
-    """Put each bucket's averages where the optimizer reads them.
+    """Put each bucket's averages where the optimizer reads them (``mode``: ``copy_in``'s).
 
-    ``fast`` (no bucket views, no gradient carrying a graph, no missing gradient): one
-    ``_foreach_copy_`` per bucket into the gradients the hooks saw, the common path. Otherwise per
-    parameter: a view into the bucket (``gradient_as_bucket_view``), a clone where ``.grad`` was None,
-    or a ``copy_`` that autograd records when the gradient carries a graph (``create_graph=True``).
+    ``fast`` (no bucket views, no gradient carrying a graph, no missing gradient, no slot that
+    ``copy_in`` left for here): in ALIAS mode nothing at all, every ``.grad`` already is its averaged
+    slot; in COPY mode one ``_foreach_copy_`` per bucket into the gradients the hooks saw. Otherwise
+    per parameter: its slot (ALIAS, VIEW), a clone where ``.grad`` was None (COPY), or a ``copy_``
+    that autograd records when the gradient carries a graph (``create_graph=True``, any mode but VIEW).
     ``globally_used`` (find_unused_parameters): a parameter no rank used keeps its ``.grad`` as it
     was (None stays None), as torch does.
     """
+    if fast and mode == ALIAS:
+        return
     for bucket in buckets:
-        if globally_used is None and fast:
+        if globally_used is None and fast and mode == COPY:
             torch._foreach_copy_(bucket.grads, bucket.views)
             continue
         for i, grad, view in zip(bucket.plan.param_indices, bucket.grads, bucket.views):
             if globally_used is not None and not globally_used[i]:
                 continue
             p = params[i]
-            if gradient_as_bucket_view:
+            if mode == VIEW:
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
+            elif mode == ALIAS and (grad is None or not grad.requires_grad):
+                p.grad = view  # a no-op where the hook made it so already
             elif grad is None or p.grad is None:
                 p.grad = view.clone()
             else:

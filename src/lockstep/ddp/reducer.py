@@ -1,12 +1,12 @@
 """The reducer: turns per-parameter "gradient ready" events into bucketed, overlapped all-reduces.
 
 One post-accumulate-grad hook per parameter copies the gradient into its bucket's
-flat buffer (pre-divided by the world size, fused into the copy); when a bucket's
+flat buffer (pre-divided by the world size, fused into the copy: ``copy_in``); when a bucket's
 last gradient lands, its all-reduce is launched asynchronously, but only in bucket
 index order (``launch_order``), because every rank must issue collectives in the same order. The end
-of backward waits for the buckets and copies the averages back into ``param.grad``
-(one ``_foreach_copy_`` per bucket), or leaves them in place when ``param.grad``
-is a view of the bucket.
+of backward waits for the buckets. By default the hook has made ``param.grad`` its bucket slot, so
+the averages are already where the optimizer reads them; with ``gradient_as_bucket_view=False`` they
+are copied back into the local gradients (one ``_foreach_copy_`` per bucket, ``copy_back``).
 
 Parameters that get no gradient are the classic DDP hang: their bucket never
 launches on one rank while the others wait. Here the end of backward (or, on a rank
@@ -30,6 +30,7 @@ from lockstep.comm_hooks.base import issues_collectives_up_front
 from lockstep.ddp.autotune import AutoBucketCap, BucketTuner
 from lockstep.ddp.buckets import assign_buckets
 from lockstep.ddp.copy_back import copy_back
+from lockstep.ddp.copy_in import VIEW, GradIntake, grad_mode
 from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.launch_order import LaunchOrder
 from lockstep.ddp.lifetime import bury, register_for_exit, remove_handles
@@ -41,7 +42,7 @@ from lockstep.ddp.torch_surface import ReducerSurface
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 
-class Reducer(ReducerSurface):
+class Reducer(GradIntake, ReducerSurface):
     """Bucketed gradient averaging for one replica's parameters.
 
     Args:
@@ -49,7 +50,8 @@ class Reducer(ReducerSurface):
         names: their qualified names, for error messages.
         process_group: the group to average over.
         bucket_cap_bytes / first_bucket_bytes / bucket_caps_bytes: bucket caps (see ``assign_buckets``).
-        gradient_as_bucket_view: make ``param.grad`` a view into the bucket buffer (no copy back).
+        gradient_as_bucket_view: None: ``param.grad`` becomes its averaged bucket slot (no copy back);
+            False: copies, as torch's default; True: torch's bucket views (``copy_in`` has the three).
         find_unused_parameters: find, after each forward, the parameters its graph does not reach.
         static_graph: learn unused parameters and hook counts in the first iteration, reuse them after.
         auto_buckets: try these caps over the first steps and keep the fastest (``autotune``); None: fixed caps.
@@ -62,7 +64,7 @@ class Reducer(ReducerSurface):
         process_group: dist.ProcessGroup,
         bucket_cap_bytes: int,
         first_bucket_bytes: int,
-        gradient_as_bucket_view: bool = False,
+        gradient_as_bucket_view: bool | None = None,
         bucket_caps_bytes: Sequence[int] | None = None,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
@@ -76,7 +78,8 @@ class Reducer(ReducerSurface):
         self.bucket_cap_bytes = bucket_cap_bytes
         self.first_bucket_bytes = first_bucket_bytes
         self.bucket_caps_bytes = bucket_caps_bytes
-        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.grad_mode = grad_mode(gradient_as_bucket_view)
+        self.gradient_as_bucket_view = self.grad_mode == VIEW  # torch's True: the bucket is divided at launch
         self.usage = UsageTracker(len(self.params), find_unused_parameters, static_graph)
         self.comm_hook: CommHook | None = None
         self.comm_hook_state: Any = None
@@ -207,9 +210,9 @@ class Reducer(ReducerSurface):
             return  # static graph: more pieces of this gradient are still to come
         if self._observed_order is not None:
             self._observed_order.append(index)
-        self._mark_ready(index, grad)
+        self._mark_ready(index, grad, True)
 
-    def _mark_ready(self, index: int, grad: torch.Tensor | None) -> None:
+    def _mark_ready(self, index: int, grad: torch.Tensor | None, hooked: bool = False) -> None:
         b, slot = self._location[index]
         bucket = self.buckets[b]
         if bucket.seen[slot]:
@@ -221,26 +224,7 @@ class Reducer(ReducerSurface):
         bucket.seen[slot] = True
         if self.events is not None:
             self.events.append(("ready", index))
-        view = bucket.views[slot]
-        bucket.grads[slot] = grad
-        if grad is not None and grad.requires_grad:
-            # backward(create_graph=True): the bucket takes a detached copy (an out= op cannot be
-            # differentiated); the average goes back into the graph-carrying grad with a recorded copy_.
-            self._graph_grads = True
-            grad = grad.detach()
-        if grad is None:
-            view.zero_()  # no local gradient: this rank contributes zero
-        elif self.gradient_as_bucket_view:
-            if grad.data_ptr() != view.data_ptr():
-                # A fresh grad (first step, or zero_grad(set_to_none=True)): one copy, then alias.
-                view.copy_(grad)
-                self.params[index].grad = view
-        elif self.comm_hook is None:
-            # The average's scaling fused into the copy. A multiply by the reciprocal, as torch's reducer does
-            # (bit-equal to it at any world size) and cheaper than a divide.
-            torch.mul(grad, 1.0 / self.divisor, out=view)
-        else:
-            view.copy_(grad)  # a comm hook gets the plain local gradients, as in torch
+        self._copy_in(index, bucket, slot, grad, hooked)  # ``copy_in``: by gradient_as_bucket_view's mode
         self._pending[b] -= 1
         if self._pending[b] == 0:
             if self.observer is not None:
@@ -329,8 +313,8 @@ class Reducer(ReducerSurface):
             status = self.usage.exchange_status(missing, self.comm_hook is not None, self.buckets[-1], self.process_group)
             if status.any_missing:
                 raise_missing_gradients(status.missing, self.names, self.process_group, self.usage.static_graph, status.late)
-            fast = not (self.gradient_as_bucket_view or self._graph_grads or self._missing_flag)
-            copy_back(self.buckets, self.params, status.globally_used, self.gradient_as_bucket_view, fast)
+            fast = not (self.gradient_as_bucket_view or self._graph_grads or self._missing_flag or self._fixups)
+            copy_back(self.buckets, self.params, status.globally_used, self.grad_mode, fast)
             if self.optimizers_in_backward:
                 step_optimizers_in_backward(self.params)
             self.num_syncs += 1
@@ -344,6 +328,7 @@ class Reducer(ReducerSurface):
 
     def shadow_backward(self) -> None:
         """A joined rank's stand-in for one backward: the same collectives, in the same order, with zeros."""
+        self._unalias_grads()
         for bucket in self.buckets:
             bucket.buffer.zero_()
         self._order.drain()
@@ -364,6 +349,7 @@ class Reducer(ReducerSurface):
         self._order.reset()
         self._missing_flag = False
         self._graph_grads = False
+        self._fixups = 0
         if self.nonfinite is not None:
             self.nonfinite.reset()
         for bucket in self.buckets:

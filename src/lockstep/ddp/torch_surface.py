@@ -145,7 +145,8 @@ class WrapperSurface:
             "broadcast_buffers": int(self.forward_sync_buffers),
             "bucket_cap_bytes": self.bucket_bytes_cap,
             "find_unused_parameters": int(self.find_unused_parameters),
-            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            # As torch: the argument (0 when not passed); what lockstep does is "grads_alias_buckets".
+            "gradient_as_bucket_view": int(bool(self.gradient_as_bucket_view)),
             "static_graph": int(self.static_graph),
             "backend_name": dist.get_backend(self.process_group),
             "world_size": dist.get_world_size(self.process_group),
@@ -162,6 +163,7 @@ class WrapperSurface:
             "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in reducer.params),
             "num_parameter_tensors": len(reducer.params),
             "lockstep": 1,
+            "grads_alias_buckets": int(reducer.grad_mode != "copy"),  # .grad is its bucket slot after backward
         }
 
 

@@ -72,10 +72,16 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
             parameter used in any micro-batch of a ``no_sync`` window is synchronised. Costs a
             graph walk per forward and one small all-reduce per backward.
         check_reduction: deprecated in torch, ignored.
-        gradient_as_bucket_view: ``param.grad`` becomes a view into the bucket buffer, which saves
-            the copy back and one gradient's worth of memory. With ``zero_grad(set_to_none=True)``
-            (torch's default) the fresh gradient is copied in once per step; ``set_to_none=False``
-            keeps the view and avoids it.
+        gradient_as_bucket_view: None (lockstep's default): after each synchronised backward
+            ``param.grad`` is its slot in the bucket buffer, holding the average, so nothing is copied
+            back: one pass over the gradients per step instead of two, and one model's worth of
+            gradient memory less from the end of backward to the next ``zero_grad``. The values are torch's bit for bit (the same fused
+            scale-and-copy in); see "Differences" below for what aliasing means. False: torch's
+            default, exactly: the averages are copied back into the local gradient tensors (pass it
+            when code keeps references to ``.grad`` across steps). True: torch's bucket views: with
+            ``zero_grad(set_to_none=True)`` the fresh gradient is copied in once per step and the
+            bucket divided at launch; ``set_to_none=False`` keeps the view and avoids the copy. With
+            ``detect_nonfinite=True`` None means False (the check stops a step before .grad sees the average).
         static_graph: the first iteration records unused parameters and how many pieces each
             gradient arrives in (activation checkpointing); later iterations reuse that.
         delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
@@ -104,7 +110,13 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
     Differences from torch's DDP, on purpose: a parameter without a gradient raises on every rank
     at the end of backward (naming the parameter and the rank) instead of hanging or failing only
     on the next iteration; the outputs are returned as the module made them (torch's ``_DDPSink``
-    clones them under static_graph / find_unused_parameters).
+    clones them under static_graph / find_unused_parameters). By default (``gradient_as_bucket_view``
+    not passed) ``param.grad`` aliases the bucket buffer after a synchronised backward, as with torch's
+    ``gradient_as_bucket_view=True``: a reference to ``.grad`` kept across steps sees the next step's
+    averages (``zero_grad(set_to_none=True)`` drops the reference, the next backward writes the same
+    memory), and ``.grad`` is a view into a larger buffer (``.grad.data_ptr()`` differs between
+    parameters by their offsets; ``.grad._base`` is the buffer). Values and ``state_dict`` are as
+    torch's; pass ``gradient_as_bucket_view=False`` for torch's copies.
     """
 
     def __init__(
@@ -119,7 +131,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
-        gradient_as_bucket_view: bool = False,
+        gradient_as_bucket_view: bool | None = None,
         static_graph: bool = False,
         delay_all_reduce_named_params: Any = None,
         param_to_hook_all_reduce: Any = None,
@@ -186,18 +198,24 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
             verify_params_across_ranks(named_params, process_group)
             buffers = syncable_buffers(module, self.parameters_to_ignore) if init_sync_buffers else []
             broadcast_coalesced([p for _, p in named_params] + buffers, process_group)
+        self.detect_nonfinite = bool(detect_nonfinite)  # read by _build_reducer (diagnose.setup sets it too)
         self.reducer = self._build_reducer()
         diagnose.setup(self, check_replicas_every, detect_nonfinite, trace_dir, trace_steps)
 
     def _build_reducer(self) -> Reducer:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
+        view = self.gradient_as_bucket_view
+        if view is None and getattr(self, "detect_nonfinite", False):
+            # The non-finite check raises before the averages reach .grad; with .grad in the bucket they
+            # would be there already. Copies keep its promise (a debugging mode: the copy back is its cost).
+            view = False
         reducer = Reducer(
             [p for _, p in named],
             [n for n, _ in named],
             self.process_group,
             bucket_cap_bytes=max(1, self.bucket_bytes_cap),
             first_bucket_bytes=DEFAULT_FIRST_BUCKET_BYTES,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            gradient_as_bucket_view=view,
             bucket_caps_bytes=self._bucket_caps_bytes,
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
