@@ -75,11 +75,13 @@ def _variants(rank, world_size, kind):
         out["naive"] = _train(lockstep.NaiveDistributedDataParallel(build(kind, seed)), kind, rank, world_size)
         for cap in (0.001, 1, 100):
             out[f"cap{cap}"] = _train(lockstep.DistributedDataParallel(build(kind, seed), bucket_cap_mb=cap), kind, rank, world_size)
-        # The default makes .grad its bucket slot (no copy back); False is torch's copies; both exact.
-        out["copies"] = _train(lockstep.DistributedDataParallel(build(kind, seed), gradient_as_bucket_view=False), kind, rank, world_size)
-        out["keep"] = _train(lockstep.DistributedDataParallel(build(kind, seed)), kind, rank, world_size, set_to_none=False)
-        out["nosync_keep"] = _train(lockstep.DistributedDataParallel(build(kind, seed)), kind, rank, world_size, micro=MICRO,
-                                    set_to_none=False)
+        # gradient_as_bucket_view=None makes .grad its bucket slot (no copy back); the default, False, is torch's
+        # copies; both exact.
+        out["alias"] = _train(lockstep.DistributedDataParallel(build(kind, seed), gradient_as_bucket_view=None), kind, rank, world_size)
+        out["keep"] = _train(lockstep.DistributedDataParallel(build(kind, seed), gradient_as_bucket_view=None), kind, rank, world_size,
+                             set_to_none=False)
+        out["nosync_keep"] = _train(lockstep.DistributedDataParallel(build(kind, seed), gradient_as_bucket_view=None), kind, rank,
+                                    world_size, micro=MICRO, set_to_none=False)
         out["view"] = _train(lockstep.DistributedDataParallel(build(kind, seed), gradient_as_bucket_view=True), kind, rank, world_size)
         out["view_keep"] = _train(
             lockstep.DistributedDataParallel(build(kind, seed), gradient_as_bucket_view=True, bucket_cap_mb=0.001),
@@ -131,7 +133,7 @@ def test_transformer_has_50_tensors(kind):
         ("cap0.001", "torch"),
         ("cap1", "torch"),
         ("cap100", "torch"),
-        ("copies", "torch"),
+        ("alias", "torch"),
         ("keep", "torch"),
         ("nosync_keep", "torch_nosync"),
         ("view", "torch"),

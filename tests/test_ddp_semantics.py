@@ -505,8 +505,5 @@ def test_signature_accepts_every_torch_argument():
     ours = inspect.signature(lockstep.DistributedDataParallel.__init__).parameters
     theirs = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
     assert set(theirs) <= set(ours), set(theirs) - set(ours)
-    # Two defaults differ on purpose: broadcast_buffers (None: superseded by forward_sync_buffers) and
-    # gradient_as_bucket_view (None: lockstep makes .grad its bucket slot; an explicit False is torch's).
     for name, param in theirs.items():
-        assert ours[name].default == param.default or name in ("broadcast_buffers", "gradient_as_bucket_view"), name
-    assert ours["gradient_as_bucket_view"].default is None
+        assert ours[name].default == param.default or name == "broadcast_buffers", name

@@ -1,7 +1,7 @@
-"""lockstep's default ``gradient_as_bucket_view=None``: ``param.grad`` is its averaged bucket slot, no copy back.
+"""lockstep's opt-in ``gradient_as_bucket_view=None``: ``param.grad`` is its averaged bucket slot, no copy back.
 
-Every case trains lockstep's default ("alias"), lockstep with an explicit ``gradient_as_bucket_view=False``
-("copy": torch's copies, as Accelerate or a user may ask for) and torch's DDP side by side on the same data
+Every case trains lockstep with ``gradient_as_bucket_view=None`` ("alias"), lockstep's default ("copy":
+torch's copies, ``False``) and torch's DDP side by side on the same data
 and records every gradient after every backward: at 2 ranks all three must agree bit for bit (max diff
 0.0) and in which gradients are None. Then what aliasing changes, on purpose: ``.grad`` shares the bucket's
 memory, so a reference kept across steps sees the next step's values (the documented difference), and the
@@ -86,7 +86,8 @@ def _model(impl, make, kw):
 
     if impl == "torch":
         return nn.parallel.DistributedDataParallel(make(), **kw)
-    return lockstep.DistributedDataParallel(make(), **({**kw, "gradient_as_bucket_view": False} if impl == "copy" else kw))
+    # "copy": lockstep's default, torch's copies; "alias": the opt-in gradient_as_bucket_view=None.
+    return lockstep.DistributedDataParallel(make(), **({**kw, "gradient_as_bucket_view": None} if impl == "alias" else kw))
 
 
 def _grads(model):
@@ -234,10 +235,10 @@ def _aliasing(rank):
         out[impl] = record
     view = lockstep.DistributedDataParallel(_Net(), gradient_as_bucket_view=True)
     out["view_logging"] = {k: view._get_ddp_logging_data().get(k) for k in ("gradient_as_bucket_view", "grads_alias_buckets")}
-    checked = lockstep.DistributedDataParallel(_Net(), detect_nonfinite=True)  # copies: its error comes before .grad
+    checked = lockstep.DistributedDataParallel(_Net(), gradient_as_bucket_view=None, detect_nonfinite=True)  # copies: its error comes before .grad
     out["nonfinite_aliases"] = checked._get_ddp_logging_data()["grads_alias_buckets"]
     # The first step: no .grad before it; after it, every .grad is its bucket slot.
-    first = lockstep.DistributedDataParallel(_Net())
+    first = lockstep.DistributedDataParallel(_Net(), gradient_as_bucket_view=None)
     before = [p.grad is None for p in first.parameters()]
     first(torch.randn(2, 8)).sum().backward()
     slots = {id(v): v for b in first.reducer.buckets for v in b.views}
@@ -302,7 +303,7 @@ def test_join_leaves_the_joined_ranks_grads_as_torch(results):
     assert _same(results[0]["join"]["alias"]["after"], results[0]["join"]["alias"]["at_join"])
 
 
-def test_grads_live_in_the_buckets_by_default(results):
+def test_grads_live_in_the_buckets_with_none(results):
     a = results[0]["aliasing"]
     assert a["alias"]["in_buckets"] and a["alias"]["grad_storages"] == a["alias"]["bucket_storages"]
     assert not a["copy"]["in_buckets"] and a["copy"]["grad_storages"] == 6
@@ -310,7 +311,7 @@ def test_grads_live_in_the_buckets_by_default(results):
     assert a["first_step"] == {"none_before": True, "slot_after": True, "slots": 6}
 
 
-def test_a_kept_reference_sees_the_next_step_by_default_only(results):
+def test_a_kept_reference_sees_the_next_step_with_none_only(results):
     for rank in range(2):
         a = results[rank]["aliasing"]
         step1, kept_at_2, step2 = a["alias"]["kept"]
@@ -324,7 +325,7 @@ def test_a_kept_reference_sees_the_next_step_by_default_only(results):
 def test_logging_data_reports_the_argument_as_torch(results):
     a = results[0]["aliasing"]
     assert a["torch"]["logging"]["gradient_as_bucket_view"] == 0
-    assert a["alias"]["logging"] == {"gradient_as_bucket_view": 0, "grads_alias_buckets": 1}
+    assert a["alias"]["logging"] == {"gradient_as_bucket_view": 0, "grads_alias_buckets": 1}  # None: falsy, as torch reads it
     assert a["copy"]["logging"] == {"gradient_as_bucket_view": 0, "grads_alias_buckets": 0}
     assert a["view_logging"] == {"gradient_as_bucket_view": 1, "grads_alias_buckets": 1}
     assert a["nonfinite_aliases"] == 0

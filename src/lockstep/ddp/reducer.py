@@ -64,7 +64,7 @@ class Reducer(GradIntake, ReducerSurface):
         process_group: dist.ProcessGroup,
         bucket_cap_bytes: int,
         first_bucket_bytes: int,
-        gradient_as_bucket_view: bool | None = None,
+        gradient_as_bucket_view: bool | None = False,  # None: .grad becomes the bucket slot (ddp/copy_in.py)
         bucket_caps_bytes: Sequence[int] | None = None,
         find_unused_parameters: bool = False,
         static_graph: bool = False,

@@ -72,13 +72,13 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
             parameter used in any micro-batch of a ``no_sync`` window is synchronised. Costs a
             graph walk per forward and one small all-reduce per backward.
         check_reduction: deprecated in torch, ignored.
-        gradient_as_bucket_view: None (lockstep's default): after each synchronised backward
-            ``param.grad`` is its slot in the bucket buffer, holding the average, so nothing is copied
-            back: one pass over the gradients per step instead of two, and one model's worth of
-            gradient memory less from the end of backward to the next ``zero_grad``. The values are torch's bit for bit (the same fused
-            scale-and-copy in); see "Differences" below for what aliasing means. False: torch's
-            default, exactly: the averages are copied back into the local gradient tensors (pass it
-            when code keeps references to ``.grad`` across steps). True: torch's bucket views: with
+        gradient_as_bucket_view: False (the default): torch's, exactly: the averages are copied back
+            into the local gradient tensors. None (lockstep's opt-in; torch's DDP reads it as False):
+            after each synchronised backward ``param.grad`` is its slot in the bucket buffer, holding
+            the average, so nothing is copied back: one pass over the gradients per step instead of
+            two, and one model's worth of gradient memory less from the end of backward to the next
+            ``zero_grad``; the values are the default's bit for bit (the same fused scale-and-copy in);
+            see "Differences" below for what aliasing means. True: torch's bucket views: with
             ``zero_grad(set_to_none=True)`` the fresh gradient is copied in once per step and the
             bucket divided at launch; ``set_to_none=False`` keeps the view and avoids the copy. With
             ``detect_nonfinite=True`` None means False (the check stops a step before .grad sees the average).
@@ -110,13 +110,13 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
     Differences from torch's DDP, on purpose: a parameter without a gradient raises on every rank
     at the end of backward (naming the parameter and the rank) instead of hanging or failing only
     on the next iteration; the outputs are returned as the module made them (torch's ``_DDPSink``
-    clones them under static_graph / find_unused_parameters). By default (``gradient_as_bucket_view``
-    not passed) ``param.grad`` aliases the bucket buffer after a synchronised backward, as with torch's
+    clones them under static_graph / find_unused_parameters). With ``gradient_as_bucket_view=None``
+    (opt-in) ``param.grad`` aliases the bucket buffer after a synchronised backward, as with torch's
     ``gradient_as_bucket_view=True``: a reference to ``.grad`` kept across steps sees the next step's
     averages (``zero_grad(set_to_none=True)`` drops the reference, the next backward writes the same
     memory), and ``.grad`` is a view into a larger buffer (``.grad.data_ptr()`` differs between
     parameters by their offsets; ``.grad._base`` is the buffer). Values and ``state_dict`` are as
-    torch's; pass ``gradient_as_bucket_view=False`` for torch's copies.
+    torch's default.
     """
 
     def __init__(
@@ -131,7 +131,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
-        gradient_as_bucket_view: bool | None = None,
+        gradient_as_bucket_view: bool | None = False,
         static_graph: bool = False,
         delay_all_reduce_named_params: Any = None,
         param_to_hook_all_reduce: Any = None,
