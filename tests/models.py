@@ -56,3 +56,19 @@ def make_batch(kind: str, n: int, generator: torch.Generator):
 def build(kind: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return MODELS[kind]()
+
+
+class Branchy(nn.Module):
+    """Head ``a``, ``b`` or ``both`` per call: the other head is unused (find_unused_parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(8, 16)
+        self.a = nn.Linear(16, 4)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x, branch="a"):
+        h = torch.relu(self.trunk(x))
+        if branch == "both":
+            return self.a(h) + self.b(h)
+        return self.a(h) if branch == "a" else self.b(h)

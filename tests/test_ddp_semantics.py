@@ -18,20 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dist_utils import run_ranks
-
-
-class Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.trunk = nn.Linear(8, 16)
-        self.a = nn.Linear(16, 4)
-        self.b = nn.Linear(16, 4)
-
-    def forward(self, x, branch="a"):
-        h = torch.relu(self.trunk(x))
-        if branch == "both":
-            return self.a(h) + self.b(h)
-        return self.a(h) if branch == "a" else self.b(h)
+from models import Branchy
 
 
 class Repeated(nn.Module):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_utils import run_ranks
+from models import Branchy
 
 IMPLS = ("alias", "copy", "torch")
 
@@ -31,19 +32,6 @@ class _Net(nn.Module):
 
     def forward(self, x):
         return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
-
-
-class _Branchy(nn.Module):
-    """Head ``a`` or ``b`` per call: the other one is unused (find_unused_parameters)."""
-
-    def __init__(self):
-        super().__init__()
-        self.trunk = nn.Linear(8, 16)
-        self.a = nn.Linear(16, 4)
-        self.b = nn.Linear(16, 4)
-
-    def forward(self, x, branch="a"):
-        return (self.a if branch == "a" else self.b)(torch.relu(self.trunk(x)))
 
 
 class _WithUnused(nn.Module):
@@ -149,21 +137,21 @@ def _training_cases(rank):
         cases[f"plain_{stn}"] = _side_by_side(rank, make=_Net, set_to_none=stn)
         cases[f"nosync_{stn}"] = _side_by_side(rank, make=_Net, set_to_none=stn, micro=3)
         cases[f"accumulate_{stn}"] = _side_by_side(rank, make=_Net, set_to_none=stn, synced=2, zero_every=2)
-        cases[f"unused_{stn}"] = _side_by_side(rank, make=_Branchy, kw={"find_unused_parameters": True}, set_to_none=stn,
+        cases[f"unused_{stn}"] = _side_by_side(rank, make=Branchy, kw={"find_unused_parameters": True}, set_to_none=stn,
                                                branch=_branch_changes, steps=6)
-        cases[f"unused_nosync_{stn}"] = _side_by_side(rank, make=_Branchy, kw={"find_unused_parameters": True},
+        cases[f"unused_nosync_{stn}"] = _side_by_side(rank, make=Branchy, kw={"find_unused_parameters": True},
                                                       set_to_none=stn, branch=_branch_changes, micro=2, steps=6)
         cases[f"static_{stn}"] = _side_by_side(rank, make=_WithUnused, kw={"static_graph": True}, set_to_none=stn)
         cases[f"undefined_{stn}"] = _side_by_side(rank, make=_HalfUndefined, kw={"find_unused_parameters": True},
                                                   set_to_none=stn, zero_every=3, branch=lambda s, r, m: {"undefined": s % 2 == 1})
         cases[f"rebuild_small_buckets_{stn}"] = _side_by_side(rank, make=_Net, kw={"bucket_cap_mb": 0.001}, set_to_none=stn)
     # No zero_grad at all: unused parameters keep accumulated values across steps.
-    cases["unused_never_zeroed"] = _side_by_side(rank, make=_Branchy, kw={"find_unused_parameters": True},
+    cases["unused_never_zeroed"] = _side_by_side(rank, make=Branchy, kw={"find_unused_parameters": True},
                                                  set_to_none=False, zero_every=100, branch=_branch_changes, steps=6)
     # Per-rank .grad values kept through a step where no rank uses the parameter: torch leaves each rank's
     # own value (the slot's reduced value must not replace it; at 2 ranks only differing values tell).
     for kw in ({"find_unused_parameters": True}, {"static_graph": True}):
-        make, branch = (_Branchy, _branch_changes) if "find_unused_parameters" in kw else (_WithUnused, None)
+        make, branch = (Branchy, _branch_changes) if "find_unused_parameters" in kw else (_WithUnused, None)
         cases[f"rank_local_{next(iter(kw))}"] = _side_by_side(rank, make=make, kw=kw, set_to_none=False, zero_every=100,
                                                               branch=branch, steps=6, rank_local=True)
     cases["create_graph"] = {impl: _create_graph(rank, impl) for impl in IMPLS}
