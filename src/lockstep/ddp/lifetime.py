@@ -14,14 +14,18 @@ while the main thread was in ``Py_FinalizeEx``).
 
 So no work launched in backward may have its main-thread reference dropped shortly before exit:
 
-- during training each bucket keeps its work until the next backward replaces it (gloo's thread let
-  go long before, and the interpreter is not finalising, so whichever thread is last is safe);
+- each bucket keeps its work until the next backward starts, which hands the previous works to
+  ``bury`` rather than dropping them: a step of a small model takes a few milliseconds, less than
+  gloo's thread can be descheduled for, and a work dropped then could still be freed by that thread
+  after the script ended (seen in CI's loops after the first fix, which buried only at exit);
 - a reducer that dies (its DDP object was dropped) and, at interpreter exit, every live reducer hand
-  their last works to ``bury``: a graveyard that is never freed, so the main thread's reference is never
+  their last works to ``bury`` as well: a graveyard that is never freed, so the main thread's reference is never
   dropped and the worker's cannot be the last. Entries older than ``_SAFE_AFTER_S`` are dropped when
-  the next arrives or a reducer is built (long since let go by gloo, on a live interpreter), so a
-  process that builds many DDP objects keeps only the last few seconds' dropped buffers; what remains
-  at exit is reclaimed with the process.
+  the next arrives or a reducer is built (long since let go by gloo, on a live interpreter). The
+  default path's works all hold the same, reused bucket buffers, so this costs no memory while
+  training; a dropped DDP object's buffers are held a few seconds; what remains at exit is reclaimed
+  with the process. A comm hook's futures hold fresh tensors every step, so between steps they are
+  dropped as before (an abort at exit stays possible there, as it is in torch's DDP).
 
 The hooks hold the reducer weakly, so a dropped DDP object takes its reducer, buffers and
 process-group reference with it.
@@ -30,6 +34,7 @@ process-group reference with it.
 from __future__ import annotations
 
 import atexit
+import collections
 import ctypes
 import time
 import weakref
@@ -39,13 +44,13 @@ from typing import Any, Iterable
 # after completion unless descheduled; this is many scheduler time slices on the most crowded machine.
 _SAFE_AFTER_S = 5.0
 
-_GRAVEYARD: list[tuple[float, list[Any]]] = []
+_GRAVEYARD: "collections.deque[tuple[float, list[Any]]]" = collections.deque()
 # One reference that nothing ever drops: finalisation clears the module's globals, but the list and
 # the works in it stay alive until the process is gone.
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_GRAVEYARD))
 
 
-def bury(works: Iterable[Any], graveyard: list = _GRAVEYARD, clock: Any = time.monotonic,
+def bury(works: Iterable[Any], graveyard: "collections.deque" = _GRAVEYARD, clock: Any = time.monotonic,
          safe_after_s: float = _SAFE_AFTER_S) -> None:
     """Keep finished works (``Work`` objects or futures) alive for good; see the module docstring.
 
@@ -56,7 +61,7 @@ def bury(works: Iterable[Any], graveyard: list = _GRAVEYARD, clock: Any = time.m
     """
     now = clock()
     while graveyard and now - graveyard[0][0] > safe_after_s:
-        graveyard.pop(0)
+        graveyard.popleft()
     kept = [w for w in works if w is not None]
     if kept:
         graveyard.append((now, kept))

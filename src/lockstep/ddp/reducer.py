@@ -193,6 +193,7 @@ class Reducer(GradIntake, ReducerSurface):
         # Runs once the whole backward is done: the only safe point to wait for the buckets.
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         self._callback_queued = True
+        self.release_works(futures=False)  # before this backward launches its own
         if self.observer is not None:
             self.observer.backward_start()
         unused, self._unused_at_start = self._unused_at_start, []
@@ -359,12 +360,17 @@ class Reducer(GradIntake, ReducerSurface):
     def remove_hooks(self) -> None:
         remove_handles(self._handles)
 
-    def release_works(self) -> None:
-        """Hand the finished works of the last backward to the graveyard (see ``lifetime``)."""
-        bury([bucket.work for bucket in self.buckets] + [self.usage.last_work, getattr(self.nonfinite, "last_work", None)])
+    def release_works(self, futures: bool = True) -> None:
+        """Hand the last backward's works to the graveyard (``lifetime``): at the start of every backward, so
+        the main thread never drops one that gloo's thread may still hold, and at exit. A comm hook's futures
+        are dropped between steps instead (they hold fresh result tensors every step: 5 s of them is memory)."""
+        works = [bucket.work for bucket in self.buckets] + [self.usage.last_work, getattr(self.nonfinite, "last_work", None)]
+        bury(w for w in works if futures or not isinstance(w, torch._C.Future))
         for bucket in self.buckets:
             bucket.work = None
         self.usage.last_work = None
+        if self.nonfinite is not None:
+            self.nonfinite.last_work = None
 
     def __del__(self, _bury=bury) -> None:
         # A dropped DDP object, or finalisation's collection: its works must not be freed here (``lifetime``).
