@@ -4,9 +4,9 @@ One post-accumulate-grad hook per parameter copies the gradient into its bucket'
 flat buffer (pre-divided by the world size, fused into the copy: ``copy_in``); when a bucket's
 last gradient lands, its all-reduce is launched asynchronously, but only in bucket
 index order (``launch_order``), because every rank must issue collectives in the same order. The end
-of backward waits for the buckets. By default the hook has made ``param.grad`` its bucket slot, so
-the averages are already where the optimizer reads them; with ``gradient_as_bucket_view=False`` they
-are copied back into the local gradients (one ``_foreach_copy_`` per bucket, ``copy_back``).
+of backward waits for the buckets and, by default (``gradient_as_bucket_view=False``, torch's), copies
+the averages back into the local gradients (one ``_foreach_copy_`` per bucket, ``copy_back``); with
+None (opt-in) or True the hook has made ``param.grad`` its bucket slot, so nothing is copied back.
 
 Parameters that get no gradient are the classic DDP hang: their bucket never
 launches on one rank while the others wait. Here the end of backward (or, on a rank
