@@ -82,7 +82,11 @@ def _grads(model):
     return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
 
 
-def _train(impl, rank, make, kw=None, steps=5, set_to_none=True, zero_every=1, micro=1, synced=1, branch=None, hook=None,
+def _train(impl, rank, make, **kw):
+    return _train_with(lambda make_, kw_: _model(impl, make_, kw_), rank, make, **kw)
+
+
+def _train_with(build, rank, make, kw=None, steps=5, set_to_none=True, zero_every=1, micro=1, synced=1, branch=None, hook=None,
            rank_local=False):
     """``synced`` synchronised backwards per step (accumulation without no_sync), each after ``micro - 1``
     under no_sync; ``zero_grad`` every ``zero_every`` steps; ``rank_local``: each rank scales its .grad
@@ -90,7 +94,7 @@ def _train(impl, rank, make, kw=None, steps=5, set_to_none=True, zero_every=1, m
     through a step differs between ranks. Returns every step's gradients and the state at the end."""
     torch.manual_seed(100 + rank)  # a different init on every rank: the start-up broadcast matters
     torch.manual_seed(torch.initial_seed())
-    model = _model(impl, make, kw or {})
+    model = build(make, kw or {})
     if hook is not None:
         model.register_comm_hook(None, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -161,12 +165,16 @@ def _training_cases(rank):
 
 
 def _create_graph(rank, impl):
+    return _create_graph_steps(rank, lambda make, kw: _model(impl, make, kw))
+
+
+def _create_graph_steps(rank, build):
     """backward(create_graph=True), accumulated (torch's DDP fails an optimizer step in between here): the
     averages go into the graph-carrying .grad with a recorded copy_, in every mode (today's path)."""
     import warnings
 
     torch.manual_seed(3)
-    model = _model(impl, _Scale, {})
+    model = build(_Scale, {})
     per_step = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

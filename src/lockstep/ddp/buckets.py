@@ -28,6 +28,7 @@ class BucketPlan:
     numel: int = 0
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
+    direct: bool = False  # one large parameter, all-reduced in its own gradient when it can be (``copy_in``)
 
     @property
     def nbytes(self) -> int:
@@ -40,6 +41,7 @@ def assign_buckets(
     bucket_cap_bytes: int,
     first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
     bucket_caps_bytes: Sequence[int] | None = None,
+    direct_min_bytes: int | None = None,
 ) -> list[BucketPlan]:
     """Group ``params`` (visited in ``order``, a permutation of their indices) into buckets.
 
@@ -51,6 +53,12 @@ def assign_buckets(
     ``bucket_cap_bytes``; ``bucket_caps_bytes`` instead gives every bucket's cap in
     turn (the last one repeats). Buckets are numbered by where their first parameter
     falls in ``order``: bucket 0 is expected to be ready first.
+
+    ``direct_min_bytes``: a CPU parameter at least this large gets a bucket of its own, marked
+    ``direct`` (it closes the open bucket of its kind, as a full one would): its gradient can be
+    all-reduced where autograd left it, with no copy in or out (``copy_in``). The last bucket is never
+    direct (it carries the status flag in a spare element): a direct parameter that would be last joins
+    the bucket before it where the cap allows, or stays a plain bucket of its own.
     """
     if bucket_cap_bytes <= 0:
         raise ValueError(f"bucket cap must be > 0 bytes, got {bucket_cap_bytes}")
@@ -65,6 +73,12 @@ def assign_buckets(
         key = (p.device, p.dtype)
         nbytes = p.numel() * p.element_size()
         plan, used, n_closed = open_buckets.get(key, (None, 0, 0))
+        if direct_min_bytes is not None and nbytes >= direct_min_bytes and p.device.type == "cpu":
+            if plan is not None and plan.param_indices:
+                closed.append((first_pos[id(plan)], plan))
+            closed.append((pos, BucketPlan([index], [0], p.numel(), p.dtype, p.device, direct=True)))
+            open_buckets[key] = (None, 0, n_closed + 1 + bool(plan is not None and plan.param_indices))
+            continue
         cap = caps[min(n_closed, len(caps) - 1)]
         if plan is not None and plan.param_indices and used + nbytes > cap:
             closed.append((first_pos[id(plan)], plan))
@@ -76,6 +90,18 @@ def assign_buckets(
         plan.param_indices.append(index)
         plan.numel += p.numel()
         open_buckets[key] = (plan, used + nbytes, n_closed)
-    closed.extend((first_pos[id(plan)], plan) for plan, _, _ in open_buckets.values() if plan.param_indices)
+    closed.extend((first_pos[id(plan)], plan) for plan, _, _ in open_buckets.values() if plan is not None and plan.param_indices)
     closed.sort(key=lambda item: item[0])
-    return [plan for _, plan in closed]
+    plans = [plan for _, plan in closed]
+    if plans and plans[-1].direct:
+        last = plans[-1]
+        last.direct = False
+        before = plans[-2] if len(plans) > 1 else None
+        cap = caps[-1]
+        if (before is not None and not before.direct and (before.dtype, before.device) == (last.dtype, last.device)
+                and (before.numel + last.numel) * params[last.param_indices[0]].element_size() <= cap):
+            before.offsets.append(before.numel)
+            before.param_indices.append(last.param_indices[0])
+            before.numel += last.numel
+            plans.pop()
+    return plans

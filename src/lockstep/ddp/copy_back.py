@@ -30,6 +30,8 @@ def copy_back(
     if fast and mode == ALIAS:
         return
     for bucket in buckets:
+        if bucket.direct is not None:
+            continue  # all-reduced in its gradient: the average is in .grad already (``copy_in``)
         if globally_used is None and fast and mode == COPY:
             torch._foreach_copy_(bucket.grads, bucket.views)
             continue

@@ -59,7 +59,7 @@ class DDPJoinHook(JoinHook):
         should_sync = backward_sync_round(ddp, False, joined=True)
         ddp.require_forward_param_sync = should_sync
         if should_sync:
-            reducer.shadow_backward()
+            shadow_backward(reducer)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
@@ -95,3 +95,23 @@ def backward_sync_round(ddp: JoinableDDP, synced: bool, joined: bool) -> bool:
         return synced
     work.wait()
     return bool(flag.item() != 0)
+
+
+def shadow_backward(reducer: Any) -> None:
+    """A joined rank's stand-in for one backward: the same collectives, in the same order, with zeros."""
+    reducer.release_works(keep=False)  # as at a real backward's start
+    reducer._unalias_grads()
+    for bucket in reducer.buckets:
+        bucket.buffer.zero_()
+    reducer._order.drain()
+    for bucket in reducer.buckets:
+        bucket.work.wait()
+    if reducer.nonfinite is not None:
+        reducer.nonfinite.after_wait(reducer.buckets, reducer.comm_hook is not None)  # a training rank's NaN ends here too
+    reducer.usage.exchange_status([], reducer.comm_hook is not None, reducer.buckets[-1], reducer.process_group, joined=True)
+    reducer._reset()
+    reducer.rounds += 1
+    # As after a real backward: the training ranks rebuild their buckets at their next forward (a
+    # broadcast), so a rank that joined before its own first backward must rebuild alongside them.
+    if reducer._observed_order is not None and not reducer.buckets_rebuilt:
+        reducer.rebuild_pending = True

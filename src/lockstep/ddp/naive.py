@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.collectives.clean import launch_clean
 from lockstep.ddp.wrapper import DistributedDataParallel
 from lockstep.ddp.replicas import broadcast_coalesced
 
@@ -56,7 +57,7 @@ class NaiveDistributedDataParallel(nn.Module):
         for p in self._params:
             if p.grad is None:
                 raise RuntimeError("NaiveDistributedDataParallel: a parameter received no gradient")
-            works.append(dist.all_reduce(p.grad, group=self.process_group, async_op=True))
+            works.append(launch_clean(dist.all_reduce, p.grad, group=self.process_group, async_op=True))
             works[-1].wait()  # blocking: one collective per parameter, one after the other
             p.grad.div_(self.world_size)
         self._last_works = works

@@ -30,14 +30,19 @@ from lockstep.comm_hooks.base import issues_collectives_up_front
 from lockstep.ddp.autotune import AutoBucketCap, BucketTuner
 from lockstep.ddp.buckets import assign_buckets
 from lockstep.ddp.copy_back import copy_back
-from lockstep.ddp.copy_in import VIEW, GradIntake, grad_mode
+from lockstep.ddp.copy_in import COPY, VIEW, GradIntake, grad_mode
 from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.launch_order import LaunchOrder
+from lockstep.collectives.clean import launch_clean
 from lockstep.ddp.lifetime import bury, register_for_exit, remove_handles
 from lockstep.ddp.observe import StepObserver
 from lockstep.ddp.optim_in_backward import step_optimizers_in_backward
 from lockstep.ddp.reducer_state import Bucket, UsageTracker, raise_missing_gradients
 from lockstep.ddp.torch_surface import ReducerSurface
+
+# Where one all-reduce's fixed cost (~0.5 ms at 2 ranks on gloo) is below what the copies in and out
+# of a bucket cost a gradient this large (~0.15 ms per MB each way, measured on the 10.5M MLP).
+DEFAULT_DIRECT_MIN_BYTES = 4 * 1024 * 1024
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
@@ -55,6 +60,8 @@ class Reducer(GradIntake, ReducerSurface):
         find_unused_parameters: find, after each forward, the parameters its graph does not reach.
         static_graph: learn unused parameters and hook counts in the first iteration, reuse them after.
         auto_buckets: try these caps over the first steps and keep the fastest (``autotune``); None: fixed caps.
+        direct_min_bytes: a parameter this large (CPU, copies mode) is all-reduced in its own gradient,
+            no copy in or out (``copy_in``); None: never.
     """
 
     def __init__(
@@ -69,8 +76,11 @@ class Reducer(GradIntake, ReducerSurface):
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         auto_buckets: AutoBucketCap | None = None,
+        direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES,
     ):
         self.params = list(params)
+        self.buckets: list[Bucket] = []
+        self.direct_min_bytes = direct_min_bytes
         self.names = list(names)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -95,6 +105,7 @@ class Reducer(GradIntake, ReducerSurface):
         self.optimizers_in_backward = False  # torch's _apply_optimizer_in_backward on these parameters
         self.post_backward_futures: list = []  # a buffer comm hook's futures, waited for at the end of backward
         self.nonfinite: Any = None  # diagnostics.nonfinite.NonfiniteCheck (detect_nonfinite=True); None = off
+        self.direct_launches = 0  # all-reduces run on a gradient where autograd left it (``copy_in``), since construction
         self.launch_seq = 0  # launches issued since construction: the same on every rank, step after step
         self.comm_wait_s = 0.0
         self.num_syncs = 0
@@ -109,8 +120,11 @@ class Reducer(GradIntake, ReducerSurface):
 
     # ----------------------------------------------------------------- layout
     def _build(self, order: list[int]) -> None:
+        if self.buckets:
+            self.release_works(keep=False)  # before the old buckets go
         self._param_order = order
-        plans = assign_buckets(self.params, order, self.bucket_cap_bytes, self.first_bucket_bytes, self.bucket_caps_bytes)
+        direct = self.direct_min_bytes if self.grad_mode == COPY else None
+        plans = assign_buckets(self.params, order, self.bucket_cap_bytes, self.first_bucket_bytes, self.bucket_caps_bytes, direct)
         self.buckets = [Bucket(b, plan, self.params) for b, plan in enumerate(plans)]
         self._location = [(0, 0)] * len(self.params)
         for bucket in self.buckets:
@@ -193,7 +207,7 @@ class Reducer(GradIntake, ReducerSurface):
         # Runs once the whole backward is done: the only safe point to wait for the buckets.
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         self._callback_queued = True
-        self.release_works(futures=False)  # before this backward launches its own
+        self.release_works(keep=False)  # before this backward launches its own
         if self.observer is not None:
             self.observer.backward_start()
         unused, self._unused_at_start = self._unused_at_start, []
@@ -247,7 +261,7 @@ class Reducer(GradIntake, ReducerSurface):
     def _issue(self, bucket: Bucket) -> None:  # the NaN check first, where it must see the local gradients
         divided = self.nonfinite is not None and self.nonfinite.check_bucket(bucket, self.divisor, self.comm_hook is not None)
         if self.comm_hook is not None:
-            bucket.work = self.comm_hook(self.comm_hook_state, GradBucket(bucket, len(self.buckets)))
+            bucket.work = launch_clean(self.comm_hook, self.comm_hook_state, GradBucket(bucket, len(self.buckets)))
             if not isinstance(bucket.work, torch._C.Future):  # torch.futures.Future and the C++ futures of get_future()
                 raise TypeError(
                     f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} must return a "
@@ -260,7 +274,13 @@ class Reducer(GradIntake, ReducerSurface):
             bucket.buffer[-1] = float(self._missing_flag)  # every rank's flag is summed with the last bucket
             if self.nonfinite is not None:
                 self.nonfinite.add_flag(bucket.buffer)  # and its non-finite count, scaled apart from the flag
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        tensor = bucket.buffer
+        if bucket.direct is not None:  # the gradient itself (``copy_in``)
+            tensor = bucket.direct
+            self.direct_launches += 1
+        elif bucket.plan.direct:
+            tensor = bucket.flat  # as many elements as the gradient: another rank may have gone direct
+        bucket.work = launch_clean(dist.all_reduce, tensor, group=self.process_group, async_op=True)
 
     # -------------------------------------------------------- end of backward
     def _finalize_backward(self) -> None:
@@ -327,25 +347,6 @@ class Reducer(GradIntake, ReducerSurface):
         finally:
             self._reset()
 
-    def shadow_backward(self) -> None:
-        """A joined rank's stand-in for one backward: the same collectives, in the same order, with zeros."""
-        self.release_works(futures=False)  # as at a real backward's start (``lifetime``)
-        self._unalias_grads()
-        for bucket in self.buckets:
-            bucket.buffer.zero_()
-        self._order.drain()
-        for bucket in self.buckets:
-            bucket.work.wait()
-        if self.nonfinite is not None:
-            self.nonfinite.after_wait(self.buckets, self.comm_hook is not None)  # a training rank's NaN ends here too
-        self.usage.exchange_status([], self.comm_hook is not None, self.buckets[-1], self.process_group, joined=True)
-        self._reset()
-        self.rounds += 1
-        # As after a real backward: the training ranks rebuild their buckets at their next forward (a
-        # broadcast), so a rank that joined before its own first backward must rebuild alongside them.
-        if self._observed_order is not None and not self.buckets_rebuilt:
-            self.rebuild_pending = True
-
     def _reset(self) -> None:
         self._pending = list(self._sizes)
         self._order.reset()
@@ -361,12 +362,12 @@ class Reducer(GradIntake, ReducerSurface):
     def remove_hooks(self) -> None:
         remove_handles(self._handles)
 
-    def release_works(self, futures: bool = True) -> None:
-        """Hand the last backward's works to the graveyard (``lifetime``): at the start of every backward, so
-        the main thread never drops one that gloo's thread may still hold, and at exit. A comm hook's futures
-        are dropped between steps instead (they hold fresh result tensors every step: 5 s of them is memory)."""
+    def release_works(self, keep: bool = True) -> None:
+        """Let go of the last backward's works: ``keep`` (at exit) hands them to the graveyard; otherwise (the
+        start of every backward, a rebuild) they are dropped, as torch's DDP drops its own (``lifetime``)."""
         works = [bucket.work for bucket in self.buckets] + [self.usage.last_work, getattr(self.nonfinite, "last_work", None)]
-        bury(w for w in works if futures or not isinstance(w, torch._C.Future))
+        if keep:
+            bury(works)
         for bucket in self.buckets:
             bucket.work = None
         self.usage.last_work = None

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from lockstep.collectives.clean import launch_clean
 from lockstep.ddp.buckets import BucketPlan
 from lockstep.ddp.graph import reachable_params
 
@@ -22,22 +23,31 @@ from lockstep.ddp.graph import reachable_params
 class Bucket:
     """Runtime state of one bucket: a flat buffer (+1 spare element for the status flag), views, in-flight work."""
 
-    __slots__ = ("index", "plan", "buffer", "flat", "views", "params", "grads", "seen", "work", "seq")
+    __slots__ = ("index", "plan", "buffer", "flat", "views", "params", "grads", "seen", "work", "seq", "direct")
 
     def __init__(self, index: int, plan: BucketPlan, params: Sequence[torch.nn.Parameter]):
         self.index = index
         self.plan = plan
         self.params = [params[i] for i in plan.param_indices]
-        self.buffer = torch.zeros(plan.numel + 1, dtype=plan.dtype, device=plan.device)
+        if plan.direct:
+            # Used only when its gradient cannot be all-reduced where it is (``copy_in``): left untouched
+            # (never paged in) until then; every use writes the whole slot first.
+            self.buffer = torch.empty(plan.numel + 1, dtype=plan.dtype, device=plan.device)
+        else:
+            self.buffer = torch.zeros(plan.numel + 1, dtype=plan.dtype, device=plan.device)
         self.flat = self.buffer[: plan.numel]  # what a comm hook sees: the gradients only
         self.views = [self.flat[offset : offset + p.numel()].view(p.shape) for offset, p in zip(plan.offsets, self.params)]
         # dist.Work (default all-reduce) or a Future (comm hook). Kept after the backward that launched it,
         # until the next launch replaces it: see ``Reducer`` on why gloo's thread must never free it.
         self.work: Any = None
         self.seq = 0  # the reducer's launch count when this bucket was last issued (diagnostics)
+        # A direct bucket's gradient, all-reduced in place this backward (a detached alias of param.grad,
+        # ``copy_in``), else None. Its work holds it until the next backward drops the work.
+        self.direct: torch.Tensor | None = None
         self.reset()
 
     def reset(self) -> None:
+        self.direct = None
         self.grads: list[torch.Tensor | None] = [None] * len(self.params)
         self.seen = [False] * len(self.params)
 
@@ -180,7 +190,7 @@ class UsageTracker:
             # would be. Filled on the device (no host-to-device copy, which would synchronise the stream).
             device = last_bucket.buffer.device if dist.get_backend(group) == "nccl" else "cpu"
             flag = torch.full((1,), int(bool(missing)), dtype=torch.int32, device=device)
-            self.last_work = dist.all_reduce(flag, group=group, async_op=True)  # kept: see below
+            self.last_work = launch_clean(dist.all_reduce, flag, group=group, async_op=True)  # kept: see below
             self.last_work.wait()
             status = self.flag.read(flag, missing)
             status.globally_used = self._static_globally_used
@@ -191,8 +201,8 @@ class UsageTracker:
         status = torch.tensor([int(bool(missing))] + ([int(u) for u in used] if need_bitmap else []), dtype=torch.int32)
         if dist.get_backend(group) == "nccl":
             status = status.to(last_bucket.buffer.device)
-        # Async and kept, like the buckets' works: launched from inside backward, it must be freed on this thread.
-        self.last_work = dist.all_reduce(status, group=group, async_op=True)
+        # Async and kept until the next backward, like the buckets' works (``ddp.lifetime``).
+        self.last_work = launch_clean(dist.all_reduce, status, group=group, async_op=True)
         self.last_work.wait()
         values = status.tolist()
         self.used_in_window = [False] * self.num_params
@@ -214,7 +224,7 @@ def raise_missing_gradients(
     """
     mine = sorted(missing)  # registration order reads best
     gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (dist.get_rank(), mine), group=group)
+    launch_clean(dist.all_gather_object, gathered, (dist.get_rank(), mine), group=group)
     parts, indices = [], []
     for rank, ranks_missing in gathered:
         if ranks_missing:

@@ -30,7 +30,7 @@ from lockstep.ddp.graph import on_backward_start
 from lockstep.ddp.optim_in_backward import take_over_optimizers_in_backward
 from lockstep.ddp.join import DDPJoinHook, backward_sync_round, common_rank
 from lockstep.ddp.replicas import broadcast_coalesced, syncable_buffers, verify_params_across_ranks
-from lockstep.ddp.reducer import Reducer
+from lockstep.ddp.reducer import DEFAULT_DIRECT_MIN_BYTES, Reducer
 from lockstep.ddp.torch_surface import WrapperSurface, close_inherited, closed_message
 
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -82,6 +82,11 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
             ``zero_grad(set_to_none=True)`` the fresh gradient is copied in once per step and the
             bucket divided at launch; ``set_to_none=False`` keeps the view and avoids the copy. With
             ``detect_nonfinite=True`` None means False (the check stops a step before .grad sees the average).
+            With False, a CPU parameter of at least ``direct_min_bytes`` (a class attribute, 4 MiB; None:
+            never) gets a bucket of its own whose all-reduce runs on its ``.grad`` where autograd left it,
+            scaled in place: no copy in or out, ``.grad`` still autograd's tensor, the values torch's bit for
+            bit (``lockstep.ddp.copy_in``); whenever that would not be safe (a comm hook, the non-finite
+            check, a user's post-accumulate-grad hook on the parameter) it is copied as torch copies.
         static_graph: the first iteration records unused parameters and how many pieces each
             gradient arrives in (activation checkpointing); later iterations reuse that.
         delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
@@ -118,6 +123,8 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
     parameters by their offsets; ``.grad._base`` is the buffer). Values and ``state_dict`` are as
     torch's default.
     """
+
+    direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES  # see gradient_as_bucket_view; a subclass may change it
 
     def __init__(
         self,
@@ -220,6 +227,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
             auto_buckets=self._auto_buckets,
+            direct_min_bytes=self.direct_min_bytes,
         )
         if watch_for_hangs(self.process_group, getattr(self, "hang_timeout_s", None)):
             reducer.observer = attach(reducer.observer, observer_for(reducer))  # the watchdog reads its progress

@@ -50,6 +50,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from lockstep.collectives.clean import launch_clean
+
 _FUSABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # what the fused check-and-scale takes
 
 
@@ -133,7 +135,7 @@ class NonfiniteCheck:
         try:
             if self.after_reduce(buckets[-1].buffer, comm_hook):
                 flags = torch.tensor([int(not self._slice_finite(b.flat)) for b in buckets], dtype=torch.int32)
-                self.last_work = dist.all_reduce(flags, group=self.group, async_op=True)  # kept: see ddp.lifetime
+                self.last_work = launch_clean(dist.all_reduce, flags, group=self.group, async_op=True)  # collectives.clean
                 self.last_work.wait()
                 if flags.any():
                     self._raise(buckets, [b for b, bad in zip(buckets, flags.tolist()) if bad])
@@ -142,7 +144,7 @@ class NonfiniteCheck:
                 count = torch.tensor([float(self._count)], dtype=torch.float32)
                 if dist.get_backend(self.group) == "nccl":
                     count = count.to(buckets[-1].buffer.device)
-                self.last_work = dist.all_reduce(count, group=self.group, async_op=True)
+                self.last_work = launch_clean(dist.all_reduce, count, group=self.group, async_op=True)
                 self.last_work.wait()
                 total_bad = int(round(count.item()))
             else:
@@ -191,7 +193,7 @@ class NonfiniteCheck:
                 else:  # gradient_as_bucket_view: the local values were averaged in place
                     mine.append((" / ".join(self.names[i] for i in bucket.plan.param_indices[:8]), -1, -1, bucket.flat.numel()))
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (dist.get_rank(), mine), group=self.group)
+        launch_clean(dist.all_gather_object, gathered, (dist.get_rank(), mine), group=self.group)
         parts = [f"rank {rank}: {self._describe(found)}" for rank, found in gathered if found]
         if parts:
             first_rank = next(rank for rank, found in gathered if found)

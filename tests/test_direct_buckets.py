@@ -1,0 +1,215 @@
+"""Direct buckets: a large parameter's gradient all-reduced where autograd left it (``lockstep.ddp.copy_in``).
+
+With ``gradient_as_bucket_view=False`` (the default) a CPU parameter of at least
+``DistributedDataParallel.direct_min_bytes`` (4 MiB) gets a bucket of its own, and its all-reduce runs
+on ``.grad`` itself, scaled in place: no copy in, no copy back. The test models are small, so a subclass
+sets ``direct_min_bytes = 1`` (every parameter but those in the last bucket goes direct), beside
+lockstep with direct buckets off and torch's DDP, trained side by side: every gradient after every
+backward must be bit-identical (max diff 0.0) at 2 ranks, in every mode of training that torch's
+DDP has. Then what must hold besides the values: the direct path is really taken (and not where it
+would be unsafe), ``.grad`` stays autograd's own tensor, a user's post-accumulate-grad hook still sees
+the local gradient, and a dropped ``.grad`` is freed by the next backward rather than held by a work.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_utils import run_ranks
+from models import Branchy
+from test_grad_alias import _HalfUndefined, _Net, _WithUnused, _branch_changes, _create_graph_steps, _hooks, _same, _train_with
+
+IMPLS = ("direct", "plain", "torch")
+
+
+def _make_model(impl, module, kw):
+    import lockstep
+
+    class Direct(lockstep.DistributedDataParallel):
+        direct_min_bytes = 1
+
+    class Plain(lockstep.DistributedDataParallel):
+        direct_min_bytes = None
+
+    cls = {"direct": Direct, "plain": Plain, "torch": nn.parallel.DistributedDataParallel}[impl]
+    return cls(module, **kw)
+
+
+def _side_by_side(rank, **kw):
+    out = {}
+    for impl in IMPLS:
+        run = _train_with(lambda make, kw_: _make_model(impl, make(), kw_), rank, **kw)
+        out[impl] = run
+    return out
+
+
+def _training_cases(rank):
+    cases = {}
+    for stn in (True, False):
+        cases[f"plain_{stn}"] = _side_by_side(rank, make=_Net, set_to_none=stn)
+        cases[f"nosync_{stn}"] = _side_by_side(rank, make=_Net, set_to_none=stn, micro=3)
+        cases[f"accumulate_{stn}"] = _side_by_side(rank, make=_Net, set_to_none=stn, synced=2, zero_every=2)
+        cases[f"unused_{stn}"] = _side_by_side(rank, make=Branchy, kw={"find_unused_parameters": True}, set_to_none=stn,
+                                               branch=_branch_changes, steps=6)
+        cases[f"static_{stn}"] = _side_by_side(rank, make=_WithUnused, kw={"static_graph": True}, set_to_none=stn)
+        cases[f"undefined_{stn}"] = _side_by_side(rank, make=_HalfUndefined, kw={"find_unused_parameters": True},
+                                                  set_to_none=stn, zero_every=3, branch=lambda s, r, m: {"undefined": s % 2 == 1})
+    cases["unused_never_zeroed"] = _side_by_side(rank, make=Branchy, kw={"find_unused_parameters": True},
+                                                 set_to_none=False, zero_every=100, branch=_branch_changes, steps=6)
+    cases["rank_local_static_graph"] = _side_by_side(rank, make=_WithUnused, kw={"static_graph": True}, set_to_none=False,
+                                                     zero_every=100, steps=6, rank_local=True)
+    for name, hook in _hooks().items():
+        cases[f"hook_{name}"] = _side_by_side(rank, make=_Net, hook=hook, set_to_none=True)
+    cases["create_graph"] = {impl: _create_graph_steps(rank, lambda make, kw_, i=impl: _make_model(i, make(), kw_))
+                             for impl in IMPLS}
+    return cases
+
+
+def _join(rank, impl):
+    torch.manual_seed(7)
+    model = _make_model(impl, _Net(), {})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    with model.join():
+        for _ in range(3 + 2 * rank):
+            opt.zero_grad()
+            F.cross_entropy(model(torch.randn(4, 8, generator=gen)), torch.randint(0, 4, (4,), generator=gen)).backward()
+            opt.step()
+    return {"grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+            "state": [t.clone() for t in model.state_dict().values()]}
+
+
+def _one_step(model, rank, step):
+    gen = torch.Generator().manual_seed(10 * step + rank)
+    F.cross_entropy(model(torch.randn(4, 8, generator=gen)), torch.randint(0, 4, (4,), generator=gen)).backward()
+
+
+def _behaviour(rank):
+    """What must hold besides the values."""
+    out = {}
+    # The path is taken: every bucket but the last one (which carries the status flag) runs direct.
+    model = _make_model("direct", _Net(), {})
+    _one_step(model, rank, 0)
+    out["layout"] = [(b.plan.direct, len(b.params)) for b in model.reducer.buckets]
+    out["direct_launches"] = model.reducer.direct_launches
+    buffers = {b.buffer.untyped_storage().data_ptr() for b in model.reducer.buckets}
+    out["grads_outside_buckets"] = all(p.grad.untyped_storage().data_ptr() not in buffers for p in model.parameters())
+    # A reference kept across steps keeps its values (it is autograd's tensor, as in torch's default).
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.step()
+    opt.zero_grad()
+    _one_step(model, rank, 1)
+    kept = model.module.fc2.weight.grad  # a direct one: its step's work holds it too
+    kept_ref = weakref.ref(kept)
+    del kept
+    opt.step()
+    opt.zero_grad()  # drops .grad: only the step's work still holds it, until the next backward
+    _one_step(model, rank, 2)
+    gc.collect()
+    out["dropped_grad_freed"] = kept_ref() is None
+    # Not direct where it would be unsafe: the non-finite check, a comm hook, a user's post-accumulate hook.
+    import lockstep
+
+    checked = _make_model("direct", _Net(), {"detect_nonfinite": True})
+    _one_step(checked, rank, 0)
+    out["nonfinite_direct"] = checked.reducer.direct_launches
+    hooked = _make_model("direct", _Net(), {})
+    hooked.register_comm_hook(None, lockstep.comm_hooks.allreduce_hook)
+    _one_step(hooked, rank, 0)
+    out["comm_hook_direct"] = hooked.reducer.direct_launches
+    # A user's post-accumulate-grad hook sees the local gradient, as with copies and in torch's DDP.
+    seen = {}
+    for impl in ("direct", "plain"):
+        torch.manual_seed(0)
+        m = _make_model(impl, _Net(), {})
+        records = []
+        m.module.fc2.weight.register_post_accumulate_grad_hook(lambda p, r=records: r.append(p.grad.clone()))
+        _one_step(m, rank, 0)
+        seen[impl] = (records[0], m.module.fc2.weight.grad.clone(), m.reducer.direct_launches)
+    out["user_hook"] = {
+        "same_local": torch.equal(seen["direct"][0], seen["plain"][0]),
+        "same_average": torch.equal(seen["direct"][1], seen["plain"][1]),
+        "local_is_not_average": not torch.equal(seen["direct"][0], seen["direct"][1]),
+        "direct_launches": seen["direct"][2],
+    }
+    return out
+
+
+def _all_cases(rank, world_size):
+    return {"training": _training_cases(rank), "join": {impl: _join(rank, impl) for impl in IMPLS},
+            "behaviour": _behaviour(rank)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_all_cases, 2, timeout_s=400)
+
+
+TRAINING = [f"{c}_{stn}" for c in ("plain", "nosync", "accumulate", "unused", "static", "undefined") for stn in (True, False)]
+TRAINING += ["unused_never_zeroed", "rank_local_static_graph", "hook_allreduce", "hook_fp16", "create_graph"]
+
+
+@pytest.mark.parametrize("case", TRAINING)
+def test_gradients_bit_identical_to_torch_every_step(results, case):
+    for rank in range(2):
+        runs = results[rank]["training"][case]
+        for impl in ("direct", "plain"):
+            for step, (ours, theirs) in enumerate(zip(runs[impl]["grads"], runs["torch"]["grads"])):
+                assert _same(ours, theirs), f"{case} {impl} rank {rank} step {step}"
+            assert all(torch.equal(runs[impl]["state"][k], v) for k, v in runs["torch"]["state"].items()), (case, impl)
+
+
+def test_join_bit_identical_to_torch(results):
+    for rank in range(2):
+        runs = results[rank]["join"]
+        for impl in ("direct", "plain"):
+            assert _same(runs[impl]["grads"], runs["torch"]["grads"]), (rank, impl)
+            assert all(torch.equal(a, b) for a, b in zip(runs[impl]["state"], runs["torch"]["state"])), (rank, impl)
+
+
+def test_every_bucket_but_the_last_runs_direct(results):
+    b = results[0]["behaviour"]
+    # _Net's 6 parameters in reverse: fc3.bias .. fc1.weight, each direct at direct_min_bytes=1 but the
+    # last, which carries the status flag (the bucket before it is direct, so it stays on its own).
+    assert b["layout"] == [(True, 1)] * 5 + [(False, 1)]
+    assert b["direct_launches"] == 5
+    assert b["grads_outside_buckets"]  # .grad is autograd's tensor, not a bucket slot
+
+
+def test_a_dropped_grad_is_freed_by_the_next_backward(results):
+    for rank in range(2):
+        assert results[rank]["behaviour"]["dropped_grad_freed"], rank
+
+
+def test_not_direct_with_the_nonfinite_check_or_a_comm_hook(results):
+    b = results[0]["behaviour"]
+    assert b["nonfinite_direct"] == 0
+    assert b["comm_hook_direct"] == 0
+
+
+def test_a_users_post_accumulate_hook_sees_the_local_gradient(results):
+    for rank in range(2):
+        u = results[rank]["behaviour"]["user_hook"]
+        assert u["same_local"] and u["same_average"] and u["local_is_not_average"], (rank, u)
+        assert u["direct_launches"] == 4  # the other four still went direct; fc2.weight was copied
+
+
+def test_assign_buckets_direct_rules():
+    from lockstep.ddp.buckets import assign_buckets
+
+    mlp = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 4))
+    params = list(mlp.parameters())  # w0 32 KiB, b0, w1 64 KiB, b1, w2 2 KiB, b2
+    order = list(reversed(range(len(params))))
+    plans = assign_buckets(params, order, 1 << 20, 1 << 20, direct_min_bytes=16 * 1024)
+    # w1 goes direct and closes the small bucket before it; w0 would be last, so it joins b0's bucket.
+    assert [(p.param_indices, p.direct) for p in plans] == [([5, 4, 3], False), ([2], True), ([1, 0], False)]
+    # Where the cap does not allow the merge, the last large parameter stays a plain bucket of its own.
+    plans = assign_buckets(params, order, 20 * 1024, 20 * 1024, direct_min_bytes=16 * 1024)
+    assert [(p.param_indices, p.direct) for p in plans] == [([5, 4, 3], False), ([2], True), ([1], False), ([0], False)]
+    assert [(p.param_indices, p.direct) for p in assign_buckets(params, order, 1 << 20, 1 << 20)] == [([5, 4, 3, 2, 1, 0], False)]
