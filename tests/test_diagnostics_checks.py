@@ -15,6 +15,10 @@ from dist_utils import run_ranks
 from lockstep import DistributedDataParallel as DDP
 
 
+class _Direct(DDP):
+    direct_min_bytes = 1  # every bucket but the last is direct (``ddp.copy_in``): the check rides its scaling
+
+
 def _mlp(dropout: float = 0.0):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 4))
@@ -104,9 +108,10 @@ def _nonfinite(rank, world_size):
         "buckets": {"bucket_cap_mb_list": [0.0001]},  # one bucket per parameter: the NaN is not in the last one
         "view": {"gradient_as_bucket_view": True},
         "hook": {},
+        "direct": {},  # 0.bias's bucket is direct: checked in the pass that scales it, before its all-reduce
     }
     for case, kwargs in cases.items():
-        ddp = DDP(_mlp(), detect_nonfinite=True, **kwargs)
+        ddp = (_Direct if case == "direct" else DDP)(_mlp(), detect_nonfinite=True, **kwargs)
         if case == "hook":
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -121,7 +126,8 @@ def _nonfinite(rank, world_size):
             handle.remove()
         out[case + "_params_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, ddp.parameters()))
         out[case + "_rank0_grad_finite"] = rank != 0 or case == "view" or all(
-            bool(torch.isfinite(p.grad).all()) for p in ddp.parameters())
+            bool(torch.isfinite(p.grad).all()) for p in ddp.parameters() if p is not bad or case != "direct")
+        out[case + "_direct_launches"] = ddp.reducer.direct_launches
         # The job goes on: the next step is healthy and the replicas still agree.
         out[case + "_after"] = _error(lambda: _train(ddp, opt, 2, rank))
         import lockstep
@@ -134,14 +140,16 @@ def _nonfinite(rank, world_size):
     out["inf"] = _error(lambda: _train(ddp, opt, 1, rank))
     if handle is not None:
         handle.remove()
-    # The ranks split the check of the averaged buckets: a NaN from rank 1 in the share rank 0 reads (one
-    # bucket per parameter: element 0 of 3.weight), an Inf from rank 0 in rank 1's share (one bucket: the last
-    # element of 0.weight). Each is still caught, and named by the rank it came from.
+    # At a world size that is no power of two the ranks split the check of the averaged buckets; forced
+    # here at 2 ranks: a NaN from rank 1 in the share rank 0 reads (one bucket per parameter: element 0 of
+    # 3.weight), an Inf from rank 0 in rank 1's share (one bucket: the last element of 0.weight). Each is
+    # still caught, and named by the rank it came from.
     for case, kwargs, param, element, culprit, value in [
         ("split", {"bucket_cap_mb_list": [0.0001]}, "3.weight", 0, 1, float("nan")),
         ("split_reverse", {}, "0.weight", -1, 0, float("inf")),
     ]:
         ddp = DDP(_mlp(), detect_nonfinite=True, **kwargs)
+        ddp.reducer.nonfinite.pre_launch = False  # the path of 3, 5, 6, ... ranks
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         p = dict(ddp.module.named_parameters())[param]
         element %= p.numel()
@@ -172,6 +180,7 @@ def _parity(rank, world_size):
         "checked": lambda m: DDP(m, detect_nonfinite=True, check_replicas_every=1),
         "checked_buckets": lambda m: DDP(m, detect_nonfinite=True, check_replicas_every=2, bucket_cap_mb_list=[0.0001]),
         "checked_view": lambda m: DDP(m, detect_nonfinite=True, gradient_as_bucket_view=True),  # the fused divide
+        "checked_direct": lambda m: _Direct(m, detect_nonfinite=True),  # the fused scaling of direct buckets
         "torch": lambda m: torch.nn.parallel.DistributedDataParallel(m),
     }.items():
         ddp = build(_mlp())
@@ -239,7 +248,7 @@ def test_dropout_seeded_differently_is_not_a_mismatch(results):
     assert r0["every2"] == r1["every2"] == [2, 4]
 
 
-@pytest.mark.parametrize("case", ["default", "buckets", "view", "hook"])
+@pytest.mark.parametrize("case", ["default", "buckets", "view", "hook", "direct"])
 def test_nan_gradient_names_rank_and_parameter_on_every_rank(results, case):
     r0, r1 = (r["nonfinite"] for r in results)
     assert r0[case] == r1[case], (r0[case], r1[case])
@@ -250,6 +259,8 @@ def test_nan_gradient_names_rank_and_parameter_on_every_rank(results, case):
     assert r0[case + "_rank0_grad_finite"]  # the average was never copied into .grad (bucket views aside)
     assert r0[case + "_after"] is None and r1[case + "_after"] is None
     assert r0[case + "_replicas_after"] is None
+    if case == "direct":  # the direct buckets stayed direct under the check: 3 of 4 buckets, 2 healthy steps and the bad one
+        assert r0["direct_direct_launches"] == r1["direct_direct_launches"] == 9
 
 
 def test_inf_gradient_from_rank_0(results):
@@ -260,7 +271,8 @@ def test_inf_gradient_from_rank_0(results):
 
 def test_checks_change_no_result(results):
     for r in results:
-        assert r["parity"] == {"plain": 0.0, "checked": 0.0, "checked_buckets": 0.0, "checked_view": 0.0, "torch": 0.0}
+        assert r["parity"] == {"plain": 0.0, "checked": 0.0, "checked_buckets": 0.0, "checked_view": 0.0,
+                               "checked_direct": 0.0, "torch": 0.0}
 
 
 @pytest.mark.parametrize("case, param, culprit, reader, what", [

@@ -113,12 +113,16 @@ def _behaviour(rank):
     _one_step(model, rank, 2)
     gc.collect()
     out["dropped_grad_freed"] = kept_ref() is None
-    # Not direct where it would be unsafe: the non-finite check, a comm hook, a user's post-accumulate hook.
+    # Not direct where it would be unsafe: a comm hook, the non-finite check after the all-reduce, a user's hook.
     import lockstep
 
     checked = _make_model("direct", _Net(), {"detect_nonfinite": True})
     _one_step(checked, rank, 0)
-    out["nonfinite_direct"] = checked.reducer.direct_launches
+    out["nonfinite_direct"] = checked.reducer.direct_launches  # 2 ranks: checked in the scaling pass
+    checked_after = _make_model("direct", _Net(), {"detect_nonfinite": True})
+    checked_after.reducer.nonfinite.pre_launch = False  # as at 3 ranks: it reads the local gradients afterwards
+    _one_step(checked_after, rank, 0)
+    out["nonfinite_after_direct"] = checked_after.reducer.direct_launches
     hooked = _make_model("direct", _Net(), {})
     hooked.register_comm_hook(None, lockstep.comm_hooks.allreduce_hook)
     _one_step(hooked, rank, 0)
@@ -187,9 +191,10 @@ def test_a_dropped_grad_is_freed_by_the_next_backward(results):
         assert results[rank]["behaviour"]["dropped_grad_freed"], rank
 
 
-def test_not_direct_with_the_nonfinite_check_or_a_comm_hook(results):
+def test_not_direct_with_a_comm_hook_or_a_nonfinite_check_that_reads_afterwards(results):
     b = results[0]["behaviour"]
-    assert b["nonfinite_direct"] == 0
+    assert b["nonfinite_direct"] == 5  # the check fused into the scaling (test_diagnostics_checks: its errors)
+    assert b["nonfinite_after_direct"] == 0
     assert b["comm_hook_direct"] == 0
 
 

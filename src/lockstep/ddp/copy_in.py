@@ -20,8 +20,8 @@ place and handed to the all-reduce as it is, so the average lands in ``param.gra
 and no copy back (for the 10.5M-parameter MLP, 32 of its 42 MB). ``.grad`` stays the tensor autograd
 made, as with torch's default, and the values are bit-identical (the same multiply, the same sum).
 The bucket's own buffer is used instead, as for any bucket, whenever that would not be safe: a comm
-hook (it may replace the buffer), the non-finite check (it reads the local gradients after the
-all-reduce), a gradient carrying a graph, of another dtype or layout, not contiguous, or a parameter
+hook (it may replace the buffer), the non-finite check where it reads the local gradients after the
+all-reduce (world sizes that are no power of two), a gradient carrying a graph, of another dtype or layout, not contiguous, or a parameter
 with post-accumulate-grad hooks other than DDP's (they would read a gradient in flight).
 
 ``VIEW`` (True): torch's ``gradient_as_bucket_view=True``: the local gradient is copied unscaled and
@@ -77,7 +77,9 @@ class GradIntake:
             return
         mode = self.grad_mode
         if bucket.plan.direct and hooked and mode == COPY and self._direct_ok(index, grad, view):
-            if self.divisor != 1:
+            if self.nonfinite is not None:
+                self.nonfinite.scale_direct(grad, self.divisor, index)  # the check in the scaling pass
+            elif self.divisor != 1:
                 grad.mul_(self._scale_for(grad))  # in place: the one pass over this gradient
             bucket.direct = grad.detach()  # what the all-reduce gets (so .grad's own object is not in the work)
             return
@@ -121,8 +123,10 @@ class GradIntake:
 
     def _direct_ok(self, index: int, grad: torch.Tensor, view: torch.Tensor) -> bool:
         """Whether this gradient can be all-reduced where it is (the module docstring lists why not)."""
-        if self.comm_hook is not None or self.nonfinite is not None or grad.requires_grad:
+        if self.comm_hook is not None or grad.requires_grad:
             return False
+        if self.nonfinite is not None and not self.nonfinite.takes_direct(grad, self.divisor):
+            return False  # the check reads the local gradients after the all-reduce here
         if grad.dtype != view.dtype or grad.device != view.device or grad.layout != torch.strided or not grad.is_contiguous():
             return False
         hooks = getattr(self.params[index], "_post_accumulate_grad_hooks", None)

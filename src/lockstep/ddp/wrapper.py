@@ -82,11 +82,9 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
             ``zero_grad(set_to_none=True)`` the fresh gradient is copied in once per step and the
             bucket divided at launch; ``set_to_none=False`` keeps the view and avoids the copy. With
             ``detect_nonfinite=True`` None means False (the check stops a step before .grad sees the average).
-            With False, a CPU parameter of at least ``direct_min_bytes`` (a class attribute, 4 MiB; None:
-            never) gets a bucket of its own whose all-reduce runs on its ``.grad`` where autograd left it,
-            scaled in place: no copy in or out, ``.grad`` still autograd's tensor, the values torch's bit for
-            bit (``lockstep.ddp.copy_in``); whenever that would not be safe (a comm hook, the non-finite
-            check, a user's post-accumulate-grad hook on the parameter) it is copied as torch copies.
+            With False, a CPU parameter of at least ``direct_min_bytes`` (class attribute, 4 MiB; None: never)
+            is all-reduced in its own ``.grad``, scaled in place: no copy in or out, ``.grad`` autograd's tensor,
+            values torch's bit for bit; copied where that is unsafe (a comm hook, ...: ``lockstep.ddp.copy_in``).
         static_graph: the first iteration records unused parameters and how many pieces each
             gradient arrives in (activation checkpointing); later iterations reuse that.
         delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
@@ -105,9 +103,11 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         check_replicas_every: every N synchronised steps, check at the next forward that every rank
             holds the same parameters (one all-gather of two 64-bit fingerprints per parameter); a mismatch raises
             ``ReplicaMismatchError`` on every rank naming the parameter, the ranks and the difference.
-        detect_nonfinite: check the gradients for NaN/Inf (on CPU each rank sums its 1/world_size share
-            of each averaged bucket, then one tiny all-reduce; ``lockstep.diagnostics.nonfinite``); every rank
-            raises ``NonfiniteGradientError`` naming the rank and the parameter, before the optimizer step.
+        detect_nonfinite: check the gradients for NaN/Inf (on CPU at a world size that is a power of two,
+            one sum per bucket of copies and the check fused into a direct bucket's scaling, the verdict in
+            the last bucket's spare element; elsewhere after the all-reduce: ``lockstep.diagnostics.nonfinite``);
+            every rank raises ``NonfiniteGradientError`` naming the rank and the parameter, before the
+            optimizer step. ``.grad`` then holds the local values, except a direct bucket's, which holds the average.
         trace_dir: record the overlap timeline of synchronised steps ``trace_steps`` (default 5..10;
             env ``LOCKSTEP_TRACE=DIR``, ``LOCKSTEP_TRACE_STEPS=5:10``); rank 0 writes a Chrome trace,
             a summary and a PNG there when the window closes (at the next forward, or ``self.trace.write()``).

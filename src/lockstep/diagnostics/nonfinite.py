@@ -4,18 +4,29 @@ An all-reduce spreads one rank's NaN to every rank in the same step, and from th
 where it came from. ``DDP(detect_nonfinite=True)`` catches it and names it; how depends on where the
 local values still exist.
 
-The common path (CPU, no comm hook, gradients copied into the buckets): the check reads the *averaged*
-buckets, after their all-reduces. A NaN or Inf in any rank's local gradient survives the sum (NaN + x
-is NaN, Inf + finite is Inf, Inf - Inf is NaN) and the scaling, so the average is non-finite wherever
-some rank's gradient was; and the average is the same on every rank, so the ranks split the reading:
-rank r sums only its 1/world_size slice of each bucket (a NaN or Inf anywhere in it makes the sum
-non-finite; a sum that overflowed on large finite values is looked at element by element before it
-counts), and one all-reduce of a few int32 flags (one per bucket) tells every rank whether any slice
-was bad. That is half a read of the gradients at two ranks, where checking the local gradients before
-the all-reduce costs a whole one. Only on a flagged step each rank looks at its own local gradients,
-still held (untouched by the all-reduce) by the buckets until the copy back, to name the offenders.
+The common path (CPU, no comm hook, gradients copied, a world size that is a power of two, 2 above
+all): each bucket is checked before its all-reduce and the verdict rides on a collective every rank
+issues anyway, so the check adds no round trip. A bucket of copies is summed once at its launch (a
+NaN or Inf anywhere makes the sum non-finite; a sum that overflowed on large finite values is looked
+at element by element before it counts); a direct bucket (``ddp.copy_in``: a large gradient
+all-reduced where it is) is checked in the pass that scales it by 1/world_size, one
+``_amp_foreach_non_finite_check_and_unscale_`` instead of a multiply (bit-identical: the reciprocal of
+a power of two is exact). The offenders are named at once, from the local values. The count goes
+into the last bucket's spare element, below. At such a world size an average of finite gradients
+cannot overflow: each is scaled exactly, and at 2 ranks the one addition of two halves is at most the
+dtype's largest value; at 4, 8, ... a ring sum would have to land within half an ulp of it.
 
-Where the local values are gone after the all-reduce, they are checked before it, and the verdict rides
+At other world sizes (3, 5, 6, ...) the check reads the *averaged* buckets after their all-reduces,
+where an overflowed average shows (1/3 is rounded, and three thirds of fp16's largest value overflow).
+A NaN or Inf in any rank's local gradient survives the sum (NaN + x is NaN, Inf + finite is Inf,
+Inf - Inf is NaN) and the scaling, so the average is non-finite wherever some rank's gradient was;
+and the average is the same on every rank, so the ranks split the reading: rank r sums only its
+1/world_size slice of each bucket, and one all-reduce of a few int32 flags (one per bucket) tells
+every rank whether any slice was bad. Only on a flagged step each rank looks at its own local
+gradients, still held (untouched by the all-reduce) by the buckets until the copy back, to name the
+offenders. Direct buckets copy there, as without the check.
+
+Where the local values are gone after the all-reduce, they are checked before it too, and the verdict rides
 on a collective every rank issues anyway: the last bucket's spare element, which already carries the
 missing-gradient flag, gets ``(world_size + 1)`` times this rank's count of bad buckets added, so the sum
 over ranks tells every rank, at the end of backward, whether any rank saw a non-finite gradient:
@@ -36,10 +47,10 @@ rank raises the same error before the averaged gradients reach ``.grad`` (so no 
 them).
 
 A non-finite average of finite local gradients (the all-reduce's sum overflowed: fp16 gradients near
-65504 on three ranks, say) is caught on the common path too, and raises ``NonfiniteGradientError``
-naming the parameters whose average is non-finite; until this check moved after the all-reduce such an
-average was accepted silently and reached the optimizer. On the other paths it still is (they look at
-the local values only).
+65504 on three ranks, say) is caught where the average is read, at world sizes that are not a power of
+two, and raises ``NonfiniteGradientError`` naming the parameters whose average is non-finite. Where
+only the local values are read (powers of two, bucket views, comm hooks, CUDA) it is not: at a power
+of two it cannot happen (above), elsewhere it is accepted, as torch's DDP accepts it.
 """
 
 from __future__ import annotations
@@ -68,6 +79,8 @@ class NonfiniteCheck:
         self.world_size = dist.get_world_size(group)
         self.group_rank = dist.get_rank(group)
         self.bucket_view = bucket_view  # gradient_as_bucket_view: the local values are averaged in place
+        # A power of two (1, 2, 4, ...): checked before the all-reduces, the verdict in the last bucket's spare element.
+        self.pre_launch = self.world_size & (self.world_size - 1) == 0
         self.scale = float(self.world_size + 1)  # missing-gradient flags sum to <= world_size: this keeps them apart
         self.last_work: Any = None  # the flags' all-reduce of the last backward, kept as the buckets' works are
         self._found = torch.zeros(1)  # the fused check's found-inf flag (CPU)
@@ -81,11 +94,29 @@ class NonfiniteCheck:
 
     def after_reduce(self, tensor: torch.Tensor, comm_hook: bool) -> bool:
         """The common path, checked after the all-reduce on the average: a CPU bucket, no hook, copied gradients."""
-        return not (comm_hook or self.bucket_view) and tensor.device.type == "cpu"
+        return not (comm_hook or self.bucket_view or self.pre_launch) and tensor.device.type == "cpu"
+
+    def takes_direct(self, grad: torch.Tensor, divisor: int) -> bool:
+        """Whether a direct bucket (``ddp.copy_in``) may go direct under this check: ``scale_direct`` takes it."""
+        return (self.pre_launch and not self.bucket_view and grad.device.type == "cpu" and grad.dtype in _FUSABLE
+                and divisor & (divisor - 1) == 0)
+
+    def scale_direct(self, grad: torch.Tensor, divisor: int, index: int) -> None:
+        """A direct bucket's gradient, after ``takes_direct``: scaled by 1/divisor in place with the check in the
+        same pass (bit-identical to the multiply: the reciprocal of a power of two is exact), the offender noted."""
+        inv = self._inv.get(divisor)
+        if inv is None:
+            inv = self._inv[divisor] = torch.tensor([1.0 / divisor])
+        self._found.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_([grad], self._found, inv)
+        if self._found.item():  # a host read: free on CPU
+            self._note(self._find([grad], [index]))
 
     def check_bucket(self, bucket: Any, divisor: int = 1, comm_hook: bool = False) -> bool:
         """Before the bucket's collective. True when it also divided the bucket by ``divisor`` (bucket view)."""
         flat = bucket.flat
+        if bucket.direct is not None:
+            return False  # checked as it was scaled (``scale_direct``)
         if flat.numel() == 0 or self.after_reduce(flat, comm_hook):
             return False  # nothing here: the average is read at the end of backward
         if (self.bucket_view and not comm_hook and flat.device.type == "cpu" and flat.dtype in _FUSABLE
