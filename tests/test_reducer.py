@@ -326,7 +326,8 @@ def test_auto_bucket_cap_tries_each_cap_then_keeps_rank_0s_fastest(results):
     # The kept layout is the chosen cap's, over the observed order.
     cap = 1 << 62 if result["chosen_mb"] is None else int(result["chosen_mb"] * MIB)
     params = [p for p in r0["params"]["auto"]]
-    plans = assign_buckets(params, order, cap, bucket_caps_bytes=[min(MIB, cap), cap] if cap < 1 << 62 else [cap])
+    plans = assign_buckets(params, order, cap, bucket_caps_bytes=[min(MIB, cap), cap] if cap < 1 << 62 else [cap],
+                           direct_min_bytes=4 * MIB)
     assert r0["final"] == [plan.param_indices for plan in plans]
     # Logged once per model (two tuned here: auto, auto_view), on rank 0, with the choice and the times.
     assert len(r0["logs"]) == 2 and not r1["logs"]
