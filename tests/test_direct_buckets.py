@@ -113,7 +113,7 @@ def _behaviour(rank):
     _one_step(model, rank, 2)
     gc.collect()
     out["dropped_grad_freed"] = kept_ref() is None
-    # Not direct where it would be unsafe: a comm hook, the non-finite check after the all-reduce, a user's hook.
+    # Not direct where it would be unsafe: a hook that may use its buffer later, the NaN check after the all-reduce or with a hook.
     import lockstep
 
     checked = _make_model("direct", _Net(), {"detect_nonfinite": True})
@@ -124,9 +124,21 @@ def _behaviour(rank):
     _one_step(checked_after, rank, 0)
     out["nonfinite_after_direct"] = checked_after.reducer.direct_launches
     hooked = _make_model("direct", _Net(), {})
-    hooked.register_comm_hook(None, lockstep.comm_hooks.allreduce_hook)
+    hooked.register_comm_hook(None, lockstep.comm_hooks.allreduce_hook)  # issues its collective up front
     _one_step(hooked, rank, 0)
     out["comm_hook_direct"] = hooked.reducer.direct_launches
+    unknown = _make_model("direct", _Net(), {})
+
+    def own_hook(state, bucket):  # not declared up front: it might use the buffer from a callback
+        return lockstep.comm_hooks.allreduce_hook(state, bucket)
+
+    unknown.register_comm_hook(None, own_hook)
+    _one_step(unknown, rank, 0)
+    out["unknown_hook_direct"] = unknown.reducer.direct_launches
+    checked_hook = _make_model("direct", _Net(), {"detect_nonfinite": True})
+    checked_hook.register_comm_hook(None, lockstep.comm_hooks.allreduce_hook)
+    _one_step(checked_hook, rank, 0)
+    out["checked_hook_direct"] = checked_hook.reducer.direct_launches
     # A user's post-accumulate-grad hook sees the local gradient, as with copies and in torch's DDP.
     seen = {}
     for impl in ("direct", "plain"):
@@ -145,9 +157,31 @@ def _behaviour(rank):
     return out
 
 
+def _powersgd(rank):
+    """lockstep's PowerSGD (declared up front) with its buffer being .grad itself, against the same layout
+    (one bucket per parameter) copied: every gradient of every step the same, compression on from step 1."""
+    import lockstep
+    from lockstep.comm_hooks import PowerSGDState, powersgd_hook
+
+    out = {}
+    for impl in ("direct", "plain"):
+        def build(make, kw, impl=impl):
+            model = _make_model(impl, make(), {**kw, "bucket_cap_mb_list": [0.0001]})
+            model.register_comm_hook(PowerSGDState(None, 1, start_powerSGD_iter=1, random_seed=7), powersgd_hook)
+            return model
+
+        out[impl] = _train_with(build, rank, _Net, steps=6, set_to_none=True)
+    probe = _make_model("direct", _Net(), {"bucket_cap_mb_list": [0.0001]})
+    probe.register_comm_hook(PowerSGDState(None, 1, start_powerSGD_iter=1), powersgd_hook)
+    _one_step(probe, rank, 0)
+    out["direct_launches"] = probe.reducer.direct_launches
+    assert lockstep.comm_hooks.issues_collectives_up_front(powersgd_hook)
+    return out
+
+
 def _all_cases(rank, world_size):
     return {"training": _training_cases(rank), "join": {impl: _join(rank, impl) for impl in IMPLS},
-            "behaviour": _behaviour(rank)}
+            "behaviour": _behaviour(rank), "powersgd": _powersgd(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -191,11 +225,13 @@ def test_a_dropped_grad_is_freed_by_the_next_backward(results):
         assert results[rank]["behaviour"]["dropped_grad_freed"], rank
 
 
-def test_not_direct_with_a_comm_hook_or_a_nonfinite_check_that_reads_afterwards(results):
+def test_direct_with_up_front_hooks_and_the_fused_nan_check_only(results):
     b = results[0]["behaviour"]
     assert b["nonfinite_direct"] == 5  # the check fused into the scaling (test_diagnostics_checks: its errors)
     assert b["nonfinite_after_direct"] == 0
-    assert b["comm_hook_direct"] == 0
+    assert b["comm_hook_direct"] == 5  # the hook's buffer is .grad itself (parity: the hook_* training cases)
+    assert b["unknown_hook_direct"] == 0
+    assert b["checked_hook_direct"] == 0
 
 
 def test_a_users_post_accumulate_hook_sees_the_local_gradient(results):
@@ -218,3 +254,12 @@ def test_assign_buckets_direct_rules():
     plans = assign_buckets(params, order, 20 * 1024, 20 * 1024, direct_min_bytes=16 * 1024)
     assert [(p.param_indices, p.direct) for p in plans] == [([5, 4, 3], False), ([2], True), ([1], False), ([0], False)]
     assert [(p.param_indices, p.direct) for p in assign_buckets(params, order, 1 << 20, 1 << 20)] == [([5, 4, 3, 2, 1, 0], False)]
+
+
+def test_powersgd_on_the_gradient_itself_equals_copies(results):
+    for rank in range(2):
+        runs = results[rank]["powersgd"]
+        assert runs["direct_launches"] == 5
+        for step, (ours, theirs) in enumerate(zip(runs["direct"]["grads"], runs["plain"]["grads"])):
+            assert _same(ours, theirs), (rank, step)
+        assert all(torch.equal(runs["direct"]["state"][k], v) for k, v in runs["plain"]["state"].items())

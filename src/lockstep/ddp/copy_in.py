@@ -19,8 +19,11 @@ bucket all-reduces its gradient where autograd left it: the gradient is scaled b
 place and handed to the all-reduce as it is, so the average lands in ``param.grad`` with no copy in
 and no copy back (for the 10.5M-parameter MLP, 32 of its 42 MB). ``.grad`` stays the tensor autograd
 made, as with torch's default, and the values are bit-identical (the same multiply, the same sum).
-The bucket's own buffer is used instead, as for any bucket, whenever that would not be safe: a comm
-hook (it may replace the buffer), the non-finite check where it reads the local gradients after the
+A comm hook that issues its collectives up front (``comm_hooks.issues_collectives_up_front``: the
+allreduce and fp16/bf16 hooks, lockstep's and torch's) gets the gradient itself as its bucket's buffer,
+so its result lands in ``.grad``, again with no copy in or back. The bucket's own buffer is used
+instead, as for any bucket, whenever that would not be safe: another comm hook (it may use the buffer
+from a later callback), the non-finite check with a hook, the non-finite check where it reads the local gradients after the
 all-reduce (world sizes that are no power of two), a gradient carrying a graph, of another dtype or layout, not contiguous, or a parameter
 with post-accumulate-grad hooks other than DDP's (they would read a gradient in flight).
 
@@ -33,6 +36,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from lockstep.comm_hooks.base import issues_collectives_up_front
 
 COPY, ALIAS, VIEW = "copy", "alias", "view"
 _FLOAT32_SCALED = (torch.float32, torch.float16, torch.bfloat16)
@@ -77,11 +82,14 @@ class GradIntake:
             return
         mode = self.grad_mode
         if bucket.plan.direct and hooked and mode == COPY and self._direct_ok(index, grad, view):
-            if self.nonfinite is not None:
+            if self.comm_hook is not None:
+                pass  # a hook gets the local gradient as its buffer, not divided (as torch's)
+            elif self.nonfinite is not None:
                 self.nonfinite.scale_direct(grad, self.divisor, index)  # the check in the scaling pass
             elif self.divisor != 1:
                 grad.mul_(self._scale_for(grad))  # in place: the one pass over this gradient
-            bucket.direct = grad.detach()  # what the all-reduce gets (so .grad's own object is not in the work)
+            # What the all-reduce (or the hook, as its buffer) gets: a flat alias, so .grad's own object is not in the work.
+            bucket.direct = grad.detach().view(-1)
             return
         if grad.requires_grad:
             # backward(create_graph=True): the bucket takes a detached copy (an out= op cannot be
@@ -123,8 +131,10 @@ class GradIntake:
 
     def _direct_ok(self, index: int, grad: torch.Tensor, view: torch.Tensor) -> bool:
         """Whether this gradient can be all-reduced where it is (the module docstring lists why not)."""
-        if self.comm_hook is not None or grad.requires_grad:
+        if grad.requires_grad:
             return False
+        if self.comm_hook is not None and (self.nonfinite is not None or not issues_collectives_up_front(self.comm_hook)):
+            return False  # a hook that may keep the buffer past its call (from a callback), or checked before it
         if self.nonfinite is not None and not self.nonfinite.takes_direct(grad, self.divisor):
             return False  # the check reads the local gradients after the all-reduce here
         if grad.dtype != view.dtype or grad.device != view.device or grad.layout != torch.strided or not grad.is_contiguous():

@@ -20,7 +20,7 @@ class GradBucket:
     def __init__(self, bucket: Any, num_buckets: int):
         self._bucket = bucket
         self._num_buckets = num_buckets
-        self._buffer = bucket.flat
+        self._buffer = bucket.flat if bucket.direct is None else bucket.direct  # direct: the gradient itself
 
     def index(self) -> int:
         return self._bucket.index

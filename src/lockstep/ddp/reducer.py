@@ -262,6 +262,7 @@ class Reducer(GradIntake, ReducerSurface):
         divided = self.nonfinite is not None and self.nonfinite.check_bucket(bucket, self.divisor, self.comm_hook is not None)
         if self.comm_hook is not None:
             bucket.work = launch_clean(self.comm_hook, self.comm_hook_state, GradBucket(bucket, len(self.buckets)))
+            self.direct_launches += bucket.direct is not None
             if not isinstance(bucket.work, torch._C.Future):  # torch.futures.Future and the C++ futures of get_future()
                 raise TypeError(
                     f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} must return a "
@@ -322,8 +323,9 @@ class Reducer(GradIntake, ReducerSurface):
                     observer.wait_end(bucket.index, bucket.seq)
                 if self.comm_hook is not None:
                     tensor = result[0] if isinstance(result, (list, tuple)) else result
-                    if tensor.data_ptr() != bucket.flat.data_ptr():
-                        bucket.flat.copy_(tensor.view(-1))
+                    target = bucket.flat if bucket.direct is None else bucket.direct
+                    if tensor.data_ptr() != target.data_ptr():
+                        target.copy_(tensor.view(-1))
             if self.post_backward_futures:
                 futures, self.post_backward_futures = self.post_backward_futures, []
                 for future in futures:
