@@ -6,7 +6,8 @@ last gradient lands, its all-reduce is launched asynchronously, but only in buck
 index order (``launch_order``), because every rank must issue collectives in the same order. The end
 of backward waits for the buckets and, by default (``gradient_as_bucket_view=False``, torch's), copies
 the averages back into the local gradients (one ``_foreach_copy_`` per bucket, ``copy_back``); with
-None (opt-in) or True the hook has made ``param.grad`` its bucket slot, so nothing is copied back.
+None (opt-in) or True the hook has made ``param.grad`` its bucket slot, so nothing is copied back. A
+large parameter's bucket is direct (``copy_in``): its all-reduce runs on ``param.grad`` itself.
 
 Parameters that get no gradient are the classic DDP hang: their bucket never
 launches on one rank while the others wait. Here the end of backward (or, on a rank
