@@ -11,6 +11,9 @@ Ranks on gloo, ``--threads`` intra-op threads each. Contenders (``--contenders``
     naive          lockstep's naive reducer (one blocking all-reduce per parameter), off by default
     lockstep_alias lockstep's DDP with gradient_as_bucket_view=None (.grad lives in the buckets, no copy
                    back), off by default: beside lockstep_25 (copies, the default) it shows what that saves
+    lockstep_nonfinite  lockstep_25 with detect_nonfinite=True, off by default: the NaN check's cost, paired
+    lockstep_nodirect   lockstep_25 without direct buckets (every gradient copied in and back, as torch's),
+                   off by default: what direct buckets save
 
 Every iteration runs one training step of each contender, in a rotating order (none always
 goes first), each after a barrier; rank 0's wall time per step is recorded. Timed iterations
@@ -78,11 +81,13 @@ MODELS = {
     "cnn": (cnn, lambda g: (torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))),
     "transformer": (Transformer, lambda g: (torch.randint(0, 1000, (16, 32), generator=g), torch.randint(0, 10, (16,), generator=g))),
 }
-CONTENDERS = ("compute", "torch", "torch_fp16", "lockstep_25", "lockstep_auto", "lockstep_fp16", "naive", "lockstep_alias")
-DEFAULT_CONTENDERS = CONTENDERS[:-2]
+CONTENDERS = ("compute", "torch", "torch_fp16", "lockstep_25", "lockstep_auto", "lockstep_fp16", "naive", "lockstep_alias",
+              "lockstep_nonfinite", "lockstep_nodirect")
+DEFAULT_CONTENDERS = CONTENDERS[:-4]
 # (numerator, denominator) pairs reported; the issue's targets are auto and 25 MB vs torch, fp16 vs torch's fp16.
 RATIOS = (("lockstep_25", "torch"), ("lockstep_auto", "torch"), ("lockstep_fp16", "torch_fp16"), ("torch", "compute"),
-          ("lockstep_alias", "torch"), ("lockstep_alias", "lockstep_25"))
+          ("lockstep_alias", "torch"), ("lockstep_alias", "lockstep_25"), ("lockstep_nonfinite", "lockstep_25"),
+          ("lockstep_nodirect", "torch"), ("lockstep_25", "lockstep_nodirect"))
 
 
 def _build(name: str, build):
@@ -101,8 +106,12 @@ def _build(name: str, build):
     if name == "naive":
         return lockstep.NaiveDistributedDataParallel(module)
     view = None if name == "lockstep_alias" else False  # None: .grad in the buckets; False: the default, copies
-    model = lockstep.DistributedDataParallel(module, bucket_cap_mb="auto" if name == "lockstep_auto" else None,
-                                             gradient_as_bucket_view=view)
+    cls = lockstep.DistributedDataParallel
+    if name == "lockstep_nodirect":
+        class cls(lockstep.DistributedDataParallel):  # every bucket copies, as torch's
+            direct_min_bytes = None
+    model = cls(module, bucket_cap_mb="auto" if name == "lockstep_auto" else None, gradient_as_bucket_view=view,
+                detect_nonfinite=name == "lockstep_nonfinite")
     if name == "lockstep_fp16":
         model.register_comm_hook(None, lockstep.comm_hooks.fp16_compress_hook)
     return model
