@@ -1,0 +1,84 @@
+"""What keeps a process that trained with lockstep exiting 0 (``collectives/clean.py``, ``ddp/lifetime.py``).
+
+A work launched inside backward must not capture a Python object in torch's thread-local state: gloo's
+thread may free it after the interpreter started finalising, and then the process aborts. lockstep
+removes the one object torch's backward stashes there around every launch. These tests hold that in
+place on the installed torch (the exit loops in ``test_exits.py`` are the end-to-end check).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+import torch
+
+from lockstep.collectives import clean
+from lockstep.ddp.lifetime import bury
+
+
+def _stashed() -> set[str]:
+    """The keys under which torch's backward (``_engine_run_backward``) stashes Python objects in TLS."""
+    return set(re.findall(r"_stash_obj_in_tls\(\s*[\"'](\w+)[\"']", inspect.getsource(torch.autograd.graph)))
+
+
+def test_every_object_torchs_backward_stashes_is_one_launch_clean_removes():
+    stashed = _stashed()
+    # torch < 2.13 stashes nothing; a new key here means a new Python object in every work: handle it in clean.py.
+    assert stashed <= {clean._TLS_KEY}, f"torch's backward now stashes {sorted(stashed)} in thread-local state"
+    if stashed:
+        assert clean._remove_obj_from_tls is not None
+
+
+def test_a_launch_inside_backward_sees_no_stashed_object_and_backward_gets_it_back():
+    seen = {}
+    w = torch.nn.Parameter(torch.randn(3))
+
+    def launch(tag):
+        seen["during_launch"] = torch._C._is_key_in_tls(clean._TLS_KEY)
+        return tag
+
+    def hook(param):
+        seen["in_backward"] = torch._C._is_key_in_tls(clean._TLS_KEY)
+        before = torch._C._get_obj_in_tls(clean._TLS_KEY) if seen["in_backward"] else None
+        seen["returned"] = clean.launch_clean(launch, "work")
+        seen["restored"] = (not seen["in_backward"]) or torch._C._get_obj_in_tls(clean._TLS_KEY) is before
+
+    w.register_post_accumulate_grad_hook(hook)
+    (w * 2).sum().backward()
+    assert seen["in_backward"] == bool(_stashed())  # torch >= 2.13 stashes its context for the length of a backward
+    assert seen["during_launch"] is False
+    assert seen["returned"] == "work" and seen["restored"]
+
+
+def test_a_failed_launch_puts_the_object_back():
+    w = torch.nn.Parameter(torch.randn(3))
+    seen = {}
+
+    def launch():
+        raise RuntimeError("gloo said no")
+
+    def hook(param):
+        with pytest.raises(RuntimeError, match="gloo said no"):
+            clean.launch_clean(launch)
+        seen["after"] = torch._C._is_key_in_tls(clean._TLS_KEY)
+
+    w.register_post_accumulate_grad_hook(hook)
+    (w * 2).sum().backward()
+    assert seen["after"] == bool(_stashed())
+
+
+def test_the_graveyard_lets_go_only_of_works_older_than_the_safe_age():
+    import collections
+
+    graveyard = collections.deque()
+    now = [100.0]
+    clock = lambda: now[0]  # noqa: E731
+    bury(["a", None, "b"], graveyard, clock, safe_after_s=5.0)
+    now[0] = 103.0
+    bury(["c"], graveyard, clock, safe_after_s=5.0)
+    assert [works for _, works in graveyard] == [["a", "b"], ["c"]]  # None is not kept
+    now[0] = 105.5
+    bury([], graveyard, clock, safe_after_s=5.0)  # nothing new: still prunes
+    assert [works for _, works in graveyard] == [["c"]]
