@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_utils import run_ranks
-from models import Branchy
-from test_grad_alias import _HalfUndefined, _Net, _WithUnused, _branch_changes, _create_graph_steps, _hooks, _same, _train_with
+from test_grad_alias import TRAINING, _Net, _create_graph_steps, _join_with, _same, _train_with
+from test_grad_alias import _training_cases as alias_training_cases
 
 IMPLS = ("direct", "plain", "torch")
 
@@ -50,39 +50,14 @@ def _side_by_side(rank, **kw):
 
 
 def _training_cases(rank):
-    cases = {}
-    for stn in (True, False):
-        cases[f"plain_{stn}"] = _side_by_side(rank, make=_Net, set_to_none=stn)
-        cases[f"nosync_{stn}"] = _side_by_side(rank, make=_Net, set_to_none=stn, micro=3)
-        cases[f"accumulate_{stn}"] = _side_by_side(rank, make=_Net, set_to_none=stn, synced=2, zero_every=2)
-        cases[f"unused_{stn}"] = _side_by_side(rank, make=Branchy, kw={"find_unused_parameters": True}, set_to_none=stn,
-                                               branch=_branch_changes, steps=6)
-        cases[f"static_{stn}"] = _side_by_side(rank, make=_WithUnused, kw={"static_graph": True}, set_to_none=stn)
-        cases[f"undefined_{stn}"] = _side_by_side(rank, make=_HalfUndefined, kw={"find_unused_parameters": True},
-                                                  set_to_none=stn, zero_every=3, branch=lambda s, r, m: {"undefined": s % 2 == 1})
-    cases["unused_never_zeroed"] = _side_by_side(rank, make=Branchy, kw={"find_unused_parameters": True},
-                                                 set_to_none=False, zero_every=100, branch=_branch_changes, steps=6)
-    cases["rank_local_static_graph"] = _side_by_side(rank, make=_WithUnused, kw={"static_graph": True}, set_to_none=False,
-                                                     zero_every=100, steps=6, rank_local=True)
-    for name, hook in _hooks().items():
-        cases[f"hook_{name}"] = _side_by_side(rank, make=_Net, hook=hook, set_to_none=True)
-    cases["create_graph"] = {impl: _create_graph_steps(rank, lambda make, kw_, i=impl: _make_model(i, make(), kw_))
-                             for impl in IMPLS}
-    return cases
+    """test_grad_alias's cases, with direct buckets, copies and torch's DDP side by side."""
+    return alias_training_cases(
+        rank, side_by_side=_side_by_side, impls=IMPLS,
+        create_graph=lambda r, impl: _create_graph_steps(r, lambda make, kw_: _make_model(impl, make(), kw_)))
 
 
 def _join(rank, impl):
-    torch.manual_seed(7)
-    model = _make_model(impl, _Net(), {})
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(rank)
-    with model.join():
-        for _ in range(3 + 2 * rank):
-            opt.zero_grad()
-            F.cross_entropy(model(torch.randn(4, 8, generator=gen)), torch.randint(0, 4, (4,), generator=gen)).backward()
-            opt.step()
-    return {"grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
-            "state": [t.clone() for t in model.state_dict().values()]}
+    return _join_with(rank, lambda make, kw: _make_model(impl, make(), kw))
 
 
 def _one_step(model, rank, step):
@@ -189,10 +164,6 @@ def results():
     return run_ranks(_all_cases, 2, timeout_s=400)
 
 
-TRAINING = [f"{c}_{stn}" for c in ("plain", "nosync", "accumulate", "unused", "static", "undefined") for stn in (True, False)]
-TRAINING += ["unused_never_zeroed", "rank_local_static_graph", "hook_allreduce", "hook_fp16", "create_graph"]
-
-
 @pytest.mark.parametrize("case", TRAINING)
 def test_gradients_bit_identical_to_torch_every_step(results, case):
     for rank in range(2):
@@ -207,7 +178,7 @@ def test_join_bit_identical_to_torch(results):
     for rank in range(2):
         runs = results[rank]["join"]
         for impl in ("direct", "plain"):
-            assert _same(runs[impl]["grads"], runs["torch"]["grads"]), (rank, impl)
+            assert _same(runs[impl]["after"], runs["torch"]["after"]), (rank, impl)
             assert all(torch.equal(a, b) for a, b in zip(runs[impl]["state"], runs["torch"]["state"])), (rank, impl)
 
 

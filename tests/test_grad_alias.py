@@ -135,32 +135,35 @@ def _hooks():
     return {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook}
 
 
-def _training_cases(rank):
+def _training_cases(rank, side_by_side=None, create_graph=None, impls=IMPLS):
+    """Every training case, each run side by side by ``side_by_side(rank, **case)`` (test_direct_buckets reuses them)."""
+    run = side_by_side or _side_by_side
+    create_graph = create_graph or _create_graph
     cases = {}
     for stn in (True, False):
-        cases[f"plain_{stn}"] = _side_by_side(rank, make=_Net, set_to_none=stn)
-        cases[f"nosync_{stn}"] = _side_by_side(rank, make=_Net, set_to_none=stn, micro=3)
-        cases[f"accumulate_{stn}"] = _side_by_side(rank, make=_Net, set_to_none=stn, synced=2, zero_every=2)
-        cases[f"unused_{stn}"] = _side_by_side(rank, make=Branchy, kw={"find_unused_parameters": True}, set_to_none=stn,
+        cases[f"plain_{stn}"] = run(rank, make=_Net, set_to_none=stn)
+        cases[f"nosync_{stn}"] = run(rank, make=_Net, set_to_none=stn, micro=3)
+        cases[f"accumulate_{stn}"] = run(rank, make=_Net, set_to_none=stn, synced=2, zero_every=2)
+        cases[f"unused_{stn}"] = run(rank, make=Branchy, kw={"find_unused_parameters": True}, set_to_none=stn,
                                                branch=_branch_changes, steps=6)
-        cases[f"unused_nosync_{stn}"] = _side_by_side(rank, make=Branchy, kw={"find_unused_parameters": True},
+        cases[f"unused_nosync_{stn}"] = run(rank, make=Branchy, kw={"find_unused_parameters": True},
                                                       set_to_none=stn, branch=_branch_changes, micro=2, steps=6)
-        cases[f"static_{stn}"] = _side_by_side(rank, make=_WithUnused, kw={"static_graph": True}, set_to_none=stn)
-        cases[f"undefined_{stn}"] = _side_by_side(rank, make=_HalfUndefined, kw={"find_unused_parameters": True},
+        cases[f"static_{stn}"] = run(rank, make=_WithUnused, kw={"static_graph": True}, set_to_none=stn)
+        cases[f"undefined_{stn}"] = run(rank, make=_HalfUndefined, kw={"find_unused_parameters": True},
                                                   set_to_none=stn, zero_every=3, branch=lambda s, r, m: {"undefined": s % 2 == 1})
-        cases[f"rebuild_small_buckets_{stn}"] = _side_by_side(rank, make=_Net, kw={"bucket_cap_mb": 0.001}, set_to_none=stn)
+        cases[f"rebuild_small_buckets_{stn}"] = run(rank, make=_Net, kw={"bucket_cap_mb": 0.001}, set_to_none=stn)
     # No zero_grad at all: unused parameters keep accumulated values across steps.
-    cases["unused_never_zeroed"] = _side_by_side(rank, make=Branchy, kw={"find_unused_parameters": True},
+    cases["unused_never_zeroed"] = run(rank, make=Branchy, kw={"find_unused_parameters": True},
                                                  set_to_none=False, zero_every=100, branch=_branch_changes, steps=6)
     # Per-rank .grad values kept through a step where no rank uses the parameter: torch leaves each rank's
     # own value (the slot's reduced value must not replace it; at 2 ranks only differing values tell).
     for kw in ({"find_unused_parameters": True}, {"static_graph": True}):
         make, branch = (Branchy, _branch_changes) if "find_unused_parameters" in kw else (_WithUnused, None)
-        cases[f"rank_local_{next(iter(kw))}"] = _side_by_side(rank, make=make, kw=kw, set_to_none=False, zero_every=100,
+        cases[f"rank_local_{next(iter(kw))}"] = run(rank, make=make, kw=kw, set_to_none=False, zero_every=100,
                                                               branch=branch, steps=6, rank_local=True)
-    cases["create_graph"] = {impl: _create_graph(rank, impl) for impl in IMPLS}
+    cases["create_graph"] = {impl: create_graph(rank, impl) for impl in impls}
     for name, hook in _hooks().items():
-        cases[f"hook_{name}"] = _side_by_side(rank, make=_Net, hook=hook, set_to_none=False)
+        cases[f"hook_{name}"] = run(rank, make=_Net, hook=hook, set_to_none=False)
     return cases
 
 
@@ -186,9 +189,13 @@ def _create_graph_steps(rank, build):
 
 
 def _join(rank, impl):
+    return _join_with(rank, lambda make, kw: _model(impl, make, kw))
+
+
+def _join_with(rank, build):
     """Uneven inputs: rank 0 runs out first; its .grad after the others' shadowed rounds must be untouched."""
     torch.manual_seed(7)
-    model = _model(impl, _Net, {})
+    model = build(_Net, {})
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(rank)
     with model.join():
