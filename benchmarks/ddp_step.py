@@ -174,18 +174,24 @@ def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
                 while not auto.reducer.tuner.done:  # the forward after the last trial step decides
                     _step(auto, optims["lockstep_auto"], x, y)
             times: dict[str, list[float]] = {name: [] for name in models}
+            cpu_times: dict[str, list[float]] = {name: [] for name in models}  # this process, gloo's threads included
             names = list(models)
             total = args.warmup + args.blocks * args.block_steps
             for it in range(total):
                 shift = it % len(names)
                 for name in names[shift:] + names[:shift]:
                     dist.barrier()
-                    start = time.perf_counter()
+                    start, cpu_start = time.perf_counter(), time.process_time()
                     _step(models[name], optims[name], x, y)
-                    elapsed = time.perf_counter() - start
+                    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
                     if it >= args.warmup:
                         times[name].append(elapsed)
+                        cpu_times[name].append(cpu)
             summary = _summarise(times, args.blocks)
+            # CPU time per step, paired the same way: it leaves out the time a rank waits for its peer (skew, a
+            # neighbour on a shared machine), so it is steadier than wall time; it is not what the user waits for.
+            cpu_summary = _summarise(cpu_times, args.blocks)
+            summary.update(cpu_median_ms=cpu_summary["median_ms"], cpu_ratios=cpu_summary["ratios"])
             params = list(build().parameters())
             numel = sum(p.numel() for p in params)
             summary.update(params=numel, tensors=len(params), allreduce_alone=_allreduce_alone(numel, args.allreduce_reps))
@@ -226,6 +232,14 @@ def _markdown(report: dict, args, load: tuple[float, ...]) -> str:
         auto = r.get("auto") or {}
         chose = "-" if "chosen_mb" not in auto else ("one bucket" if auto["chosen_mb"] is None else f"{auto['chosen_mb']:g} MB")
         lines.append(f"| {kind} | {cells} | {chose} |")
+    if any(r.get("cpu_ratios") for r in report.values()):
+        lines += ["", "CPU time per step of rank 0's process (gloo's threads included; waiting for the peer left out), the same",
+                  "pairing: steadier than wall time on a shared machine.", "",
+                  "| model | " + " | ".join(ratio_names) + " |", "|---|" + "---|" * len(ratio_names)]
+        for kind, r in report.items():
+            cpu = r.get("cpu_ratios", {})
+            lines.append(f"| {kind} | " + " | ".join(
+                f"{cpu[k]['median']:.3f} [{cpu[k]['min']:.3f}-{cpu[k]['max']:.3f}]" if k in cpu else "-" for k in ratio_names) + " |")
     lines += ["", "The floor: a DDP step cannot beat `compute`; with nothing to overlap on (1 thread per rank, no spare",
               "core) it tends to compute + the part of the all-reduce that backward cannot hide."]
     return "\n".join(lines)
