@@ -22,10 +22,12 @@ made, as with torch's default, and the values are bit-identical (the same multip
 A comm hook that issues its collectives up front (``comm_hooks.issues_collectives_up_front``: the
 allreduce and fp16/bf16 hooks, lockstep's and torch's) gets the gradient itself as its bucket's buffer,
 so its result lands in ``.grad``, again with no copy in or back. The bucket's own buffer is used
-instead, as for any bucket, whenever that would not be safe: another comm hook (it may use the buffer
-from a later callback), the non-finite check with a hook, the non-finite check where it reads the local gradients after the
-all-reduce (world sizes that are no power of two), a gradient carrying a graph, of another dtype or layout, not contiguous, or a parameter
-with post-accumulate-grad hooks other than DDP's (they would read a gradient in flight).
+instead, as for any bucket, whenever that would not be safe: another comm hook (it may use the
+buffer from a later callback); the non-finite check together with a hook, or where it reads the
+local gradients after the all-reduce (world sizes that are no power of two); a gradient carrying a
+graph, of another dtype or layout, or not contiguous (channels_last); a parameter with
+post-accumulate-grad hooks other than DDP's (they would read a gradient in flight). A rank may copy
+where another went direct: the bucket sends as many elements either way (``Reducer._issue``).
 
 ``VIEW`` (True): torch's ``gradient_as_bucket_view=True``: the local gradient is copied unscaled and
 the whole bucket divided at launch (``Reducer._issue``).
