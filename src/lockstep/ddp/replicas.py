@@ -54,16 +54,21 @@ def verify_params_across_ranks(named_params: Sequence[tuple[str, torch.Tensor]],
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, src_group_rank: int = 0) -> None:
     """Overwrite ``tensors`` on every rank with the source rank's values, a few flat collectives at a time.
 
-    Costs one flat copy per chunk of up to ``BROADCAST_CHUNK_BYTES`` (cat, broadcast, copy back).
+    Tensors of different dtypes on one device travel together as raw bytes (a broadcast copies, it does
+    not add, so the bits arrive as they left): a BatchNorm model's float statistics and int64 step
+    counters take one collective per forward, not one per dtype. Costs one flat copy per chunk of up
+    to ``BROADCAST_CHUNK_BYTES`` (cat, broadcast, copy back).
     """
     src = dist.get_global_rank(group, src_group_rank)
-    by_key: dict[tuple, list[torch.Tensor]] = {}
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
-        by_key.setdefault((t.device, t.dtype), []).append(t)
-    for same_kind in by_key.values():
+        by_device.setdefault(t.device, []).append(t)
+    for same_device in by_device.values():
+        # Widest elements first, so every tensor starts at a byte offset its element size divides.
+        same_device.sort(key=lambda t: -t.element_size())
         chunk: list[torch.Tensor] = []
         nbytes = 0
-        for t in same_kind:
+        for t in same_device:
             chunk.append(t)
             nbytes += t.numel() * t.element_size()
             if nbytes >= BROADCAST_CHUNK_BYTES:
@@ -75,12 +80,21 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGrou
 
 def _broadcast_flat(chunk: list[torch.Tensor], group: dist.ProcessGroup, src: int) -> None:
     with torch.no_grad():
-        flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+        if all(t.dtype == chunk[0].dtype for t in chunk):
+            flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for t in chunk:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+            return
+        flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in chunk])  # the bytes, as they are
         dist.broadcast(flat, src=src, group=group)
         offset = 0
         for t in chunk:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+            size = t.numel() * t.element_size()
+            t.copy_(flat[offset : offset + size].view(t.dtype).view_as(t))
+            offset += size
 
 
 def syncable_buffers(module: torch.nn.Module, ignore: frozenset[str] | set[str] = frozenset()) -> list[torch.Tensor]:

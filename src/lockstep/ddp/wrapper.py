@@ -301,7 +301,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
             buffers = self._sync_buffers  # read afresh: one module walk per such forward
             if buffers:
                 src = common_rank(self, True) if in_join else 0  # under join: a rank still training
-                broadcast_coalesced(buffers, self.process_group, src)  # one collective per dtype
+                broadcast_coalesced(buffers, self.process_group, src)  # one collective (dtypes travel as bytes)
         elif sync_buffers and buffer_hook[2]:
             self._run_buffer_hook()
         if in_join:
