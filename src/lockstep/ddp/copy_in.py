@@ -27,7 +27,7 @@ buffer from a later callback); the non-finite check together with a hook, or whe
 local gradients after the all-reduce (world sizes that are no power of two); a gradient carrying a
 graph, of another dtype or layout, or not contiguous (channels_last); a parameter with
 post-accumulate-grad hooks other than DDP's (they would read a gradient in flight). A rank may copy
-where another went direct: the bucket sends as many elements either way (``Reducer._issue``).
+where another went direct: a bucket that is not the last sends only its gradients (``Reducer._issue``).
 
 ``VIEW`` (True): torch's ``gradient_as_bucket_view=True``: the local gradient is copied unscaled and
 the whole bucket divided at launch (``Reducer._issue``).
@@ -38,8 +38,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from lockstep.comm_hooks.base import issues_collectives_up_front
 
 COPY, ALIAS, VIEW = "copy", "alias", "view"
 _FLOAT32_SCALED = (torch.float32, torch.float16, torch.bfloat16)
@@ -67,6 +65,7 @@ class GradIntake:
     _graph_grads: bool
     _fixups: int
     nonfinite: Any
+    _hook_one_in_flight: Any  # Reducer's: a hook not known to issue its collectives up front
     _scale_cache: tuple = (0, None)  # (divisor, 0-dim float32 tensor of 1/divisor): ``_scale_for``
 
     def _copy_in(self, index: int, bucket: Any, slot: int, grad: torch.Tensor | None, hooked: bool) -> None:
@@ -84,12 +83,12 @@ class GradIntake:
             return
         mode = self.grad_mode
         if bucket.plan.direct and hooked and mode == COPY and self._direct_ok(index, grad, view):
-            if self.comm_hook is not None:
-                pass  # a hook gets the local gradient as its buffer, not divided (as torch's)
-            elif self.nonfinite is not None:
-                self.nonfinite.scale_direct(grad, self.divisor, index)  # the check in the scaling pass
-            elif self.divisor != 1:
-                grad.mul_(self._scale_for(grad))  # in place: the one pass over this gradient
+            # A comm hook gets the local gradient as its buffer, not divided (as torch's); otherwise it is
+            # scaled in place, the one pass over it, with the non-finite check in that pass when it is on.
+            if self.comm_hook is None and self.nonfinite is not None:
+                self.nonfinite.scale_direct(grad, self.divisor, index)
+            elif self.comm_hook is None and self.divisor != 1:
+                grad.mul_(self._scale_for(grad))
             # What the all-reduce (or the hook, as its buffer) gets: a flat alias, so .grad's own object is not in the work.
             bucket.direct = grad.detach().view(-1)
             return
@@ -135,7 +134,7 @@ class GradIntake:
         """Whether this gradient can be all-reduced where it is (the module docstring lists why not)."""
         if grad.requires_grad:
             return False
-        if self.comm_hook is not None and (self.nonfinite is not None or not issues_collectives_up_front(self.comm_hook)):
+        if self.comm_hook is not None and (self.nonfinite is not None or self._hook_one_in_flight()):
             return False  # a hook that may keep the buffer past its call (from a callback), or checked before it
         if self.nonfinite is not None and not self.nonfinite.takes_direct(grad, self.divisor):
             return False  # the check reads the local gradients after the all-reduce here

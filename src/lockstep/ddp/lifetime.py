@@ -5,7 +5,7 @@ with backward's ``contextvars`` context) and so could abort the process if gloo'
 the last to let go of it while the interpreter was finalising; ``collectives.clean`` has the story.
 The reducer now launches everything inside backward through ``launch_clean``, so its works hold no
 Python object and may be dropped by any thread at any time: each bucket keeps its work until the
-next backward starts (``Reducer.drop_works``), as torch's DDP keeps its own, and a direct bucket's
+next backward starts (``Reducer.release_works(keep=False)``), as torch's DDP keeps its own, and a direct bucket's
 work lets go of that step's gradient then.
 
 What stays, in case a work still holds a Python object (a Python dispatcher or function mode active

@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from lockstep.collectives.clean import launch_clean
 from lockstep.comm_hooks.base import issues_collectives_up_front
 from lockstep.ddp.autotune import AutoBucketCap, BucketTuner
 from lockstep.ddp.buckets import assign_buckets
@@ -34,7 +35,6 @@ from lockstep.ddp.copy_back import copy_back
 from lockstep.ddp.copy_in import COPY, VIEW, GradIntake, grad_mode
 from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.launch_order import LaunchOrder
-from lockstep.collectives.clean import launch_clean
 from lockstep.ddp.lifetime import bury, register_for_exit, remove_handles
 from lockstep.ddp.observe import StepObserver
 from lockstep.ddp.optim_in_backward import step_optimizers_in_backward
@@ -272,16 +272,16 @@ class Reducer(GradIntake, ReducerSurface):
             return
         if self.gradient_as_bucket_view and self.divisor != 1 and not divided:
             bucket.flat.div_(self.divisor)  # one pass per bucket instead of one call per parameter
-        if bucket.index == len(self.buckets) - 1:
-            bucket.buffer[-1] = float(self._missing_flag)  # every rank's flag is summed with the last bucket
-            if self.nonfinite is not None:
-                self.nonfinite.add_flag(bucket.buffer)  # and its non-finite count, scaled apart from the flag
-        tensor = bucket.buffer
-        if bucket.direct is not None:  # the gradient itself (``copy_in``)
+        if bucket.direct is not None:  # the gradient itself (``copy_in``; never the last bucket)
             tensor = bucket.direct
             self.direct_launches += 1
-        elif bucket.plan.direct:
-            tensor = bucket.flat  # as many elements as the gradient: another rank may have gone direct
+        elif bucket.index == len(self.buckets) - 1:
+            tensor = bucket.buffer  # with its spare element: every rank's flag is summed there
+            bucket.buffer[-1] = float(self._missing_flag)
+            if self.nonfinite is not None:
+                self.nonfinite.add_flag(bucket.buffer)  # and its non-finite count, scaled apart from the flag
+        else:
+            tensor = bucket.flat  # the gradients only, as a direct bucket sends on a rank that went direct
         bucket.work = launch_clean(dist.all_reduce, tensor, group=self.process_group, async_op=True)
 
     # -------------------------------------------------------- end of backward

@@ -21,7 +21,8 @@ from lockstep.ddp.graph import reachable_params
 
 
 class Bucket:
-    """Runtime state of one bucket: a flat buffer (+1 spare element for the status flag), views, in-flight work."""
+    """Runtime state of one bucket: a flat buffer (+1 spare element, which the last bucket sends with the status
+    flags), views, in-flight work."""
 
     __slots__ = ("index", "plan", "buffer", "flat", "views", "params", "grads", "seen", "work", "seq", "direct")
 
@@ -38,7 +39,7 @@ class Bucket:
         self.flat = self.buffer[: plan.numel]  # what a comm hook sees: the gradients only
         self.views = [self.flat[offset : offset + p.numel()].view(p.shape) for offset, p in zip(plan.offsets, self.params)]
         # dist.Work (default all-reduce) or a Future (comm hook). Kept after the backward that launched it,
-        # until the next launch replaces it: see ``Reducer`` on why gloo's thread must never free it.
+        # until the next backward starts (``lifetime``).
         self.work: Any = None
         self.seq = 0  # the reducer's launch count when this bucket was last issued (diagnostics)
         # A direct bucket's gradient, all-reduced in place this backward (a detached alias of param.grad,

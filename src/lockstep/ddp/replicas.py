@@ -54,8 +54,8 @@ def verify_params_across_ranks(named_params: Sequence[tuple[str, torch.Tensor]],
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, src_group_rank: int = 0) -> None:
     """Overwrite ``tensors`` on every rank with the source rank's values, a few flat collectives at a time.
 
-    Tensors of different dtypes on one device travel together as raw bytes (a broadcast copies, it does
-    not add, so the bits arrive as they left): a BatchNorm model's float statistics and int64 step
+    The tensors of one device travel together as raw bytes, whatever their dtypes (a broadcast copies, it
+    does not add, so the bits arrive as they left): a BatchNorm model's float statistics and int64 step
     counters take one collective per forward, not one per dtype. Costs one flat copy per chunk of up
     to ``BROADCAST_CHUNK_BYTES`` (cat, broadcast, copy back).
     """
@@ -80,14 +80,6 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGrou
 
 def _broadcast_flat(chunk: list[torch.Tensor], group: dist.ProcessGroup, src: int) -> None:
     with torch.no_grad():
-        if all(t.dtype == chunk[0].dtype for t in chunk):
-            flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-            dist.broadcast(flat, src=src, group=group)
-            offset = 0
-            for t in chunk:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-            return
         flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in chunk])  # the bytes, as they are
         dist.broadcast(flat, src=src, group=group)
         offset = 0
