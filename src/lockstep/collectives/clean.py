@@ -19,10 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 _TLS_KEY = "context"  # what torch's _engine_run_backward stashes (torch >= 2.13); absent before
 _is_key_in_tls = getattr(torch._C, "_is_key_in_tls", None)
 _remove_obj_from_tls = getattr(torch._C, "_remove_obj_from_tls", None)
+_HAS_ASYNC_OP = hasattr(dist.AllreduceOptions(), "asyncOp")  # torch >= 2.7
 
 
 def launch_clean(launch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -38,3 +40,20 @@ def launch_clean(launch: Any, *args: Any, **kwargs: Any) -> Any:
         return launch(*args, **kwargs)
     finally:
         torch._C._stash_obj_in_tls(_TLS_KEY, stashed)
+
+
+def all_reduce_sum_clean(tensor: torch.Tensor, group: Any) -> Any:
+    """``launch_clean(dist.all_reduce, tensor, group=group, async_op=True)``, straight to the group's C++ method.
+
+    ``dist.all_reduce`` spends ~50-100 us of Python per call on checks that cannot fail for a reducer's own
+    buffers (a plain dense real tensor on a group this rank belongs to, outside any coalescing manager);
+    torch's reducer calls the group directly too. Anything else (a tensor subclass, complex values, no
+    group object) takes ``dist.all_reduce``.
+    """
+    if group is None or type(tensor) is not torch.Tensor or tensor.is_complex():
+        return launch_clean(dist.all_reduce, tensor, group=group, async_op=True)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    if _HAS_ASYNC_OP:
+        opts.asyncOp = True  # as dist.all_reduce(async_op=True) sets it (NCCL: the work runs on its own stream)
+    return launch_clean(group.allreduce, [tensor], opts)

@@ -27,13 +27,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from lockstep.collectives.clean import launch_clean
+from lockstep.collectives.clean import all_reduce_sum_clean, launch_clean
 from lockstep.comm_hooks.base import issues_collectives_up_front
 from lockstep.ddp.autotune import AutoBucketCap, BucketTuner
 from lockstep.ddp.buckets import assign_buckets
 from lockstep.ddp.copy_back import copy_back
 from lockstep.ddp.copy_in import COPY, VIEW, GradIntake, grad_mode
 from lockstep.ddp.grad_bucket import GradBucket
+from lockstep.ddp.grad_hook import fast_table, make_hook
 from lockstep.ddp.launch_order import LaunchOrder
 from lockstep.ddp.lifetime import bury, register_for_exit, remove_handles
 from lockstep.ddp.observe import StepObserver
@@ -113,9 +114,12 @@ class Reducer(GradIntake, ReducerSurface):
         self.rounds = 0  # synchronised backwards completed, a joined rank's shadows included: the same on every rank
         self.tuner = BucketTuner(auto_buckets, first_bucket_bytes) if auto_buckets is not None else None
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
+        self._fast: list | None = None  # this backward's common-path table (``grad_hook``); None: every hook goes slow
+        self._fast_cache: tuple | None = None
+        self.layout_version = 0
         self._build(list(reversed(range(len(self.params)))))
         self_ref = weakref.ref(self)  # the parameters outlive a dropped DDP object; its reducer must not
-        self._handles = [p.register_post_accumulate_grad_hook(_make_hook(self_ref, i)) for i, p in enumerate(self.params)]
+        self._handles = [p.register_post_accumulate_grad_hook(make_hook(self_ref, i)) for i, p in enumerate(self.params)]
         weakref.finalize(self, remove_handles, self._handles)
         register_for_exit(self)
 
@@ -133,6 +137,7 @@ class Reducer(GradIntake, ReducerSurface):
                 self._location[i] = (bucket.index, slot)
         self._sizes = [len(b.params) for b in self.buckets]
         self._order = LaunchOrder(self.buckets, self._launch, self._hook_one_in_flight)
+        self.layout_version += 1  # ``grad_hook.fast_table``'s cache key
         self._reset()
         if self.gradient_as_bucket_view:
             # Existing gradients move into the new buffers so no accumulated value is lost.
@@ -209,6 +214,7 @@ class Reducer(GradIntake, ReducerSurface):
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         self._callback_queued = True
         self.release_works(keep=False)  # before this backward launches its own
+        self._fast = fast_table(self)
         if self.observer is not None:
             self.observer.backward_start()
         unused, self._unused_at_start = self._unused_at_start, []
@@ -243,9 +249,12 @@ class Reducer(GradIntake, ReducerSurface):
         self._copy_in(index, bucket, slot, grad, hooked)  # ``copy_in``: by gradient_as_bucket_view's mode
         self._pending[b] -= 1
         if self._pending[b] == 0:
-            if self.observer is not None:
-                self.observer.bucket_ready(b)
-            self._order.mark_ready(b)
+            self._bucket_full(b)
+
+    def _bucket_full(self, b: int) -> None:
+        if self.observer is not None:
+            self.observer.bucket_ready(b)
+        self._order.mark_ready(b)
 
     def _launch(self, bucket: Bucket) -> None:
         if self.events is not None:
@@ -282,11 +291,12 @@ class Reducer(GradIntake, ReducerSurface):
                 self.nonfinite.add_flag(bucket.buffer)  # and its non-finite count, scaled apart from the flag
         else:
             tensor = bucket.flat  # the gradients only, as a direct bucket sends on a rank that went direct
-        bucket.work = launch_clean(dist.all_reduce, tensor, group=self.process_group, async_op=True)
+        bucket.work = all_reduce_sum_clean(tensor, self.process_group)
 
     # -------------------------------------------------------- end of backward
     def _finalize_backward(self) -> None:
         self._callback_queued = False
+        self._fast = None
         self.expect_hooks = False
         hooks_fired, self._hooks_fired = self._hooks_fired, False
         if not hooks_fired and not any(any(b.seen) for b in self.buckets):
@@ -351,6 +361,7 @@ class Reducer(GradIntake, ReducerSurface):
             self._reset()
 
     def _reset(self) -> None:
+        self._fast = None
         self._pending = list(self._sizes)
         self._order.reset()
         self._missing_flag = False
@@ -382,15 +393,3 @@ class Reducer(GradIntake, ReducerSurface):
         state = self.__dict__  # a reducer that failed in __init__ may lack either
         _bury([b.work for b in state.get("buckets", ())] + [getattr(state.get(k), "last_work", None) for k in ("usage", "nonfinite")])
 
-
-def _make_hook(reducer_ref: weakref.ref, index: int) -> Callable[[torch.Tensor], None]:
-    def hook(param: torch.Tensor) -> None:
-        reducer = reducer_ref()
-        if reducer is None:
-            return
-        if reducer.expect_hooks:
-            reducer._on_grad(index, param)
-        elif reducer.usage.track_window:
-            reducer.usage.used_in_window[index] = True  # no_sync micro-batch: synchronise this one later
-
-    return hook
