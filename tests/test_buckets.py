@@ -1,4 +1,4 @@
-"""Bucket assignment: reverse order, small first bucket, caps respected, dtype separation."""
+"""Bucket assignment: reverse order, small first bucket, torch's closing rule and layout, dtype separation."""
 
 import pytest
 import torch
@@ -21,7 +21,7 @@ def test_reverse_order_and_first_bucket():
 
 
 @pytest.mark.parametrize("cap_mb", [0.001, 0.3, 1, 3])
-def test_cap_respected(cap_mb):
+def test_caps_close_buckets_as_torchs_ddp(cap_mb):
     torch.manual_seed(0)
     numels = torch.randint(1, 200_000, (40,)).tolist()
     params = _params(*numels)
@@ -29,12 +29,28 @@ def test_cap_respected(cap_mb):
     plans = assign_buckets(params, list(reversed(range(40))), bucket_cap_bytes=cap, first_bucket_bytes=min(cap, MIB))
     flat = [i for p in plans for i in p.param_indices]
     assert flat == list(reversed(range(40)))  # every parameter once, reverse order
-    for plan in plans:
-        assert plan.nbytes <= cap or len(plan.param_indices) == 1
-    # Closing is greedy: a bucket was closed only because the next parameter did not fit.
-    for plan, nxt in zip(plans, plans[1:]):
+    # A bucket closes once it holds its cap: every bucket but the last reached it, and was under it
+    # before its last parameter came.
+    for plan in plans[:-1]:
         limit = min(cap, MIB) if plan is plans[0] else cap
-        assert plan.nbytes + params[nxt.param_indices[0]].numel() * 4 > limit
+        assert plan.nbytes >= limit
+        assert plan.nbytes - params[plan.param_indices[-1]].numel() * 4 < limit
+    assert plans[-1].nbytes < cap or len(plans) == 1 or plans[-1].nbytes - params[plans[-1].param_indices[-1]].numel() * 4 < cap
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_layout_is_torchs(seed):
+    """The same buckets as torch's own assignment (``dist._compute_bucket_assignment_by_size``, what its DDP
+    rebuilds with after the first iteration), for a shuffled ready order and torch's 1 MiB first bucket."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(seed)
+    params = _params(*torch.randint(1, 400_000, (60,), generator=g).tolist())
+    order = torch.randperm(60, generator=g).tolist()
+    for cap in (MIB // 2, 2 * MIB, 25 * MIB):
+        ours = [p.param_indices for p in assign_buckets(params, order, bucket_cap_bytes=cap, first_bucket_bytes=MIB)]
+        theirs, _ = dist._compute_bucket_assignment_by_size([params[i] for i in order], [min(MIB, cap), cap], [False] * 60, order)
+        assert ours == [list(b) for b in theirs], cap
 
 
 def test_observed_order_is_followed():

@@ -43,7 +43,7 @@ from models import MLP
 STEPS = 30
 PER_RANK = 16
 LR = 0.2
-BUCKET_CAP_MB = 0.02  # 20 KB: the MLP's 6 tensors spread over 3 buckets, so is_last() and bucket order matter
+BUCKET_CAP_MB = 0.002  # 2 KB: the MLP's 6 tensors in 3 buckets (a bucket closes once it holds its cap, as torch's), so is_last() and bucket order matter
 
 
 class HandBucket:
@@ -255,7 +255,7 @@ def _train(ddp_kind: str, spec, rank: int, world_size: int, bucket_cap_mb: float
 # between buckets). With one bucket per backward there is nothing to interleave with. Ours issues its
 # collectives from the hook itself, so it runs with several buckets.
 # The bitwise comparisons with torch's DDP use one bucket, because PowerSGD's result depends on the bucket
-# layout and the two DDPs cut buckets differently. The "@multi" runs give torch's PowerSGD several buckets on
+# layout, and before its rebuild torch's DDP runs one bucket where lockstep's already cuts by the caps. The "@multi" runs give torch's PowerSGD several buckets on
 # lockstep's DDP, where the reducer keeps one hooked bucket in flight at a time, so the race cannot happen.
 ONE_BUCKET = {"torch_powersgd", "torch_fp16_powersgd"}
 ONE_BUCKET_MB = 25.0

@@ -481,8 +481,9 @@ def test_constructor_arguments(results):
     assert forward_sync is False and alias is False
     assert any("ignored when `forward_sync_buffers` is provided" in m for m in warned)
     assert "bucket_cap_mb_list" in c["cap_list"][1]
-    # 0.001 MiB first (one 64x64 weight is 16 KiB: alone), then 0.02 MiB (~20 KiB): weight + bias per bucket.
-    assert c["cap_list_layout"][0] == [7] and c["cap_list_layout"][1] == [6, 5]
+    # 0.001 MiB first, then 0.02 MiB (~20 KiB); a bucket closes once it holds its cap (torch's rule): bias +
+    # 16 KiB weight fill the first, two layers the second (16.6 KiB after one is still under 20 KiB).
+    assert c["cap_list_layout"] == [[7, 6], [5, 4, 3, 2], [1, 0]]
     assert c["mesh_group_size"] == 2
 
 

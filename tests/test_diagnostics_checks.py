@@ -105,7 +105,7 @@ def _nonfinite(rank, world_size):
     out = {}
     cases = {
         "default": {},
-        "buckets": {"bucket_cap_mb_list": [0.0001]},  # one bucket per parameter: the NaN is not in the last one
+        "buckets": {"bucket_cap_mb_list": [1e-6]},  # one bucket per parameter: the NaN is not in the last one
         "view": {"gradient_as_bucket_view": True},
         "hook": {},
         "direct": {},  # 0.bias's bucket is direct: checked in the pass that scales it, before its all-reduce
@@ -145,7 +145,7 @@ def _nonfinite(rank, world_size):
     # 3.weight), an Inf from rank 0 in rank 1's share (one bucket: the last element of 0.weight). Each is
     # still caught, and named by the rank it came from.
     for case, kwargs, param, element, culprit, value in [
-        ("split", {"bucket_cap_mb_list": [0.0001]}, "3.weight", 0, 1, float("nan")),
+        ("split", {"bucket_cap_mb_list": [1e-6]}, "3.weight", 0, 1, float("nan")),
         ("split_reverse", {}, "0.weight", -1, 0, float("inf")),
     ]:
         ddp = DDP(_mlp(), detect_nonfinite=True, **kwargs)
@@ -178,7 +178,7 @@ def _parity(rank, world_size):
     for name, build in {
         "plain": lambda m: DDP(m),
         "checked": lambda m: DDP(m, detect_nonfinite=True, check_replicas_every=1),
-        "checked_buckets": lambda m: DDP(m, detect_nonfinite=True, check_replicas_every=2, bucket_cap_mb_list=[0.0001]),
+        "checked_buckets": lambda m: DDP(m, detect_nonfinite=True, check_replicas_every=2, bucket_cap_mb_list=[1e-6]),
         "checked_view": lambda m: DDP(m, detect_nonfinite=True, gradient_as_bucket_view=True),  # the fused divide
         "checked_direct": lambda m: _Direct(m, detect_nonfinite=True),  # the fused scaling of direct buckets
         "torch": lambda m: torch.nn.parallel.DistributedDataParallel(m),
@@ -191,7 +191,7 @@ def _parity(rank, world_size):
 
 
 def _profiler(rank, world_size):
-    ddp = DDP(_mlp(), bucket_cap_mb_list=[0.0001])
+    ddp = DDP(_mlp(), bucket_cap_mb_list=[1e-6])
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     _train(ddp, opt, 1, rank)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -323,7 +323,7 @@ def _three_ranks(rank, world_size):
             "max": lambda g: torch.full_like(g, torch.finfo(g.dtype).max)}  # finite everywhere; 3 x (max / 3) overflows
     for case, dtype, kwargs, param, culprits, how in [
         ("fp16_nan", torch.float16, {}, "0.bias", [2], "nan"),
-        ("bf16_inf", torch.bfloat16, {"bucket_cap_mb_list": [0.0001]}, "3.weight", [1], "inf"),
+        ("bf16_inf", torch.bfloat16, {"bucket_cap_mb_list": [1e-6]}, "3.weight", [1], "inf"),
         ("view_nan", torch.float32, {"gradient_as_bucket_view": True}, "0.bias", [1], "nan"),
         ("fp16_overflow", torch.float16, {}, "3.bias", [0, 1, 2], "max"),
     ]:
@@ -341,7 +341,7 @@ def _three_ranks(rank, world_size):
     # Each layout with the check against the same without it. (At 3 ranks the layouts themselves may round apart: gloo
     # sums buckets of other sizes in other orders, and bucket views divide by 3 where copies multiply by 1/3, as torch.)
     runs = {}
-    for name, kwargs in {"plain": {}, "buckets": {"bucket_cap_mb_list": [0.0001]}, "view": {"gradient_as_bucket_view": True}}.items():
+    for name, kwargs in {"plain": {}, "buckets": {"bucket_cap_mb_list": [1e-6]}, "view": {"gradient_as_bucket_view": True}}.items():
         for checked in (False, True):
             ddp = DDP(_mlp(), detect_nonfinite=checked, **kwargs)
             train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), 4, torch.float32)

@@ -221,9 +221,10 @@ def test_assign_buckets_direct_rules():
     plans = assign_buckets(params, order, 1 << 20, 1 << 20, direct_min_bytes=16 * 1024)
     # w1 goes direct and closes the small bucket before it; w0 would be last, so it joins b0's bucket.
     assert [(p.param_indices, p.direct) for p in plans] == [([5, 4, 3], False), ([2], True), ([1, 0], False)]
-    # Where the cap does not allow the merge, the last large parameter stays a plain bucket of its own.
-    plans = assign_buckets(params, order, 20 * 1024, 20 * 1024, direct_min_bytes=16 * 1024)
-    assert [(p.param_indices, p.direct) for p in plans] == [([5, 4, 3], False), ([2], True), ([1], False), ([0], False)]
+    # Where the bucket before it had reached its cap (b0 alone fills 512 bytes), the last large parameter
+    # stays a plain bucket of its own.
+    plans = assign_buckets(params, order, 512, 512, direct_min_bytes=16 * 1024)
+    assert [(p.param_indices, p.direct) for p in plans] == [([5, 4], False), ([3], False), ([2], True), ([1], False), ([0], False)]
     assert [(p.param_indices, p.direct) for p in assign_buckets(params, order, 1 << 20, 1 << 20)] == [([5, 4, 3, 2, 1, 0], False)]
 
 

@@ -62,6 +62,7 @@ class _SlowBackward(torch.autograd.Function):
 
 
 HOOK_DELAY_S = 0.5
+HOOK_CAP_MB = 0.03  # 4 buckets of _big_mlp: [b2, w2], [b1], [w1] (direct), [b0, w0]
 
 
 def _hook_overlap(rank, world_size):
@@ -88,7 +89,7 @@ def _hook_overlap(rank, world_size):
     data = [(torch.randn(4, 256, generator=gen), torch.randint(0, 10, (4,), generator=gen)) for _ in range(3)]
     out = {}
     for name, hook in hooks.items():
-        model = lockstep.DistributedDataParallel(_big_mlp(), bucket_cap_mb=1)
+        model = lockstep.DistributedDataParallel(_big_mlp(), bucket_cap_mb=HOOK_CAP_MB)
         model.register_comm_hook(None, hook)
         observer = model.reducer.observer = InFlight(model.reducer)
         steps = []
@@ -99,7 +100,7 @@ def _hook_overlap(rank, world_size):
             _SlowBackward.apply(loss, HOOK_DELAY_S if step == 2 - rank else 0.0).backward()
             steps.append((model.reducer.events, observer.counts, model.reducer.bucket_layout()))
         out[name] = {"steps": steps, "grads": [p.grad.clone() for p in model.parameters()]}  # summed over the 3 steps
-    torch_ddp = nn.parallel.DistributedDataParallel(_big_mlp(), bucket_cap_mb=1)
+    torch_ddp = nn.parallel.DistributedDataParallel(_big_mlp(), bucket_cap_mb=HOOK_CAP_MB)
     torch_ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     for x, y in data:
         F.cross_entropy(torch_ddp(x), y).backward()
@@ -123,7 +124,7 @@ def _auto(rank, world_size):
     logger = logging.getLogger("lockstep.ddp.autotune")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    config = AutoBucketCap(caps_mb=(0.01, 1.0, None), warmup_steps=1, timed_steps=1)
+    config = AutoBucketCap(caps_mb=(0.01, 0.002, None), warmup_steps=1, timed_steps=1)
     models = {
         "auto": lockstep.DistributedDataParallel(_big_mlp(), bucket_cap_mb=config),
         # the trials move gradients that live in the buckets (kept by zero_grad(set_to_none=False)) with them
@@ -314,9 +315,12 @@ def test_auto_bucket_cap_tries_each_cap_then_keeps_rank_0s_fastest(results):
     medians = result["median_step_s"]
     assert len(medians) == 3 and all(0 < m < 10 for m in medians), result
     assert result["chosen_mb"] == result["caps_mb"][medians.index(min(medians))]
-    # Steps 2-7 ran the trials (two steps per cap): three different layouts, one parameter per bucket at 10 KB.
+    # Steps 2-7 ran the trials (two steps per cap): three different layouts. A bucket closes once it holds its
+    # cap (torch's rule), so at 10 KB: [b2, w2], [b1] (closed by w1, direct), [w1], [b0, w0]; at 2 KB b0 and w0
+    # part too (b0 alone is 4 KB).
     trial_layouts = r0["layouts"][1:7]
-    assert trial_layouts[0] == trial_layouts[1] and len(trial_layouts[0]) == 6
+    assert trial_layouts[0] == trial_layouts[1] and len(trial_layouts[0]) == 4
+    assert trial_layouts[2] == trial_layouts[3] and len(trial_layouts[2]) == 5
     assert len({str(layout) for layout in trial_layouts}) == 3
     order = [i for bucket in trial_layouts[0] for i in bucket]
     # One bucket, in the same order, but for _big_mlp's 4 MiB weight (index 2): a direct bucket of its own

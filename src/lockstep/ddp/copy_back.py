@@ -1,8 +1,9 @@
-"""The last step of a backward: the averaged gradients, from the bucket buffers into ``param.grad``."""
+"""The last step of a backward: wait for the buckets, and the averaged gradients from the bucket buffers into ``param.grad``."""
 
 from __future__ import annotations
 
-from typing import Sequence
+import time
+from typing import Any, Sequence
 
 import torch
 
@@ -48,3 +49,31 @@ def copy_back(
                 p.grad = view.clone()
             else:
                 grad.copy_(view)
+
+
+def wait_buckets(buckets: Sequence[Bucket], hooked: bool, observer: Any, copy_each: bool) -> float:
+    """Wait for every bucket in order; return the seconds spent waiting.
+
+    ``hooked``: a comm hook's result is put into the bucket (or the direct gradient) where it is not
+    there already. ``copy_each`` (COPY mode's common path, what ``copy_back``'s fast path would do): each
+    bucket's averages go into its gradients right after its wait, as torch's reducer finalizes a bucket,
+    so the copy runs while later buckets are still in flight instead of after the last one. If another
+    rank then reports a missing gradient, the error comes with these gradients already averaged.
+    """
+    waited = 0.0
+    for bucket in buckets:
+        if observer is not None:
+            observer.wait_start(bucket.index, bucket.seq)
+        start = time.perf_counter()
+        result = bucket.work.wait()
+        waited += time.perf_counter() - start
+        if observer is not None:
+            observer.wait_end(bucket.index, bucket.seq)
+        if hooked:
+            tensor = result[0] if isinstance(result, (list, tuple)) else result
+            target = bucket.flat if bucket.direct is None else bucket.direct
+            if tensor.data_ptr() != target.data_ptr():
+                target.copy_(tensor.view(-1))
+        if copy_each and bucket.direct is None:
+            torch._foreach_copy_(bucket.grads, bucket.views)
+    return waited

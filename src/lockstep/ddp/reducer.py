@@ -31,7 +31,7 @@ from lockstep.collectives.clean import all_reduce_sum_clean, launch_clean
 from lockstep.comm_hooks.base import issues_collectives_up_front
 from lockstep.ddp.autotune import AutoBucketCap, BucketTuner
 from lockstep.ddp.buckets import assign_buckets
-from lockstep.ddp.copy_back import copy_back
+from lockstep.ddp.copy_back import copy_back, wait_buckets
 from lockstep.ddp.copy_in import COPY, VIEW, GradIntake, grad_mode
 from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.grad_hook import fast_table, make_hook
@@ -324,31 +324,26 @@ class Reducer(GradIntake, ReducerSurface):
             if not self._missing_flag:
                 missing = []
             self._order.drain()
-            start = time.perf_counter()
+            fast = not (self.gradient_as_bucket_view or self._graph_grads or self._missing_flag or self._fixups)
+            # Torch's order on the common path: each bucket copied back as soon as its wait returns, so the copy
+            # overlaps the buckets still in flight. Not where the non-finite check reads the local gradients after
+            # the waits, nor where unused parameters must keep their .grad (``copy_back``).
+            early = fast and self.grad_mode == COPY and not self.usage.active and self.nonfinite is None
             observer = self.observer
-            for bucket in self.buckets:
-                if observer is not None:
-                    observer.wait_start(bucket.index, bucket.seq)
-                result = bucket.work.wait()
-                if observer is not None:
-                    observer.wait_end(bucket.index, bucket.seq)
-                if self.comm_hook is not None:
-                    tensor = result[0] if isinstance(result, (list, tuple)) else result
-                    target = bucket.flat if bucket.direct is None else bucket.direct
-                    if tensor.data_ptr() != target.data_ptr():
-                        target.copy_(tensor.view(-1))
+            self.comm_wait_s += wait_buckets(self.buckets, self.comm_hook is not None, observer, early)
             if self.post_backward_futures:
+                start = time.perf_counter()
                 futures, self.post_backward_futures = self.post_backward_futures, []
                 for future in futures:
                     future.wait()
-            self.comm_wait_s += time.perf_counter() - start
+                self.comm_wait_s += time.perf_counter() - start
             if self.nonfinite is not None:
                 self.nonfinite.after_wait(self.buckets, self.comm_hook is not None)  # raises on every rank alike
             status = self.usage.exchange_status(missing, self.comm_hook is not None, self.buckets[-1], self.process_group)
             if status.any_missing:
                 raise_missing_gradients(status.missing, self.names, self.process_group, self.usage.static_graph, status.late)
-            fast = not (self.gradient_as_bucket_view or self._graph_grads or self._missing_flag or self._fixups)
-            copy_back(self.buckets, self.params, status.globally_used, self.grad_mode, fast)
+            if not early:
+                copy_back(self.buckets, self.params, status.globally_used, self.grad_mode, fast)
             if self.optimizers_in_backward:
                 step_optimizers_in_backward(self.params)
             self.num_syncs += 1
