@@ -42,7 +42,7 @@ def _case(rank, world_size, root):
     root = Path(root)
     out = {}
     # 1. A plain script: DDP(trace_dir=...), steps 2..3, a 5 ms "optimizer + data" gap between steps.
-    ddp = DDP(_model(), trace_dir=root / "plain", trace_steps=(2, 3), bucket_cap_mb_list=[0.05, 0.2])
+    ddp = DDP(_model(), trace_dir=root / "plain", trace_steps=(2, 3), bucket_cap_mb_list=[0.01, 0.1])  # 3 buckets: [b2, w2, b1], [w1], [b0, w0]
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank)
     for _ in range(5):

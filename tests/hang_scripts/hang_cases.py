@@ -55,7 +55,7 @@ def main():
     model = Net()
     # "env": DDP's default, from LOCKSTEP_HANG_TIMEOUT_S (`lockstep launch --hang-timeout`)
     timeout = {} if sys.argv[2] == "env" else {"hang_timeout_s": float(sys.argv[2])}
-    ddp = DistributedDataParallel(model, bucket_cap_mb=0.02, **timeout)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.01, **timeout)  # 3 buckets: [head, c], [b], [a]
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     steps = STEPS - 1 if CASE == "fewer" and rank == BAD_RANK else STEPS
     for step in range(1, steps + 1):

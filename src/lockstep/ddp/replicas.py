@@ -79,9 +79,20 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGrou
 
 
 def _broadcast_flat(chunk: list[torch.Tensor], group: dist.ProcessGroup, src: int) -> None:
+    flat = pack_bytes(chunk)
+    dist.broadcast(flat, src=src, group=group)
+    unpack_bytes(flat, chunk)
+
+
+def pack_bytes(chunk: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes, as they are, in one uint8 tensor (one copy); widest dtypes first keeps offsets aligned."""
     with torch.no_grad():
-        flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in chunk])  # the bytes, as they are
-        dist.broadcast(flat, src=src, group=group)
+        return torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in chunk])
+
+
+def unpack_bytes(flat: torch.Tensor, chunk: list[torch.Tensor]) -> None:
+    """``pack_bytes`` undone: each tensor gets its bytes back from ``flat`` (one copy)."""
+    with torch.no_grad():
         offset = 0
         for t in chunk:
             size = t.numel() * t.element_size()

@@ -212,3 +212,15 @@ class ReducerSurface:
 
     def _remove_autograd_hooks(self) -> None:
         self.remove_hooks()
+
+
+def move_to(obj: Any, device: torch.device) -> Any:
+    """Inputs onto DDP's device (``device_ids``), through lists, tuples, namedtuples and dicts, as torch's DDP moves them."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (list, tuple)):
+        moved = [move_to(o, device) for o in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
+    if isinstance(obj, dict):
+        return type(obj)((k, move_to(v, device)) for k, v in obj.items())
+    return obj

@@ -29,9 +29,10 @@ from lockstep.ddp.args import caps_from_list, ignored_names, reject_unsupported,
 from lockstep.ddp.graph import on_backward_start
 from lockstep.ddp.optim_in_backward import take_over_optimizers_in_backward
 from lockstep.ddp.join import DDPJoinHook, backward_sync_round, common_rank
+from lockstep.ddp import buffer_sync
 from lockstep.ddp.replicas import broadcast_coalesced, syncable_buffers, verify_params_across_ranks
 from lockstep.ddp.reducer import DEFAULT_DIRECT_MIN_BYTES, Reducer
-from lockstep.ddp.torch_surface import WrapperSurface, close_inherited, closed_message
+from lockstep.ddp.torch_surface import WrapperSurface, close_inherited, closed_message, move_to
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 
@@ -40,17 +41,6 @@ def _default_group() -> dist.ProcessGroup:
     if not dist.is_initialized():
         raise RuntimeError("DistributedDataParallel: no default process group to load onto: call init_process_group first")
     return dist.group.WORLD
-
-
-def _move_to(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (list, tuple)):
-        moved = [_move_to(o, device) for o in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
-    if isinstance(obj, dict):
-        return type(obj)((k, _move_to(v, device)) for k, v in obj.items())
-    return obj
 
 
 class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParallel):
@@ -270,7 +260,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
     # ----------------------------------------------------------------- forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.device_ids is not None:
-            inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)
+            inputs, kwargs = move_to(inputs, self.device), move_to(kwargs, self.device)
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         if diagnose.profiler_enabled() is not self._profiling:  # one flag read per forward
             diagnose.toggle_profiler_ranges(self, not self._profiling)
@@ -297,16 +287,21 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         # BatchNorm statistics bit-identical to torch's under gradient accumulation.
         sync_buffers = self.require_forward_param_sync and self.forward_sync_buffers and dist.get_world_size(self.process_group) > 1
         buffer_hook = self._buffer_hook  # torch's _register_buffer_comm_hook: (hook, state, before forward?)
+        pending = None
         if sync_buffers and buffer_hook is None:
-            buffers = self._sync_buffers  # read afresh: one module walk per such forward
-            if buffers:
-                src = common_rank(self, True) if in_join else 0  # under join: a rank still training
-                broadcast_coalesced(buffers, self.process_group, src)  # one collective (dtypes travel as bytes)
+            # Read afresh; waited for before the first BatchNorm where only such layers own buffers (``buffer_sync``).
+            # Under join: from a rank still training, waited for here (the join's own collectives come next).
+            src = (lambda: common_rank(self, True)) if in_join else (lambda: 0)  # asked only where there are buffers
+            pending = buffer_sync.sync_buffers(self.module, self.parameters_to_ignore, self.process_group, src, not in_join)
         elif sync_buffers and buffer_hook[2]:
             self._run_buffer_hook()
         if in_join:
             backward_sync_round(self, synced, joined=False)
-        outputs = self.module(*inputs, **kwargs)
+        try:
+            outputs = self.module(*inputs, **kwargs)
+        finally:
+            if pending is not None:
+                pending.finish()
         if observer is not None:
             observer.forward_end()
         if sync_buffers and buffer_hook is not None and not buffer_hook[2]:

@@ -114,6 +114,10 @@ class Watchdog(threading.Thread):
     # ---------------------------------------------------------------- the loop
     def run(self) -> None:
         try:
+            # A first record at once: a peer that dies within its first tick (a short run, a crash in step 1)
+            # must still have a beat that stops, or the failure report cannot tell who went silent.
+            if dist.is_initialized():
+                self.publish()
             while not self.stopped.wait(self.tick_s):
                 if not dist.is_initialized():
                     return  # the group was destroyed: nothing more to watch
