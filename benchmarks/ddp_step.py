@@ -6,7 +6,7 @@ Ranks on gloo, ``--threads`` intra-op threads each. Contenders (``--contenders``
     floor          the module alone plus, after its backward, one blocking all-reduce of a flat buffer as large
                    as its gradients (no hooks, no copies): compute + all-reduce, paid in the same step, so with
                    the slower rank's compute (skew) in it. What a DDP that cannot overlap (no spare core) and
-                   copied nothing would take; off by default
+                   copied nothing would take
     torch          torch's DDP with its defaults (25 MB buckets)
     torch_fp16     torch's DDP with torch's fp16_compress_hook
     lockstep_25    lockstep's DDP, fixed 25 MB cap (its default)
@@ -87,7 +87,7 @@ MODELS = {
 }
 CONTENDERS = ("compute", "torch", "torch_fp16", "lockstep_25", "lockstep_auto", "lockstep_fp16", "naive", "lockstep_alias",
               "lockstep_nonfinite", "lockstep_nodirect", "floor")
-DEFAULT_CONTENDERS = CONTENDERS[:-5]
+DEFAULT_CONTENDERS = CONTENDERS[:6] + ("floor",)
 # (numerator, denominator) pairs reported; the targets are auto and 25 MB vs torch, fp16 vs torch's fp16.
 RATIOS = (("lockstep_25", "torch"), ("lockstep_auto", "torch"), ("lockstep_fp16", "torch_fp16"), ("torch", "compute"),
           ("lockstep_alias", "torch"), ("lockstep_alias", "lockstep_25"), ("lockstep_nonfinite", "lockstep_25"),
