@@ -71,3 +71,25 @@ def test_summary_fits_the_model_and_ratios_only_at_4mib_and_up():
     assert fastest["alpha_us"] == pytest.approx(50.0) and fastest["bandwidth_gb_s"] == pytest.approx(2.0)
     assert sorted(s["ring_over_native_busbw"]) == [4 << 20, 16 << 20]
     assert s["ring_over_native_median"] == pytest.approx(0.8)
+
+
+def test_ddp_step_benchmark_runs_and_reports_every_contender(tmp_path):
+    """``benchmarks/ddp_step.py`` end to end at its smallest: every asked contender timed, the paired ratios and
+    the floor written, as markdown and json."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ddp_step.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--models", "cnn", "--contenders", "compute,floor,torch,lockstep_25",
+         "--blocks", "1", "--block-steps", "2", "--warmup", "1", "--allreduce-reps", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    (json_path,) = tmp_path.glob("ddp_step_*_n2_t1.json")
+    result = json.loads(json_path.read_text())["results"]["cnn"]
+    assert set(result["median_ms"]) == {"compute", "floor", "torch", "lockstep_25"}
+    assert all(v > 0 for v in result["median_ms"].values())
+    assert {"lockstep_25/torch", "floor/torch", "lockstep_25/floor", "torch/compute"} <= set(result["ratios"])
+    md = json_path.with_suffix(".md").read_text()
+    assert "| cnn |" in md and "floor/torch" in md
