@@ -1,11 +1,12 @@
 """The reducer: turns per-parameter "gradient ready" events into bucketed, overlapped all-reduces.
 
 One post-accumulate-grad hook per parameter copies the gradient into its bucket's
-flat buffer (pre-divided by the world size, fused into the copy: ``copy_in``); when a bucket's
-last gradient lands, its all-reduce is launched asynchronously, but only in bucket
-index order (``launch_order``), because every rank must issue collectives in the same order. The end
-of backward waits for the buckets and, by default (``gradient_as_bucket_view=False``, torch's), copies
-the averages back into the local gradients (one ``_foreach_copy_`` per bucket, ``copy_back``); with
+flat buffer (pre-divided by the world size, fused into the copy: ``copy_in``; the common case is done in
+the hook itself, ``grad_hook``); when a bucket's last gradient lands, its all-reduce is launched
+asynchronously, but only in bucket index order (``launch_order``), because every rank must issue
+collectives in the same order. The end of backward waits for the buckets and, by default
+(``gradient_as_bucket_view=False``, torch's), copies the averages back into the local gradients (one
+``_foreach_copy_`` per bucket, right after its wait on the common path: ``copy_back``); with
 None (opt-in) or True the hook has made ``param.grad`` its bucket slot, so nothing is copied back. A
 large parameter's bucket is direct (``copy_in``): its all-reduce runs on ``param.grad`` itself.
 
