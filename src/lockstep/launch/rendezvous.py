@@ -90,7 +90,9 @@ class LockstepRendezvous(RendezvousHandler):
         except RendezvousError:
             error_key = f"lockstep/{self._params.run_id}/error"
             if self._store.check([error_key]):  # another node found the layouts contradictory and closed the round
-                raise NodesDisagree(self._store.get(error_key).decode()) from None
+                message = self._store.get(error_key).decode()
+                self._store.add(f"{error_key}_read", 1)  # node 0 keeps serving the store until someone read it
+                raise NodesDisagree(message) from None
             raise
         store, world_size = info.store, info.world_size
         nodes = self._exchange(store, info.rank, world_size)
@@ -121,6 +123,13 @@ class LockstepRendezvous(RendezvousHandler):
                        f"{self.local_addr} ({socket.gethostname()}) --nnodes {nnodes}")
             self._store.set(f"lockstep/{run_id}/error", message)
             self._inner.set_closed()
+            if self.node_rank == 0:
+                # This node serves the store: leaving at once took the message with it, and the node that
+                # arrived first failed with a bare "Broken pipe" instead (seen once in test_launch_network).
+                # Wait, bounded, until another node has read it.
+                deadline = time.monotonic() + min(10.0, self.rdzv_timeout_s)
+                while time.monotonic() < deadline and self._store.add(f"lockstep/{run_id}/error_read", 0) < 1:
+                    time.sleep(0.1)
             raise NodesDisagree(message)
 
     def _exchange(self, store: dist.Store, rank: int, world_size: int) -> list[dict]:
