@@ -228,3 +228,49 @@ def test_nodes_launched_with_different_nnodes_both_fail_naming_both(faults):
         assert "NodesDisagree: the nodes disagree on --nnodes:" in proc.stderr, (name, proc.stderr)
         assert "--nnodes 2" in proc.stderr and "--nnodes 3" in proc.stderr
         assert "allreduce rank=" not in proc.stdout  # no worker started with the wrong world size
+
+
+def test_node_0_finding_the_disagreement_stays_until_the_other_node_read_it():
+    """The order the flaky launch above could not force: node 1 (--nnodes 3) records its count first, node 0
+    (--nnodes 2, serving the store) finds the disagreement. Node 0's process then ends, and its store with it;
+    node 1 must have read the message by then (it failed with a bare "Broken pipe" when node 0 left at once).
+    Two real handlers on a real TCPStore, in one process: node 0's end is dropping its store."""
+    import gc
+    import threading
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from lockstep.launch import rendezvous
+
+    port = free_port()
+    run_id = f"lockstep-localhost-{port}"
+
+    def handler(nnodes, node_rank):
+        return rendezvous.create_handler(RendezvousParameters(
+            backend=rendezvous.BACKEND, endpoint=f"localhost:{port}", run_id=run_id, min_nodes=nnodes,
+            max_nodes=nnodes, is_host=node_rank == 0, join_timeout=30, timeout=30, lockstep_node_rank=node_rank,
+            lockstep_nproc=1, lockstep_master_addr="localhost", lockstep_port=port, lockstep_node_timeout=10))
+
+    def outcome(h):
+        try:
+            h.next_rendezvous()
+            return "no error"
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+
+    node0, node1 = handler(2, 0), handler(3, 1)
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(node1=outcome(node1)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not node0._store.check([f"lockstep/{run_id}/nnodes"]) and time.monotonic() < deadline:
+        time.sleep(0.01)  # node 1 recorded --nnodes 3 first
+    out["node0"] = outcome(node0)
+    rendezvous._handlers.clear()  # node 0's process ends: nothing holds its store any more
+    node0._inner = node0._store = None
+    del node0
+    gc.collect()
+    thread.join(30)
+    for name in ("node0", "node1"):
+        assert out[name].startswith("NodesDisagree: the nodes disagree on --nnodes:"), out
+        assert "--nnodes 3" in out[name] and "--nnodes 2" in out[name], out
