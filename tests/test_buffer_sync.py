@@ -107,6 +107,14 @@ def _deferred(rank):
             out[name] = len(made)
         made.clear()
         torch.manual_seed(0)
+        compiled = _Stem()
+        compiled.bn2 = torch.compile(compiled.bn2, backend="eager")  # a compiled submodule: waited for first
+        model = lockstep.DistributedDataParallel(compiled)
+        for _ in range(2):
+            model(torch.randn(2, 3, 8, 8)).sum().backward()
+        out["compiled_submodule"] = len(made)
+        made.clear()
+        torch.manual_seed(0)
         model = lockstep.DistributedDataParallel(_Stem())
         with model.join():
             for _ in range(2):
@@ -188,12 +196,13 @@ def test_a_parent_peeking_before_the_layer_sees_its_own_rank(results):
     assert all(o[1] == t[1] for o, t in zip(ours, theirs))  # the layer itself still reads rank 0's
 
 
-def test_only_normalisation_owners_defer_and_join_waits_first(results):
+def test_only_normalisation_owners_defer_and_join_and_compile_wait_first(results):
     for rank in range(2):
         d = results[rank]["deferred"]
         assert d["bn_only"] == 3  # every synchronised forward
         assert d["extra_buffer"] == 0  # a buffer of another module: waited for before the forward, as torch
         assert d["join"] == 0
+        assert d["compiled_submodule"] == 0
         assert d["hooks_left"] == 0  # the pre-hook is gone once each broadcast landed
 
 

@@ -20,17 +20,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import sys
+
 import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _NormBase
 
-from lockstep.ddp.replicas import BROADCAST_CHUNK_BYTES, broadcast_coalesced, pack_bytes, unpack_bytes
-
-try:
-    from torch._dynamo.eval_frame import OptimizedModule
-except ImportError:  # pragma: no cover - torch without dynamo
-    OptimizedModule = ()  # type: ignore[assignment,misc]
-
+from lockstep.ddp.replicas import BROADCAST_CHUNK_BYTES, broadcast_coalesced, is_syncable, pack_bytes, unpack_bytes
 
 class PendingBuffers:
     """A buffer broadcast in flight: waited for (and unpacked) before the first owning layer runs, or at ``finish``."""
@@ -72,14 +68,16 @@ def sync_buffers(
     tensors: list[torch.Tensor] = []
     seen: set[int] = set()
     owners: set[int] = set()
-    defer = defer and not _compiling()
+    defer = defer and not torch.compiler.is_compiling()
+    # A compiled submodule is an OptimizedModule; where dynamo was never imported there is none (importing it
+    # here would cost every process ~1 s at start-up).
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    compiled = eval_frame.OptimizedModule if eval_frame is not None else ()
     for prefix, sub in module.named_modules():
-        if isinstance(sub, OptimizedModule):
+        if isinstance(sub, compiled):
             defer = False
         for name, b in sub._buffers.items():
-            if b is None or id(b) in seen or (f"{prefix}.{name}" if prefix else name) in ignore:
-                continue
-            if not (b.dtype.is_floating_point or (not b.dtype.is_complex and b.dtype != torch.bool)):
+            if b is None or id(b) in seen or not is_syncable(b) or (f"{prefix}.{name}" if prefix else name) in ignore:
                 continue
             seen.add(id(b))
             tensors.append(b)
@@ -100,7 +98,3 @@ def sync_buffers(
     broadcast_coalesced(tensors, group, src_rank)
     return None
 
-
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())

@@ -22,6 +22,7 @@ import torch
 
 from lockstep.ddp.copy_in import COPY
 
+
 def fast_table(reducer: Any) -> list | None:
     """This backward's ``(bucket, slot, view, scale)`` per parameter index if it is on the common path, else None
     (every hook goes slow); an entry is None where the slow path must run anyway (a direct bucket).

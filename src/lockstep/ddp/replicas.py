@@ -114,5 +114,10 @@ def named_syncable_buffers(module: torch.nn.Module, ignore: frozenset[str] | set
     return {
         name: b
         for name, b in module.named_buffers()
-        if name not in ignore and (b.dtype.is_floating_point or (not b.dtype.is_complex and b.dtype != torch.bool))
+        if name not in ignore and is_syncable(b)
     }
+
+
+def is_syncable(buffer: torch.Tensor) -> bool:
+    """Whether DDP broadcasts this buffer: floating or integer dtypes (statistics, counters); bool and complex stay local."""
+    return buffer.dtype.is_floating_point or (not buffer.dtype.is_complex and buffer.dtype != torch.bool)
