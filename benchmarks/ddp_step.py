@@ -115,8 +115,9 @@ def _build(name: str, build):
     view = None if name == "lockstep_alias" else False  # None: .grad in the buckets; False: the default, copies
     cls = lockstep.DistributedDataParallel
     if name == "lockstep_nodirect":
-        class cls(lockstep.DistributedDataParallel):  # every bucket copies, as torch's
+        class NoDirect(lockstep.DistributedDataParallel):  # every bucket copies, as torch's
             direct_min_bytes = None
+        cls = NoDirect
     model = cls(module, bucket_cap_mb="auto" if name == "lockstep_auto" else None, gradient_as_bucket_view=view,
                 detect_nonfinite=name == "lockstep_nonfinite")
     if name == "lockstep_fp16":

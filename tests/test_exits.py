@@ -27,12 +27,15 @@ RUNS = int(os.environ.get("LOCKSTEP_EXIT_RUNS", "3"))
 # Runs at once: CI's long loops use 2 (each run's three interpreters start one after the other, so two
 # runs side by side take ~14 s where two in a row take ~19 s; the crowding also varies exit timing).
 JOBS = int(os.environ.get("LOCKSTEP_EXIT_JOBS", "1"))
-BIN = os.path.dirname(sys.executable)
+# torchrun beside this interpreter; a venv made with --system-site-packages has none of its own, and then
+# the same entry point (torch.distributed.run:main) runs through the interpreter.
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+TORCHRUN_CMD = [TORCHRUN] if os.path.exists(TORCHRUN) else [sys.executable, "-m", "torch.distributed.run"]
 
 
 def _command(launcher: str, ending: str) -> list[str]:
     if launcher == "torchrun":
-        return [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2", SCRIPT, "lockstep", ending]
+        return [*TORCHRUN_CMD, "--standalone", "--nproc-per-node", "2", SCRIPT, "lockstep", ending]
     if launcher == "lockstep-launch":
         return [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", SCRIPT, "lockstep", ending]
     return [sys.executable, SCRIPT, "lockstep", ending, "spawn"]

@@ -207,7 +207,7 @@ def test_kill_9_at_random_points_resumes_bit_identically(runs):
         assert len(attempts) == 2, label
         if "phase=ckpt_meta" in point:  # renamed without its checksum file: skipped on resume, with a warning
             step = int(re.search(r"step=(\d+)", point)[1])
-            assert f"skipping checkpoint" in run["err"] and f"ckpt-{step:09d}.pt: no metadata file" in run["err"], label
+            assert "skipping checkpoint" in run["err"] and f"ckpt-{step:09d}.pt: no metadata file" in run["err"], label
         assert not [n for n in os.listdir(os.path.join(run["dir"], "ckpt")) if ".tmp-" in n], label
         passed.append((point, round(run["elapsed_s"], 1)))
     print(f"\n{len(passed)} of {len(runs['points'])} kill runs identical to the uninterrupted run: {passed}")

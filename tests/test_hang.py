@@ -95,7 +95,7 @@ def jobs(tmp_path_factory):
 def report_of(job: dict) -> str:
     """The one full report of the job (printed by the rank that raised the alarm), and that there is one."""
     reports = [out for out in job["out"] if "lockstep hang report:" in out]
-    assert len(reports) == 1, f"expected the full report in exactly one rank's output:\n" + "\n".join(job["out"])
+    assert len(reports) == 1, "expected the full report in exactly one rank's output:\n" + "\n".join(job["out"])
     return reports[0]
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from dist_utils import run_ranks
 from lockstep import DistributedDataParallel as DDP

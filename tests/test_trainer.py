@@ -184,7 +184,7 @@ def _fault_scenarios(rank, root):
 
     import torch.distributed as dist
 
-    from lockstep.train.checkpoint import CheckpointSaveError, CheckpointWarning
+    from lockstep.train.checkpoint import CheckpointWarning
 
     out = {}
 

@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
 from lockstep.diagnostics.clock import default_store, offset_to_rank0_s

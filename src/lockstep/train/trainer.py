@@ -29,7 +29,7 @@ from lockstep.train.config import _AUTOCAST_DTYPES, TrainerConfig
 from lockstep.train.departures import explain_departure, next_fit
 from lockstep.train.evaluate import evaluate
 from lockstep.train.faults import install_kill_hooks, kill_point_from_env
-from lockstep.train.metrics import MetricsLog, comm_report, comm_wait_share
+from lockstep.train.metrics import comm_report, comm_wait_share
 from lockstep.train.preempt import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch, leave_marker
 from lockstep.train.progress import progress_bar, step_postfix
 
