@@ -124,3 +124,37 @@ def test_launch_order_with_a_hook_keeps_one_bucket_in_flight():
     assert launched == [0]  # bucket 0's hook has not finished: bucket 1 waits
     order.drain()
     assert launched == [0, 1, 2] and buckets[0].work.waited and buckets[1].work.waited
+
+
+def test_small_first_bucket_only_where_its_all_reduce_can_overlap():
+    from lockstep.ddp.buckets import small_first_bucket_pays
+
+    assert small_first_bucket_pays("cuda", 8, 16, 2)  # a GPU communicates on its own
+    assert not small_first_bucket_pays("cpu", 2, 1, 2)  # 2 ranks x 1 thread on 2 cores: no core for gloo's thread
+    assert not small_first_bucket_pays("cpu", 2, 4, 8)
+    assert small_first_bucket_pays("cpu", 2, 4, 16)  # 8 cores left over
+
+
+def test_local_ranks_from_the_launchers_environment():
+    from lockstep.ddp.buckets import local_ranks_from_env
+
+    assert local_ranks_from_env(8, {"LOCAL_WORLD_SIZE": "4"}) == 4
+    assert local_ranks_from_env(8, {"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}) == 2
+    assert local_ranks_from_env(8, {"SLURM_NTASKS_PER_NODE": "1"}) == 1
+    assert local_ranks_from_env(8, {"SLURM_NTASKS_PER_NODE": "2(x4)"}) == 8  # not a count: all assumed here
+    assert local_ranks_from_env(3, {}) == 3
+
+
+def test_first_bucket_caps(monkeypatch):
+    import torch.distributed as dist
+
+    from lockstep.ddp.buckets import first_bucket_caps
+
+    cap = 25 * MIB
+    assert first_bucket_caps("cpu", 2, cap, small=True) == (MIB, MIB)
+    assert first_bucket_caps("cpu", 2, cap, small=False) == (MIB, cap)  # the first step is torch's whatever the wish
+    assert first_bucket_caps("cuda", 2, cap) == (MIB, MIB)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")  # more ranks here than cores: nothing spare
+    assert first_bucket_caps("cpu", 64, cap) == (MIB, cap)
+    monkeypatch.setattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2 * MIB)  # a script that set torch's constant keeps it
+    assert first_bucket_caps("cpu", 64, cap) == (2 * MIB, 2 * MIB)

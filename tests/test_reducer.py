@@ -243,8 +243,35 @@ def _compat(rank, world_size):
     }
 
 
+def _first_bucket(rank, world_size):
+    """Rank 0 and rank 1 wish differently for the first bucket; the rebuilt layout is rank 0's on both."""
+    import lockstep
+
+    out = {}
+    for rank0_small in (False, True):
+        small = rank0_small if rank == 0 else not rank0_small
+        cls = type("FirstBucketDDP", (lockstep.DistributedDataParallel,), {"small_first_bucket": small})
+        build = lambda: nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])  # 8 x 257 KB
+        torch.manual_seed(0)
+        ours = cls(build())
+        torch.manual_seed(0)
+        theirs = nn.parallel.DistributedDataParallel(build())
+        initial = ours.reducer.bucket_layout()
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            x, y = torch.randn(4, 256, generator=gen), torch.randint(0, 256, (4,), generator=gen)
+            for model, opt in zip((ours, theirs), opts):
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+        diff = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
+        out[rank0_small] = (initial, ours.reducer.bucket_layout(), ours.reducer.first_bucket_bytes, diff)
+    return out
+
+
 def _all_cases(rank, world_size):
-    return {"overlap": _overlap(rank, world_size), "hook_overlap": _hook_overlap(rank, world_size),
+    return {"first_bucket": _first_bucket(rank, world_size), "overlap": _overlap(rank, world_size), "hook_overlap": _hook_overlap(rank, world_size),
             "rebuild": _rebuild(rank, world_size), "auto": _auto(rank, world_size),
             "bad": _bad_input(rank, world_size), "compat": _compat(rank, world_size)}
 
@@ -357,6 +384,18 @@ def test_auto_bucket_cap_bad_input(results):
     assert "bucket_cap_mb must be a number > 0 or 'auto', got 'fast'" in errors["word"]
     assert "bucket_cap_mb_list" in errors["with_list"]
     assert "AutoBucketCap.caps_mb" in errors["config"]
+
+
+def test_first_bucket_after_the_rebuild_is_rank_0s_choice(results):
+    # The first step has torch's 1 MiB first bucket on every rank (each builds it alone); the rebuild takes
+    # rank 0's wish (``small_first_bucket``), so the layouts agree even where the ranks judge differently.
+    torch_layout = [list(range(15, 7, -1)), list(range(7, -1, -1))]  # reverse order; 4 layers fill 1 MiB
+    for rank0_small, want_first, want_layout in ((False, 25 << 20, [list(range(15, -1, -1))]), (True, 1 << 20, torch_layout)):
+        got = [results[rank]["first_bucket"][rank0_small] for rank in range(2)]
+        for initial, rebuilt, first, diff in got:
+            assert initial == torch_layout
+            assert (rebuilt, first) == (want_layout, want_first), rank0_small
+            assert diff == 0.0  # bit-identical to torch's DDP whatever the buckets
 
 
 def test_rebuild_follows_observed_order(results):

@@ -89,12 +89,11 @@ class BucketTuner:
     """Drives the trials for one reducer: called between steps, it switches layouts and finally decides.
 
     ``reducer`` needs ``rounds`` (synchronised backwards completed, shadows included),
-    ``comm_hook``, ``process_group``, ``buckets`` and ``relayout(caps_bytes)``.
+    ``comm_hook``, ``process_group``, ``buckets``, ``first_bucket_bytes`` and ``relayout(caps_bytes)``.
     """
 
-    def __init__(self, config: AutoBucketCap, first_bucket_bytes: int):
+    def __init__(self, config: AutoBucketCap):
         self.config = config
-        self.first_bucket_bytes = first_bucket_bytes
         self.step_s: list[list[float]] = [[] for _ in config.caps_mb]
         self.candidate = -1  # index into caps_mb of the layout in use; -1: the initial (fixed 25 MB) layout
         self.rounds_at_switch = 0
@@ -129,7 +128,7 @@ class BucketTuner:
 
     def _switch(self, reducer: Any, candidate: int, rounds: int) -> None:
         self.candidate, self.rounds_at_switch = candidate, rounds
-        reducer.relayout(caps_bytes(self.config.caps_mb[candidate], self.first_bucket_bytes))
+        reducer.relayout(caps_bytes(self.config.caps_mb[candidate], reducer.first_bucket_bytes))
 
     def _decide(self, reducer: Any) -> None:
         # Rank 0's medians for every rank (inf where a rank joined early and timed nothing): one broadcast, once.
@@ -141,7 +140,7 @@ class BucketTuner:
         medians = medians_t.tolist()
         best = min(range(len(medians)), key=medians.__getitem__)
         chosen = self.config.caps_mb[best]
-        reducer.relayout(caps_bytes(chosen, self.first_bucket_bytes))
+        reducer.relayout(caps_bytes(chosen, reducer.first_bucket_bytes))
         self.done = True
         self.result = {"caps_mb": list(self.config.caps_mb), "median_step_s": medians, "chosen_mb": chosen,
                        "num_buckets": len(reducer.buckets)}

@@ -10,13 +10,60 @@ possible. A bucket never mixes devices or dtypes: it is one flat tensor.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 MIB = 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MIB
+# Where the launcher says how many ranks share this machine: torchrun / lockstep launch, OpenMPI, SLURM.
+_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def small_first_bucket_pays(device_type: str, local_ranks: int, threads_per_rank: int, cores: int) -> bool:
+    """Whether torch's small first bucket (1 MiB) can pay for itself on this machine.
+
+    Its all-reduce is launched early in backward so that it runs while the rest of backward does.
+    That needs something to run it on: a GPU's communication kernels, or on CPU a core that the
+    ranks' compute threads leave to gloo's thread. Without one (ranks on this machine x intra-op
+    threads >= cores) the early all-reduce only takes its time from backward, and it adds one
+    all-reduce's fixed cost and a mid-backward meeting of the ranks: on the bench transformer at 2
+    ranks x 1 thread on 2 cores, one 25 MB bucket instead of torch's 1 MiB + the rest made the step
+    2% faster (0.979 of it, 12 paired blocks), on the CNN 1% (benchmarks/results, README "Speed").
+    """
+    if device_type != "cpu":
+        return True
+    return local_ranks * threads_per_rank < cores
+
+
+def local_ranks_from_env(world_size: int, env: dict | None = None) -> int:
+    """Ranks on this machine as the launcher tells it; else ``world_size`` (all here, as with mp.spawn)."""
+    env = os.environ if env is None else env
+    for var in _LOCAL_SIZE_VARS:
+        value = env.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return world_size
+
+
+def first_bucket_caps(device_type: str, world_size: int, bucket_cap_bytes: int, small: bool | None = None) -> tuple[int, int]:
+    """The first bucket's cap for the first iteration, and this rank's wish for the rebuilt layout.
+
+    The first iteration keeps torch's (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB, read
+    as torch's DDP reads it): every rank builds it alone, so it must not depend on the machine. The
+    rebuild takes rank 0's wish (``Reducer.rebuild_buckets``): the same small first bucket where
+    ``small`` (None: ``small_first_bucket_pays`` here; a script that changed torch's constant keeps
+    it), else none (the first bucket has the full cap).
+    """
+    first = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", DEFAULT_FIRST_BUCKET_BYTES)
+    if small is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        small = first != DEFAULT_FIRST_BUCKET_BYTES or small_first_bucket_pays(
+            device_type, local_ranks_from_env(world_size), torch.get_num_threads(), cores)
+    return first, first if small else bucket_cap_bytes
 
 
 @dataclass

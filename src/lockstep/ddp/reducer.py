@@ -58,6 +58,8 @@ class Reducer(GradIntake, ReducerSurface):
         names: their qualified names, for error messages.
         process_group: the group to average over.
         bucket_cap_bytes / first_bucket_bytes / bucket_caps_bytes: bucket caps (see ``assign_buckets``).
+        rebuilt_first_bucket_bytes: this rank's first-bucket cap for the rebuilt layout (None: keep
+            ``first_bucket_bytes``); rank 0's is used on every rank (``rebuild_buckets``).
         gradient_as_bucket_view: None: ``param.grad`` becomes its averaged bucket slot (no copy back);
             False: copies, as torch's default; True: torch's bucket views (``copy_in`` has the three).
         find_unused_parameters: find, after each forward, the parameters its graph does not reach.
@@ -80,6 +82,7 @@ class Reducer(GradIntake, ReducerSurface):
         static_graph: bool = False,
         auto_buckets: AutoBucketCap | None = None,
         direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES,
+        rebuilt_first_bucket_bytes: int | None = None,
     ):
         self.params = list(params)
         self.buckets: list[Bucket] = []
@@ -90,6 +93,7 @@ class Reducer(GradIntake, ReducerSurface):
         self.divisor = self.world_size  # the number of ranks still training, under join(divide_by_initial_world_size=False)
         self.bucket_cap_bytes = bucket_cap_bytes
         self.first_bucket_bytes = first_bucket_bytes
+        self.rebuilt_first_bucket_bytes = first_bucket_bytes if rebuilt_first_bucket_bytes is None else rebuilt_first_bucket_bytes
         self.bucket_caps_bytes = bucket_caps_bytes
         self.grad_mode = grad_mode(gradient_as_bucket_view)
         self.gradient_as_bucket_view = self.grad_mode == VIEW  # torch's True: the bucket is divided at launch
@@ -113,7 +117,7 @@ class Reducer(GradIntake, ReducerSurface):
         self.comm_wait_s = 0.0
         self.num_syncs = 0
         self.rounds = 0  # synchronised backwards completed, a joined rank's shadows included: the same on every rank
-        self.tuner = BucketTuner(auto_buckets, first_bucket_bytes) if auto_buckets is not None else None
+        self.tuner = BucketTuner(auto_buckets) if auto_buckets is not None else None
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         self._fast: list | None = None  # this backward's common-path table (``grad_hook``); None: every hook goes slow
         self._fast_cache: tuple | None = None
@@ -160,7 +164,8 @@ class Reducer(GradIntake, ReducerSurface):
     def rebuild_buckets(self) -> None:
         """Rebuild once from the first synced backward's ready order (rank 0's, so all ranks agree).
 
-        Costs one broadcast of ``len(params)`` integers, once per run.
+        Costs one broadcast of ``len(params)`` integers, once per run; rank 0's first-bucket cap rides
+        with them (ranks may judge their machines differently; the layouts must agree).
         """
         self.rebuild_pending = False
         observed = self._observed_order or []
@@ -168,9 +173,10 @@ class Reducer(GradIntake, ReducerSurface):
         seen = set(observed)  # parameters never ready go last, in reverse registration order
         order = observed + [i for i in reversed(range(len(self.params))) if i not in seen]
         device = self.buckets[0].buffer.device if dist.get_backend(self.process_group) == "nccl" else "cpu"
-        order_t = torch.tensor(order, dtype=torch.int64, device=device)
+        order_t = torch.tensor(order + [self.rebuilt_first_bucket_bytes], dtype=torch.int64, device=device)
         dist.broadcast(order_t, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
-        self._build(order_t.tolist())
+        *order, self.first_bucket_bytes = order_t.tolist()
+        self._build(order)
         self.buckets_rebuilt = True
 
     def relayout(self, bucket_caps_bytes: list[int]) -> None:

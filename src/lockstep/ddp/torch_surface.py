@@ -59,6 +59,20 @@ class WrapperSurface:
     broadcast_bucket_size = BROADCAST_BUCKET_BYTES
 
     @property
+    def broadcast_buffers(self) -> bool:
+        """The old name of ``forward_sync_buffers`` (torch 2.13 keeps it as this property)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: torch.nn.Module, params_and_buffers_to_ignore: Any) -> None:
+        """As torch's: name parameters and buffers that DDP must neither synchronise nor reduce."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+
+    @property
     def modules_buffers(self) -> list[torch.Tensor]:
         """The buffers a synchronised forward broadcasts (torch's attribute of the same name)."""
         return self._sync_buffers

@@ -19,7 +19,7 @@ from torch import nn
 
 from torch.distributed.algorithms.join import Join, Joinable
 
-from lockstep.ddp.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
+from lockstep.ddp.buckets import MIB, first_bucket_caps
 from lockstep.ddp import diagnose
 from lockstep.ddp.autotune import resolve_auto
 from lockstep.ddp.observe import attach
@@ -54,7 +54,9 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         broadcast_buffers: superseded by ``forward_sync_buffers`` (passing it warns, FutureWarning).
         init_sync: check the model across ranks and broadcast rank 0's state at construction.
         process_group: the group to average over (default: the default group).
-        bucket_cap_mb: bucket size in MiB (default 25); the first bucket is 1 MiB. ``"auto"`` (or a
+        bucket_cap_mb: bucket size in MiB (default 25); the first bucket is 1 MiB in the first step, as torch's,
+            and after the rebuild only where its early all-reduce can overlap backward (a GPU, or a CPU core the
+            ranks' threads leave free; else it has the full cap: class attribute ``small_first_bucket``). ``"auto"`` (or a
             ``lockstep.ddp.autotune.AutoBucketCap``) tries 1, 4, 25, 100 MiB and one bucket over the first
             ~20 steps and keeps the fastest by rank 0's step times (not in torch; see ``autotune``).
         find_unused_parameters: after each forward, walk its graph and mark the parameters it
@@ -115,6 +117,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
     """
 
     direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES  # see gradient_as_bucket_view; a subclass may change it
+    small_first_bucket: bool | None = None  # see bucket_cap_mb; None: where it pays (``buckets.small_first_bucket_pays``)
 
     def __init__(
         self,
@@ -206,12 +209,15 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
             # The non-finite check raises before the averages reach .grad; with .grad in the bucket they
             # would be there already. Copies keep its promise (a debugging mode: the copy back is its cost).
             view = False
+        cap = max(1, self.bucket_bytes_cap)
+        first, rebuilt_first = first_bucket_caps(self.device.type, dist.get_world_size(self.process_group), cap, self.small_first_bucket)
         reducer = Reducer(
             [p for _, p in named],
             [n for n, _ in named],
             self.process_group,
-            bucket_cap_bytes=max(1, self.bucket_bytes_cap),
-            first_bucket_bytes=DEFAULT_FIRST_BUCKET_BYTES,
+            bucket_cap_bytes=cap,
+            first_bucket_bytes=first,
+            rebuilt_first_bucket_bytes=rebuilt_first,
             gradient_as_bucket_view=view,
             bucket_caps_bytes=self._bucket_caps_bytes,
             find_unused_parameters=self.find_unused_parameters,
@@ -222,20 +228,6 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         if watch_for_hangs(self.process_group, getattr(self, "hang_timeout_s", None)):
             reducer.observer = attach(reducer.observer, observer_for(reducer))  # the watchdog reads its progress
         return reducer
-
-    @property
-    def broadcast_buffers(self) -> bool:
-        """The old name of ``forward_sync_buffers`` (torch 2.13 keeps it as this property)."""
-        return self.forward_sync_buffers
-
-    @broadcast_buffers.setter
-    def broadcast_buffers(self, value: bool) -> None:
-        self.forward_sync_buffers = value
-
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
-        """As torch's: name parameters and buffers that DDP must neither synchronise nor reduce."""
-        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
 
     # ----------------------------------------------------------------- pickling
     def __getstate__(self) -> dict:
