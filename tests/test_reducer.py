@@ -270,8 +270,45 @@ def _first_bucket(rank, world_size):
     return out
 
 
+def _join_with_status_exchange(rank, world_size):
+    """Uneven inputs under join where every backward also exchanges a status all-reduce (a comm hook,
+    find_unused_parameters) and the NaN check's: the joined rank must shadow them in the training ranks' order."""
+    import lockstep
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import torch.distributed as dist
+
+    out, issued, real = {}, [], dist.all_reduce
+
+    def recording(tensor, *args, **kwargs):  # the real collective, noted: (dtype, numel) in issue order
+        issued.append((str(tensor.dtype), tensor.numel()))
+        return real(tensor, *args, **kwargs)
+
+    for name, kw, hook in (("fp16", {}, default_hooks.fp16_compress_hook), ("unused", {"find_unused_parameters": True}, None)):
+        finals = []
+        for make in (lambda m: lockstep.DistributedDataParallel(m, detect_nonfinite=True, **kw),
+                     lambda m: nn.parallel.DistributedDataParallel(m, **kw)):
+            dist.all_reduce = recording if not finals else real  # lockstep's run only
+            torch.manual_seed(3)
+            model = make(_big_mlp())
+            if hook is not None:
+                model.register_comm_hook(None, hook)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            gen = torch.Generator().manual_seed(rank)
+            with model.join():
+                for _ in range(2 + 2 * rank):
+                    opt.zero_grad()
+                    F.cross_entropy(model(torch.randn(4, 256, generator=gen)), torch.randint(0, 10, (4,), generator=gen)).backward()
+                    opt.step()
+            finals.append([p.detach().clone() for p in model.parameters()])
+        dist.all_reduce = real
+        out[name] = (max((a - b).abs().max().item() for a, b in zip(*finals)), list(issued))
+        issued.clear()
+    return out
+
+
 def _all_cases(rank, world_size):
-    return {"first_bucket": _first_bucket(rank, world_size), "overlap": _overlap(rank, world_size), "hook_overlap": _hook_overlap(rank, world_size),
+    return {"join_status": _join_with_status_exchange(rank, world_size), "first_bucket": _first_bucket(rank, world_size), "overlap": _overlap(rank, world_size), "hook_overlap": _hook_overlap(rank, world_size),
             "rebuild": _rebuild(rank, world_size), "auto": _auto(rank, world_size),
             "bad": _bad_input(rank, world_size), "compat": _compat(rank, world_size)}
 
@@ -396,6 +433,16 @@ def test_first_bucket_after_the_rebuild_is_rank_0s_choice(results):
             assert initial == torch_layout
             assert (rebuilt, first) == (want_layout, want_first), rank0_small
             assert diff == 0.0  # bit-identical to torch's DDP whatever the buckets
+
+
+def test_join_shadows_the_status_exchange_in_order(results):
+    # A comm hook's flag and find_unused_parameters' bitmap are launched right behind the buckets, before the
+    # NaN check's all-reduce; the joined rank's shadow issues them in that order too, and training matches torch's.
+    for name in ("fp16", "unused"):
+        (diff0, issued0), (diff1, issued1) = (results[rank]["join_status"][name] for rank in range(2))
+        assert diff0 == diff1 == 0.0, name
+        assert issued0 == issued1, (name, issued0, issued1)  # the joined rank 0 issued what rank 1 did, in order
+        assert ("torch.int32", 1) in issued1 if name == "fp16" else len(issued1) > 4, issued1
 
 
 def test_rebuild_follows_observed_order(results):

@@ -104,11 +104,14 @@ def shadow_backward(reducer: Any) -> None:
     for bucket in reducer.buckets:
         bucket.buffer.zero_()
     reducer._order.drain()
+    hooked, usage = reducer.comm_hook is not None, reducer.usage
+    # Where a training rank launches its status exchange right behind the buckets (``_finalize_backward``), so here.
+    launched = None if reducer._hook_one_in_flight() else usage.launch_status([], hooked, reducer.buckets[-1], reducer.process_group, joined=True)
     for bucket in reducer.buckets:
         bucket.work.wait()
     if reducer.nonfinite is not None:
-        reducer.nonfinite.after_wait(reducer.buckets, reducer.comm_hook is not None)  # a training rank's NaN ends here too
-    reducer.usage.exchange_status([], reducer.comm_hook is not None, reducer.buckets[-1], reducer.process_group, joined=True)
+        reducer.nonfinite.after_wait(reducer.buckets, hooked)  # a training rank's NaN ends here too
+    usage.exchange_status([], hooked, reducer.buckets[-1], reducer.process_group, joined=True, launched=launched)
     reducer._reset()
     reducer.rounds += 1
     # As after a real backward: the training ranks rebuild their buckets at their next forward (a

@@ -173,41 +173,55 @@ class UsageTracker:
         self._static_exchange_due = True
         return sorted(last_seen, key=last_seen.__getitem__)
 
-    def exchange_status(self, missing: list[int], comm_hook: bool, last_bucket: Bucket, group, joined: bool = False) -> Status:
+    def launch_status(self, missing: list[int], comm_hook: bool, last_bucket: Bucket, group, joined: bool = False) -> Any:
+        """Launch the all-reduce ``exchange_status`` reads, if this backward needs one; None if the flag
+        travelled in the last bucket. No side effect then, so ``exchange_status`` may call it again.
+
+        The reducer calls it as soon as every other collective of the backward is issued (before waiting
+        for the buckets), so the exchange queues behind them and its latency hides behind their waits.
+        """
+        need_bitmap = self.find_unused or self._static_exchange_due
+        if not (need_bitmap or comm_hook):
+            return None
+        if not need_bitmap:
+            # A comm hook's buckets carry no flag: one all-reduce of the flag alone, read as the last bucket's
+            # would be. Filled on the device (no host-to-device copy, which would synchronise the stream).
+            device = last_bucket.buffer.device if dist.get_backend(group) == "nccl" else "cpu"
+            status = torch.full((1,), int(bool(missing)), dtype=torch.int32, device=device)
+        else:
+            used = [False] * self.num_params if joined else [a or b for a, b in zip(self.used, self.used_in_window)]
+            status = torch.tensor([int(bool(missing))] + [int(u) for u in used], dtype=torch.int32)
+            if dist.get_backend(group) == "nccl":
+                status = status.to(last_bucket.buffer.device)
+        # Async and kept until the next backward, like the buckets' works (``ddp.lifetime``).
+        self.last_work = launch_clean(dist.all_reduce, status, group=group, async_op=True)
+        return status, need_bitmap
+
+    def exchange_status(self, missing: list[int], comm_hook: bool, last_bucket: Bucket, group, joined: bool = False,
+                        launched: Any = None) -> Status:
         """Agree across ranks on missing gradients and on which parameters any rank used.
 
         Costs nothing extra on the common path (the flag travelled in the last bucket; one host read,
         one backward late on CUDA: ``MissingFlag``); with a comm hook, one all-reduce of the flag, read
         the same way; with a usage bitmap, one all-reduce of ``1 + num_params`` int32 values, read at
         once (a host sync on CUDA: find_unused_parameters and static graph's first exchange).
+        ``launched``: what an earlier ``launch_status`` of this backward returned.
         """
-        need_bitmap = self.find_unused or self._static_exchange_due
-        if not (need_bitmap or comm_hook):
+        if launched is None:
+            launched = self.launch_status(missing, comm_hook, last_bucket, group, joined)
+        if launched is None:
             status = self.flag.read(last_bucket.buffer, missing)
             status.globally_used = self._static_globally_used
             return status
-        if not need_bitmap:
-            # A comm hook's buckets carry no flag: one all-reduce of the flag alone, read as the last bucket's
-            # would be. Filled on the device (no host-to-device copy, which would synchronise the stream).
-            device = last_bucket.buffer.device if dist.get_backend(group) == "nccl" else "cpu"
-            flag = torch.full((1,), int(bool(missing)), dtype=torch.int32, device=device)
-            self.last_work = launch_clean(dist.all_reduce, flag, group=group, async_op=True)  # kept: see below
-            self.last_work.wait()
-            status = self.flag.read(flag, missing)
+        tensor, bitmap = launched
+        self.last_work.wait()
+        if not bitmap:
+            status = self.flag.read(tensor, missing)
             status.globally_used = self._static_globally_used
             return status
-        used = [False] * self.num_params
-        if need_bitmap and not joined:
-            used = [a or b for a, b in zip(self.used, self.used_in_window)]
-        status = torch.tensor([int(bool(missing))] + ([int(u) for u in used] if need_bitmap else []), dtype=torch.int32)
-        if dist.get_backend(group) == "nccl":
-            status = status.to(last_bucket.buffer.device)
-        # Async and kept until the next backward, like the buckets' works (``ddp.lifetime``).
-        self.last_work = launch_clean(dist.all_reduce, status, group=group, async_op=True)
-        self.last_work.wait()
-        values = status.tolist()
+        values = tensor.tolist()
         self.used_in_window = [False] * self.num_params
-        globally_used = [v > 0 for v in values[1:]] if need_bitmap else self._static_globally_used
+        globally_used = [v > 0 for v in values[1:]]
         if self._static_exchange_due:
             self._static_exchange_due = False
             self._static_globally_used = globally_used
