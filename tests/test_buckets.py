@@ -152,7 +152,7 @@ def test_first_bucket_caps(monkeypatch):
 
     cap = 25 * MIB
     assert first_bucket_caps("cpu", 2, cap, small=True) == (MIB, MIB)
-    assert first_bucket_caps("cpu", 2, cap, small=False) == (MIB, cap)  # the first step is torch's whatever the wish
+    assert first_bucket_caps("cpu", 2, cap, small=False) == (MIB, cap)  # the first step keeps 1 MiB whatever the wish
     assert first_bucket_caps("cuda", 2, cap) == (MIB, MIB)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")  # more ranks here than cores: nothing spare
     assert first_bucket_caps("cpu", 64, cap) == (MIB, cap)

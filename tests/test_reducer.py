@@ -424,7 +424,7 @@ def test_auto_bucket_cap_bad_input(results):
 
 
 def test_first_bucket_after_the_rebuild_is_rank_0s_choice(results):
-    # The first step has torch's 1 MiB first bucket on every rank (each builds it alone); the rebuild takes
+    # The first step has the 1 MiB first bucket on every rank (each builds it alone); the rebuild takes
     # rank 0's wish (``small_first_bucket``), so the layouts agree even where the ranks judge differently.
     torch_layout = [list(range(15, 7, -1)), list(range(7, -1, -1))]  # reverse order; 4 layers fill 1 MiB
     for rank0_small, want_first, want_layout in ((False, 25 << 20, [list(range(15, -1, -1))]), (True, 1 << 20, torch_layout)):

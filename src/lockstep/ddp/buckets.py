@@ -52,7 +52,7 @@ def local_ranks_from_env(world_size: int, env: dict | None = None) -> int:
 def first_bucket_caps(device_type: str, world_size: int, bucket_cap_bytes: int, small: bool | None = None) -> tuple[int, int]:
     """The first bucket's cap for the first iteration, and this rank's wish for the rebuilt layout.
 
-    The first iteration keeps torch's (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB, read
+    The first iteration keeps the small one (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB, read
     as torch's DDP reads it): every rank builds it alone, so it must not depend on the machine. The
     rebuild takes rank 0's wish (``Reducer.rebuild_buckets``): the same small first bucket where
     ``small`` (None: ``small_first_bucket_pays`` here; a script that changed torch's constant keeps
