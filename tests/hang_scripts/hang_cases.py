@@ -57,6 +57,9 @@ def main():
     timeout = {} if sys.argv[2] == "env" else {"hang_timeout_s": float(sys.argv[2])}
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01, **timeout)  # 3 buckets: [head, c], [b], [a]
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    # Every rank ready before step 1: the test starts 16 ranks at once on two cores, and a rank still finishing
+    # its construction 6 s after rank 0 began step 1 was once reported, rightly, as stuck before step 1.
+    dist.barrier()
     steps = STEPS - 1 if CASE == "fewer" and rank == BAD_RANK else STEPS
     for step in range(1, steps + 1):
         bad = rank == BAD_RANK and step == BAD_STEP
