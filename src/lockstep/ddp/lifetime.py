@@ -57,6 +57,23 @@ def bury(works: Iterable[Any], graveyard: "collections.deque" = _GRAVEYARD, cloc
         graveyard.append((now, kept))
 
 
+def release_works(state: dict, keep: bool, clear: bool = True) -> None:
+    """A reducer's works (its buckets', its status and NaN-check exchanges') from its ``__dict__``: buried
+    where ``keep``, and unset on the reducer where ``clear``. Read from the dict because a reducer that failed
+    in ``__init__`` may lack any of them, and ``__del__`` must not raise."""
+    holders = [state.get(k) for k in ("usage", "nonfinite")]
+    buckets = state.get("buckets", ())
+    works = [b.work for b in buckets] + [getattr(h, "last_work", None) for h in holders]
+    if keep:
+        bury(works)
+    if clear:
+        for bucket in buckets:
+            bucket.work = None
+        for holder in holders:
+            if holder is not None:
+                holder.last_work = None
+
+
 def remove_handles(handles: list) -> None:
     for handle in handles:
         handle.remove()

@@ -37,7 +37,7 @@ from lockstep.ddp.copy_in import COPY, VIEW, GradIntake, grad_mode
 from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.grad_hook import fast_table, make_hook
 from lockstep.ddp.launch_order import LaunchOrder
-from lockstep.ddp.lifetime import bury, register_for_exit, remove_handles
+from lockstep.ddp.lifetime import register_for_exit, release_works, remove_handles
 from lockstep.ddp.observe import StepObserver
 from lockstep.ddp.optim_in_backward import step_optimizers_in_backward
 from lockstep.ddp.reducer_state import Bucket, UsageTracker, raise_missing_gradients
@@ -384,17 +384,9 @@ class Reducer(GradIntake, ReducerSurface):
     def release_works(self, keep: bool = True) -> None:
         """Let go of the last backward's works: ``keep`` (at exit) hands them to the graveyard; otherwise (the
         start of every backward, a rebuild) they are dropped, as torch's DDP drops its own (``lifetime``)."""
-        works = [bucket.work for bucket in self.buckets] + [self.usage.last_work, getattr(self.nonfinite, "last_work", None)]
-        if keep:
-            bury(works)
-        for bucket in self.buckets:
-            bucket.work = None
-        self.usage.last_work = None
-        if self.nonfinite is not None:
-            self.nonfinite.last_work = None
+        release_works(self.__dict__, keep)
 
-    def __del__(self, _bury=bury) -> None:
+    def __del__(self, _release=release_works) -> None:
         # A dropped DDP object, or finalisation's collection: its works must not be freed here (``lifetime``).
-        state = self.__dict__  # a reducer that failed in __init__ may lack either
-        _bury([b.work for b in state.get("buckets", ())] + [getattr(state.get(k), "last_work", None) for k in ("usage", "nonfinite")])
+        _release(self.__dict__, keep=True, clear=False)
 
