@@ -18,15 +18,15 @@ chunk too large for one collective: the broadcast is waited for before the forwa
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import sys
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _NormBase
 
 from lockstep.ddp.replicas import BROADCAST_CHUNK_BYTES, broadcast_coalesced, is_syncable, pack_bytes, unpack_bytes
+
 
 class PendingBuffers:
     """A buffer broadcast in flight: waited for (and unpacked) before the first owning layer runs, or at ``finish``."""
@@ -97,4 +97,3 @@ def sync_buffers(
             return PendingBuffers(work, flat, tensors, dist.get_rank() != src_global, owners)
     broadcast_coalesced(tensors, group, src_rank)
     return None
-

@@ -54,8 +54,8 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         broadcast_buffers: superseded by ``forward_sync_buffers`` (passing it warns, FutureWarning).
         init_sync: check the model across ranks and broadcast rank 0's state at construction.
         process_group: the group to average over (default: the default group).
-        bucket_cap_mb: bucket size in MiB (default 25); the first bucket is 1 MiB in the first step, as torch's,
-            and after the rebuild only where its early all-reduce can overlap backward (a GPU, or a CPU core the
+        bucket_cap_mb: bucket size in MiB (default 25); the first bucket is 1 MiB in the first step and,
+            after the rebuild, only where its early all-reduce can overlap backward (a GPU, or a CPU core the
             ranks' threads leave free; else it has the full cap: class attribute ``small_first_bucket``). ``"auto"`` (or a
             ``lockstep.ddp.autotune.AutoBucketCap``) tries 1, 4, 25, 100 MiB and one bucket over the first
             ~20 steps and keeps the fastest by rank 0's step times (not in torch; see ``autotune``).
