@@ -82,3 +82,21 @@ def test_the_graveyard_lets_go_only_of_works_older_than_the_safe_age():
     now[0] = 105.5
     bury([], graveyard, clock, safe_after_s=5.0)  # nothing new: still prunes
     assert [works for _, works in graveyard] == [["c"]]
+
+
+def test_a_dropped_reducer_hands_its_works_to_the_graveyard():
+    # Reducer.__del__ runs where no exception can surface (an "Exception ignored" line at most), so a broken
+    # one goes unseen while the works it should keep are freed wherever the last reference drops.
+    import types
+
+    from lockstep.ddp import lifetime
+    from lockstep.ddp.reducer import Reducer
+
+    work, status_work = object(), object()  # stand for dist.Work objects
+    fake = types.SimpleNamespace(buckets=[types.SimpleNamespace(work=work)], usage=types.SimpleNamespace(last_work=status_work))
+    Reducer.__del__(fake)
+    kept = [w for _, works in lifetime._GRAVEYARD for w in works]
+    assert work in kept and status_work in kept
+    assert fake.buckets[0].work is work  # not unset: finalisation may still be reading the reducer
+    Reducer.release_works(fake, keep=False)  # a new backward's start: dropped and unset
+    assert fake.buckets[0].work is None and fake.usage.last_work is None

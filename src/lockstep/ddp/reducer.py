@@ -37,7 +37,8 @@ from lockstep.ddp.copy_in import COPY, VIEW, GradIntake, grad_mode
 from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.grad_hook import fast_table, make_hook
 from lockstep.ddp.launch_order import LaunchOrder
-from lockstep.ddp.lifetime import register_for_exit, release_works, remove_handles
+from lockstep.ddp.lifetime import register_for_exit, remove_handles
+from lockstep.ddp.lifetime import release_works as release_reducer_works
 from lockstep.ddp.observe import StepObserver
 from lockstep.ddp.optim_in_backward import step_optimizers_in_backward
 from lockstep.ddp.reducer_state import Bucket, UsageTracker, raise_missing_gradients
@@ -384,9 +385,9 @@ class Reducer(GradIntake, ReducerSurface):
     def release_works(self, keep: bool = True) -> None:
         """Let go of the last backward's works: ``keep`` (at exit) hands them to the graveyard; otherwise (the
         start of every backward, a rebuild) they are dropped, as torch's DDP drops its own (``lifetime``)."""
-        release_works(self.__dict__, keep)
+        release_reducer_works(self.__dict__, keep)
 
-    def __del__(self, _release=release_works) -> None:
+    def __del__(self, _release=release_reducer_works) -> None:  # bound here: module globals may be gone at exit
         # A dropped DDP object, or finalisation's collection: its works must not be freed here (``lifetime``).
         _release(self.__dict__, keep=True, clear=False)
 
