@@ -78,7 +78,9 @@ def _hook_overlap(rank, world_size):
             self.reducer, self.counts = reducer, []
 
         def bucket_launch(self, bucket_index, numel, seq):
-            self.counts.append(sum(not b.work.done() for b in self.reducer.buckets[:bucket_index]))
+            # A called hook's work is its Future; a fused one's (``fused_compress``) the all-reduce's dist.Work.
+            done = [b.work.done() if hasattr(b.work, "done") else b.work.is_completed() for b in self.reducer.buckets[:bucket_index]]
+            self.counts.append(done.count(False))
 
     def unknown(state, bucket):  # torch's all-reduce hook behind a wrapper the reducer cannot know
         return default_hooks.allreduce_hook(state, bucket)

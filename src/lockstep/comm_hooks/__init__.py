@@ -27,12 +27,18 @@ same order on every rank: ours do so from the hook call itself, never from a
 Future callback, whose timing differs between ranks. They say so
 (``collectives_up_front``; the stages pass it on from their inner hook), and DDP
 then keeps every bucket in flight, overlapping backward; for an undeclared hook
-it keeps one bucket in flight at a time, which is safe for any hook.
+it keeps one bucket in flight at a time, which is safe for any hook. A hook that
+only averages a half-precision copy of the bucket may say so too
+(``averages_in(dtype, hook)``; ``fp16_compress_hook`` and ``bf16_compress_hook``
+do, and torch's two compress hooks are recognised): lockstep's DDP then runs that
+average itself, with the same bits and less work (``lockstep.ddp.fused_compress``).
 """
 
 # No `from __future__ import annotations` in this package: torch's DDP compares a hook's annotations
 # with dist.GradBucket and Future[torch.Tensor] by value, and a postponed annotation is a string.
-from lockstep.comm_hooks.base import BucketLike, Future, Hook, Stage, collectives_up_front, issues_collectives_up_front
+from lockstep.comm_hooks.base import (
+    BucketLike, Future, Hook, Stage, averages_in, collectives_up_front, compressed_average_dtype, issues_collectives_up_front,
+)
 from lockstep.comm_hooks.powersgd import PowerSGDState, powersgd_hook
 from lockstep.comm_hooks.stages import (
     ErrorFeedback,
@@ -46,7 +52,7 @@ from lockstep.comm_hooks.stages import (
 )
 
 __all__ = [
-    "BucketLike", "ErrorFeedback", "Future", "Hook", "PowerSGDState", "Stage", "allreduce_hook",
-    "bf16_compress", "bf16_compress_hook", "chain", "collectives_up_front", "fp16_compress", "fp16_compress_hook",
+    "BucketLike", "ErrorFeedback", "Future", "Hook", "PowerSGDState", "Stage", "allreduce_hook", "averages_in",
+    "bf16_compress", "bf16_compress_hook", "chain", "collectives_up_front", "compressed_average_dtype", "fp16_compress", "fp16_compress_hook",
     "issues_collectives_up_front", "powersgd_hook", "stage",
 ]

@@ -69,6 +69,37 @@ def issues_collectives_up_front(hook: Any) -> bool:
         return False
 
 
+# ----------------------------------------------------------------- compressed averages
+_AVERAGES_IN = "_lockstep_averages_in"
+
+
+def averages_in(dtype: torch.dtype, hook: Hook) -> Hook:
+    """Declare that ``hook`` averages a ``dtype`` copy of the bucket over ``group_of(state)`` and nothing else:
+    cast, divide by the group's size, sum, cast back (torch's fp16/bf16 compress hooks, bit for bit).
+
+    DDP may then run that average itself instead of calling the hook (``lockstep.ddp.fused_compress``),
+    with the same result. Returns ``hook``.
+    """
+    setattr(hook, _AVERAGES_IN, dtype)
+    return hook
+
+
+def compressed_average_dtype(hook: Any) -> torch.dtype | None:
+    """The dtype ``hook`` averages a copy of the bucket in (``averages_in``; torch's fp16/bf16 compress hooks), else None."""
+    dtype = getattr(hook, _AVERAGES_IN, None)
+    if dtype is not None:
+        return dtype
+    try:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    except ImportError:  # pragma: no cover - a torch without ddp_comm_hooks
+        return None
+    if hook is default_hooks.fp16_compress_hook:
+        return torch.float16
+    if hook is default_hooks.bf16_compress_hook:
+        return torch.bfloat16
+    return None
+
+
 # ----------------------------------------------------------------- helpers
 def group_of(state: Any) -> dist.ProcessGroup | None:
     """The process group a hook's ``state`` names (``None`` means the default group)."""

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.comm_hooks.base import (
-    BucketLike, Future, Hook, Stage, average_async, collectives_up_front, completed, gradient_offsets, group_of,
+    BucketLike, Future, Hook, Stage, average_async, averages_in, collectives_up_front, completed, gradient_offsets, group_of,
     issues_collectives_up_front, tensor_of,
 )
 
@@ -175,9 +175,10 @@ bf16_compress.__doc__ = "Stage: the inner hook reduces a bf16 copy (fp32's range
 # The composed hooks keep the names chain gives them ("bf16_compress(allreduce_hook)"): torch's DDP
 # refuses a hook *named* bf16_compress_hook without NCCL, though gloo sums bf16 on CPU.
 #: Average an fp16 copy of the bucket: bitwise torch's ``default_hooks.fp16_compress_hook``.
-fp16_compress_hook: Hook = chain(fp16_compress, allreduce_hook)
+#: lockstep's DDP runs it without calling it (``lockstep.ddp.fused_compress``), with the same result.
+fp16_compress_hook: Hook = averages_in(torch.float16, chain(fp16_compress, allreduce_hook))
 #: Average a bf16 copy of the bucket: bitwise torch's ``default_hooks.bf16_compress_hook``.
-bf16_compress_hook: Hook = chain(bf16_compress, allreduce_hook)
+bf16_compress_hook: Hook = averages_in(torch.bfloat16, chain(bf16_compress, allreduce_hook))
 
 
 class ErrorFeedback:

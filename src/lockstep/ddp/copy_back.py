@@ -51,11 +51,12 @@ def copy_back(
                 grad.copy_(view)
 
 
-def wait_buckets(buckets: Sequence[Bucket], hooked: bool, observer: Any, copy_each: bool) -> float:
+def wait_buckets(buckets: Sequence[Bucket], hooked: bool, observer: Any, copy_each: bool, fused: Any = None) -> float:
     """Wait for every bucket in order; return the seconds spent waiting.
 
     ``hooked``: a comm hook's result is put into the bucket (or the direct gradient) where it is not
-    there already. ``copy_each`` (COPY mode's common path, what ``copy_back``'s fast path would do): each
+    there already. ``fused`` (``fused_compress``): the reducer ran the hook's average itself; its
+    result is cast back into the bucket, or on the ``copy_each`` path straight into the gradients. ``copy_each`` (COPY mode's common path, what ``copy_back``'s fast path would do): each
     bucket's averages go into its gradients right after its wait, as torch's reducer finalizes a bucket,
     so the copy runs while later buckets are still in flight instead of after the last one. If another
     rank then reports a missing gradient, the error comes with these gradients already averaged.
@@ -69,6 +70,9 @@ def wait_buckets(buckets: Sequence[Bucket], hooked: bool, observer: Any, copy_ea
         waited += time.perf_counter() - start
         if observer is not None:
             observer.wait_end(bucket.index, bucket.seq)
+        if fused is not None:
+            fused.finish(bucket, bucket is buckets[-1], copy_each)
+            continue
         if hooked:
             tensor = result[0] if isinstance(result, (list, tuple)) else result
             target = bucket.flat if bucket.direct is None else bucket.direct

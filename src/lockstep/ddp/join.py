@@ -104,13 +104,16 @@ def shadow_backward(reducer: Any) -> None:
     for bucket in reducer.buckets:
         bucket.buffer.zero_()
     reducer._order.drain()
-    hooked, usage = reducer.comm_hook is not None, reducer.usage
+    hooked, usage = reducer._flag_apart(), reducer.usage
     # Where a training rank launches its status exchange right behind the buckets (``_finalize_backward``), so here.
     launched = None if reducer._hook_one_in_flight() else usage.launch_status([], hooked, reducer.buckets[-1], reducer.process_group, joined=True)
+    fused = reducer._fused_now()
     for bucket in reducer.buckets:
         bucket.work.wait()
+    if fused is not None:  # the summed flag, cast back into the last bucket where the status read finds it
+        fused.finish(reducer.buckets[-1], True, False)
     if reducer.nonfinite is not None:
-        reducer.nonfinite.after_wait(reducer.buckets, hooked)  # a training rank's NaN ends here too
+        reducer.nonfinite.after_wait(reducer.buckets, reducer.comm_hook is not None)  # a training rank's NaN ends here too
     usage.exchange_status([], hooked, reducer.buckets[-1], reducer.process_group, joined=True, launched=launched)
     reducer._reset()
     reducer.rounds += 1

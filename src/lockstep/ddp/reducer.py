@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from lockstep.collectives.clean import all_reduce_sum_clean, launch_clean
-from lockstep.comm_hooks.base import issues_collectives_up_front
 from lockstep.ddp.autotune import AutoBucketCap, BucketTuner
 from lockstep.ddp.buckets import assign_buckets
 from lockstep.ddp.copy_back import copy_back, wait_buckets
 from lockstep.ddp.copy_in import COPY, VIEW, GradIntake, grad_mode
+from lockstep.ddp.fused_compress import FusedCompression, HookPaths
 from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.grad_hook import fast_table, make_hook
 from lockstep.ddp.launch_order import LaunchOrder
@@ -51,7 +51,7 @@ DEFAULT_DIRECT_MIN_BYTES = 4 * 1024 * 1024
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 
-class Reducer(GradIntake, ReducerSurface):
+class Reducer(GradIntake, HookPaths, ReducerSurface):
     """Bucketed gradient averaging for one replica's parameters.
 
     Args:
@@ -101,6 +101,7 @@ class Reducer(GradIntake, ReducerSurface):
         self.usage = UsageTracker(len(self.params), find_unused_parameters, static_graph)
         self.comm_hook: CommHook | None = None
         self.comm_hook_state: Any = None
+        self.fused: FusedCompression | None = None  # the hook's average, run here instead (``fused_compress``)
         self.expect_hooks = False  # set by a synchronised forward: other backwards' hooks do nothing
         self._callback_queued = False
         self._unused_at_start: list[int] = []
@@ -152,11 +153,6 @@ class Reducer(GradIntake, ReducerSurface):
                     if p.grad is not None:
                         view.copy_(p.grad)
                         p.grad = view
-
-    def _hook_one_in_flight(self) -> bool:
-        """A registered hook not known to issue its collectives up front: one of its buckets in flight at a time."""
-        hook = self.comm_hook
-        return hook is not None and not issues_collectives_up_front(hook)
 
     def bucket_layout(self) -> list[list[int]]:
         """Parameter indices (into ``params``) of each bucket, in launch order."""
@@ -278,9 +274,16 @@ class Reducer(GradIntake, ReducerSurface):
 
     def _issue(self, bucket: Bucket) -> None:  # the NaN check first, where it must see the local gradients
         divided = self.nonfinite is not None and self.nonfinite.check_bucket(bucket, self.divisor, self.comm_hook is not None)
+        last = bucket.index == len(self.buckets) - 1
+        self.direct_launches += bucket.direct is not None
+        if last:  # the spare element: every rank's flag is summed there (where no hook is called: ``_flag_apart``)
+            bucket.buffer[-1] = float(self._missing_flag)
+        fused = self._fused_now()
+        if fused is not None:
+            bucket.work = fused.launch(bucket, last, self.process_group)
+            return
         if self.comm_hook is not None:
             bucket.work = launch_clean(self.comm_hook, self.comm_hook_state, GradBucket(bucket, len(self.buckets)))
-            self.direct_launches += bucket.direct is not None
             if not isinstance(bucket.work, torch._C.Future):  # torch.futures.Future and the C++ futures of get_future()
                 raise TypeError(
                     f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} must return a "
@@ -291,12 +294,10 @@ class Reducer(GradIntake, ReducerSurface):
             bucket.flat.div_(self.divisor)  # one pass per bucket instead of one call per parameter
         if bucket.direct is not None:  # the gradient itself (``copy_in``; never the last bucket)
             tensor = bucket.direct
-            self.direct_launches += 1
-        elif bucket.index == len(self.buckets) - 1:
-            tensor = bucket.buffer  # with its spare element: every rank's flag is summed there
-            bucket.buffer[-1] = float(self._missing_flag)
+        elif last:
+            tensor = bucket.buffer  # with its spare element, and the non-finite count scaled apart from the flag
             if self.nonfinite is not None:
-                self.nonfinite.add_flag(bucket.buffer)  # and its non-finite count, scaled apart from the flag
+                self.nonfinite.add_flag(bucket.buffer)
         else:
             tensor = bucket.flat  # the gradients only, as a direct bucket sends on a rank that went direct
         bucket.work = all_reduce_sum_clean(tensor, self.process_group)
@@ -334,14 +335,14 @@ class Reducer(GradIntake, ReducerSurface):
             self._order.drain()
             # Every collective of this backward is issued unless a hook issues some from its callbacks: the status
             # exchange (comm hook, find_unused_parameters) queues behind them and hides behind their waits.
-            launched = None if self._hook_one_in_flight() else self.usage.launch_status(missing, self.comm_hook is not None, self.buckets[-1], self.process_group)
+            launched = None if self._hook_one_in_flight() else self.usage.launch_status(missing, self._flag_apart(), self.buckets[-1], self.process_group)
             fast = not (self.gradient_as_bucket_view or self._graph_grads or self._missing_flag or self._fixups)
             # Torch's order on the common path: each bucket copied back as soon as its wait returns, so the copy
             # overlaps the buckets still in flight. Not where the non-finite check reads the local gradients after
             # the waits, nor where unused parameters must keep their .grad (``copy_back``).
             early = fast and self.grad_mode == COPY and not self.usage.active and self.nonfinite is None
             observer = self.observer
-            self.comm_wait_s += wait_buckets(self.buckets, self.comm_hook is not None, observer, early)
+            self.comm_wait_s += wait_buckets(self.buckets, self.comm_hook is not None, observer, early, self._fused_now())
             if self.post_backward_futures:
                 start = time.perf_counter()
                 futures, self.post_backward_futures = self.post_backward_futures, []
@@ -350,7 +351,7 @@ class Reducer(GradIntake, ReducerSurface):
                 self.comm_wait_s += time.perf_counter() - start
             if self.nonfinite is not None:
                 self.nonfinite.after_wait(self.buckets, self.comm_hook is not None)  # raises on every rank alike
-            status = self.usage.exchange_status(missing, self.comm_hook is not None, self.buckets[-1], self.process_group, launched=launched)
+            status = self.usage.exchange_status(missing, self._flag_apart(), self.buckets[-1], self.process_group, launched=launched)
             if status.any_missing:
                 raise_missing_gradients(status.missing, self.names, self.process_group, self.usage.static_graph, status.late)
             if not early:

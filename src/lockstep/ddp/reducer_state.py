@@ -24,7 +24,8 @@ class Bucket:
     """Runtime state of one bucket: a flat buffer (+1 spare element, which the last bucket sends with the status
     flags), views, in-flight work."""
 
-    __slots__ = ("index", "plan", "buffer", "flat", "views", "params", "grads", "seen", "work", "seq", "direct")
+    __slots__ = ("index", "plan", "buffer", "flat", "views", "params", "grads", "seen", "work", "seq", "direct",
+                 "compressed", "compressed_views")
 
     def __init__(self, index: int, plan: BucketPlan, params: Sequence[torch.nn.Parameter]):
         self.index = index
@@ -45,6 +46,8 @@ class Bucket:
         # A direct bucket's gradient, all-reduced in place this backward (a detached alias of param.grad,
         # ``copy_in``), else None. Its work holds it until the next backward drops the work.
         self.direct: torch.Tensor | None = None
+        self.compressed: torch.Tensor | None = None  # ``fused_compress``: the bucket cast for the wire, kept
+        self.compressed_views: list[torch.Tensor] = []
         self.reset()
 
     def reset(self) -> None:

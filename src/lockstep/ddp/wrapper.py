@@ -22,6 +22,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from lockstep.ddp.buckets import MIB, first_bucket_caps
 from lockstep.ddp import diagnose
 from lockstep.ddp.autotune import resolve_auto
+from lockstep.ddp.fused_compress import fused_compression
 from lockstep.ddp.observe import attach
 from lockstep.diagnostics.progress import observer_for
 from lockstep.diagnostics.watchdog import FROM_ENV, resolve_hang_timeout, watch_for_hangs
@@ -336,7 +337,9 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` instead of the all-reduce average.
 
         As in torch, the bucket buffer given to the hook holds the local gradients (not divided by
-        the world size) and one hook may be registered, before the first backward.
+        the world size) and one hook may be registered, before the first backward. Unlike torch, the
+        fp16/bf16 compress hooks (torch's and lockstep's) on this model's group are not called: the
+        reducer runs their average itself, with the same bits (``lockstep.ddp.fused_compress``).
         """
         if not callable(hook):
             raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
@@ -345,6 +348,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         if self.reducer.num_syncs > 0:
             raise RuntimeError("register_comm_hook must be called before the first backward")
         self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
+        self.reducer.fused = fused_compression(hook, state, self.process_group)  # torch's and lockstep's fp16/bf16 hooks
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False) -> Join:
         """Context manager for uneven inputs: ranks out of data shadow the others' collectives (see ``lockstep.ddp.join``).
