@@ -18,6 +18,9 @@ Ranks on gloo, ``--threads`` intra-op threads each. Contenders (``--contenders``
     lockstep_nonfinite  lockstep_25 with detect_nonfinite=True, off by default: the NaN check's cost, paired
     lockstep_nodirect   lockstep_25 without direct buckets (every gradient copied in and back, as torch's),
                    off by default: what direct buckets save
+    lockstep_fp16_called  lockstep's DDP with chain(fp16_compress, allreduce_hook): lockstep_fp16's arithmetic,
+                   not declared, so the hook is called instead of run by the reducer (``ddp/fused_compress``),
+                   off by default: beside lockstep_fp16 it shows what the fused path saves
 
 Every iteration runs one training step of each contender, in a rotating order (none always
 goes first), each after a barrier; rank 0's wall time per step is recorded. Timed iterations
@@ -86,13 +89,13 @@ MODELS = {
     "transformer": (Transformer, lambda g: (torch.randint(0, 1000, (16, 32), generator=g), torch.randint(0, 10, (16,), generator=g))),
 }
 CONTENDERS = ("compute", "torch", "torch_fp16", "lockstep_25", "lockstep_auto", "lockstep_fp16", "naive", "lockstep_alias",
-              "lockstep_nonfinite", "lockstep_nodirect", "floor")
+              "lockstep_nonfinite", "lockstep_nodirect", "lockstep_fp16_called", "floor")
 DEFAULT_CONTENDERS = CONTENDERS[:6] + ("floor",)
 # (numerator, denominator) pairs reported; the issue's targets are auto and 25 MB vs torch, fp16 vs torch's fp16.
 RATIOS = (("lockstep_25", "torch"), ("lockstep_auto", "torch"), ("lockstep_fp16", "torch_fp16"), ("torch", "compute"),
           ("lockstep_alias", "torch"), ("lockstep_alias", "lockstep_25"), ("lockstep_nonfinite", "lockstep_25"),
           ("lockstep_nodirect", "torch"), ("lockstep_25", "lockstep_nodirect"), ("floor", "torch"), ("lockstep_auto", "floor"),
-          ("lockstep_25", "floor"))
+          ("lockstep_25", "floor"), ("lockstep_fp16_called", "torch_fp16"), ("lockstep_fp16", "lockstep_fp16_called"))
 
 
 def _build(name: str, build):
@@ -122,6 +125,9 @@ def _build(name: str, build):
                 detect_nonfinite=name == "lockstep_nonfinite")
     if name == "lockstep_fp16":
         model.register_comm_hook(None, lockstep.comm_hooks.fp16_compress_hook)
+    if name == "lockstep_fp16_called":
+        hooks = lockstep.comm_hooks
+        model.register_comm_hook(None, hooks.chain(hooks.fp16_compress, hooks.allreduce_hook))
     return model
 
 
