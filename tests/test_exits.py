@@ -69,14 +69,17 @@ def _one(launcher: str, ending: str, i: int, retry: bool = True) -> str | None:
         proc = subprocess.run(_command(launcher, ending), capture_output=True, text=True, timeout=180, env=env,
                               cwd=workdir, preexec_fn=_allow_core_dumps)
         trained = proc.stdout.count("trained") if not ending.startswith("quick") else 2
-        if proc.returncode != 0 or trained != 2:
+        # An exception swallowed on the way out (a __del__, an atexit hook) exits 0 but left something undone.
+        swallowed = "Exception ignored" in proc.stderr
+        if proc.returncode != 0 or trained != 2 or swallowed:
             output = proc.stdout + proc.stderr
             if retry and JOBS > 1 and "address already in use" in output.lower():
                 # Two jobs side by side: torch's agent picks a free port by binding port 0 and closing it,
                 # so a neighbour may take it first. A start-up race of the test, not an exit: run again.
                 return _one(launcher, ending, i, retry=False)
             tail = output.strip().splitlines()[-12:]
-            aborts = [line for line in output.splitlines() if "terminate called" in line or "Fatal Python" in line]
+            aborts = [line for line in output.splitlines()
+                      if "terminate called" in line or "Fatal Python" in line or "Exception ignored" in line]
             return (f"run {i}: exit {proc.returncode}, {trained} ranks trained: " + " | ".join(aborts + tail)
                     + _backtraces(workdir))
     return None
