@@ -4,7 +4,7 @@ One group of 2 gloo ranks runs every case. The evidence:
 
 * parity: 5 SGD steps with torch's and lockstep's fp16/bf16 hooks on lockstep's DDP give the bits of
   torch's DDP with the same hook, with copied gradients (a direct bucket among them), with
-  ``gradient_as_bucket_view=True``, with ``find_unused_parameters``, and under ``join`` with uneven inputs;
+  ``gradient_as_bucket_view=True`` and lockstep's ``None``, with ``find_unused_parameters``, and under ``join`` with uneven inputs;
 * the path: a declared hook is never called; no all-reduce of the missing-gradient flag is issued
   (the undeclared hook with the same arithmetic issues one per backward); a hook given another
   group is called, not fused;
@@ -74,13 +74,13 @@ def _all_cases(rank: int, world_size: int) -> dict:
 
     # Parity with torch's DDP. torch's DDP refuses its own bf16 hook without NCCL (by name): lockstep's bf16
     # hook on torch's DDP is the reference there (bitwise torch's, test_comm_hooks).
-    for view in (False, True):
+    for view in (False, True, None):  # None: lockstep's .grad in the buckets, torch's default values
         for name, hook, reference in (("fp16", fp16_compress_hook, default_hooks.fp16_compress_hook),
                                       ("torch_fp16", default_hooks.fp16_compress_hook, default_hooks.fp16_compress_hook),
                                       ("bf16", bf16_compress_hook, bf16_compress_hook),
                                       ("torch_bf16", default_hooks.bf16_compress_hook, bf16_compress_hook)):
             model, mine = _train(ours(gradient_as_bucket_view=view), hook, rank=rank)
-            _, theirs = _train(torchs(gradient_as_bucket_view=view), reference, rank=rank)
+            _, theirs = _train(torchs(gradient_as_bucket_view=bool(view)), reference, rank=rank)
             out[f"parity/{name}/view={view}"] = {
                 "max_diff": (mine - theirs).abs().max().item(),
                 "fused": model.reducer.fused is not None,
@@ -146,12 +146,12 @@ def results():
 def test_fused_hooks_equal_torchs_ddp_bit_for_bit(results):
     for rank in range(2):
         cases = {k: v for k, v in results[rank].items() if k.startswith("parity/")}
-        assert len(cases) == 8
+        assert len(cases) == 12
         for name, case in cases.items():
             assert case["max_diff"] == 0.0, (rank, name, case)
             assert case["fused"], (rank, name)
             assert case["compressed"] == ("torch.float16" if "fp16" in name else "torch.bfloat16"), (name, case)
-        # The 4.3 MiB weight went direct with copied gradients (5 steps each), never with bucket views.
+        # The 4.3 MiB weight went direct with copied gradients (5 steps each), never with .grad in the buckets.
         for name, case in cases.items():
             assert (case["direct"] == STEPS) if name.endswith("view=False") else case["direct"] == 0, (name, case)
 
