@@ -25,7 +25,8 @@ def _run(cmd: list[str], env: dict[str, str], timeout: int = 400) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
-def _assert_identical(a: Path, b: Path) -> None:
+def _assert_identical(a: Path, b: Path) -> dict:
+    """Torch's run ``a`` and lockstep's ``b``: the same final state, bit for bit; returns lockstep's report."""
     sa, sb = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
     ra, rb = sa.pop("__report__"), sb.pop("__report__")
     assert "lockstep" in str(rb["class"]) and "lockstep" not in str(ra["class"])
@@ -34,6 +35,7 @@ def _assert_identical(a: Path, b: Path) -> None:
     assert all(flags.values()) and flags == {k: v for k, v in ra.items() if isinstance(v, bool)}, (ra, rb)
     assert sorted(sa) == sorted(sb)
     assert [k for k in sa if not torch.equal(sa[k], sb[k])] == []
+    return rb
 
 
 # Loads every checkpoint file in a process where ``import lockstep`` fails: a pickled lockstep class
@@ -59,16 +61,20 @@ def _loads_without_lockstep(directory: Path) -> None:
     assert proc.returncode == 0 and "files loaded" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("env_hook", [False, True], ids=["use_as_torch_ddp", "env_var"])
-def test_accelerate_bit_identical(tmp_path, env_hook):
+@pytest.mark.parametrize("env_hook, comm_hook", [(False, "no"), (True, "no"), (False, "fp16")],
+                         ids=["use_as_torch_ddp", "env_var", "fp16_comm_hook"])
+def test_accelerate_bit_identical(tmp_path, env_hook, comm_hook):
     pytest.importorskip("accelerate")
     launch = [PY, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
               "--mixed_precision", "no", "--dynamo_backend", "no", "accelerate_run.py"]
     for impl in ("torch", "lockstep"):
         extra = {"LOCKSTEP_AS_TORCH_DDP": "1"} if env_hook and impl == "lockstep" else {}
-        # JOIN=1: uneven inputs under Join, BatchNorm buffers included in the comparison
-        _run(launch, {"IMPL": impl, "JOIN": "1", "OUT": str(tmp_path / f"{impl}.pt"), "CKPT_DIR": str(tmp_path / impl), **extra})
-    _assert_identical(tmp_path / "torch.pt", tmp_path / "lockstep.pt")
+        # JOIN=1: uneven inputs under Join, BatchNorm buffers included in the comparison. COMM_HOOK=fp16:
+        # accelerate registers torch's fp16_compress_hook, which lockstep's reducer runs itself (ddp/fused_compress).
+        _run(launch, {"IMPL": impl, "JOIN": "1", "COMM_HOOK": comm_hook, "OUT": str(tmp_path / f"{impl}.pt"),
+                      "CKPT_DIR": str(tmp_path / impl), **extra})
+    report = _assert_identical(tmp_path / "torch.pt", tmp_path / "lockstep.pt")
+    assert report["hook_path"] == ("fused" if comm_hook == "fp16" else "none"), report
     _loads_without_lockstep(tmp_path / "lockstep")
 
 

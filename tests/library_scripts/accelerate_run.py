@@ -133,7 +133,12 @@ def main() -> None:
     for part in gather_object([mine]):
         final.update(part)
     if acc.is_main_process:
-        report = {"class": cls, "resumed_equal": resumed_equal, "saved_keys_ok": saved_keys_ok, "prefix_ok": prefix_ok}
+        reducer = getattr(model, "reducer", None)
+        # How lockstep's reducer runs the registered hook: "fused" (run by the reducer itself), "called", "none".
+        hook_path = ("none" if getattr(reducer, "comm_hook", None) is None
+                     else "fused" if getattr(reducer, "fused", None) is not None else "called")
+        report = {"class": cls, "resumed_equal": resumed_equal, "saved_keys_ok": saved_keys_ok, "prefix_ok": prefix_ok,
+                  "hook_path": hook_path}
         print("REPORT", report, flush=True)
         save_result(out, {**final, "__report__": report})
     acc.wait_for_everyone()
