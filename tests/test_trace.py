@@ -73,8 +73,16 @@ def _case(rank, world_size, root):
     for _ in range(2):
         F.cross_entropy(ddp(torch.randn(8, 64)), torch.randint(0, 10, (8,))).backward()
     out["env_finished"] = ddp.trace.finished
+    # 4. The fp16 hook, run by the reducer itself (ddp.fused_compress): its buckets send half the bytes.
+    from lockstep.comm_hooks import fp16_compress_hook
+
+    ddp = DDP(_model(), trace_dir=root / "fp16", trace_steps=(2, 2), bucket_cap_mb_list=[0.01, 0.1])
+    ddp.register_comm_hook(None, fp16_compress_hook)
+    for _ in range(3):
+        F.cross_entropy(ddp(torch.randn(8, 64)), torch.randint(0, 10, (8,))).backward()
+    out["fp16_nbytes"] = [b.flat.numel() * 2 for b in ddp.reducer.buckets]
     if rank == 0:
-        out["files"] = {name: _read(root / name) for name in ("plain", "trainer", "env")}
+        out["files"] = {name: _read(root / name) for name in ("plain", "trainer", "env", "fp16")}
     return out
 
 
@@ -167,3 +175,9 @@ def test_breakdown_of_a_hand_made_step():
     summary = summarise([{"rank": 0, "offset_s": 0.0, "events": events}], 2, "10gbe")
     assert [b["allreduce_s"] for b in summary["buckets"]] == pytest.approx([10 * ms, 16 * ms])
     assert summary["buckets"][1]["predicted_s"] == allreduce_time_s(3000, 2, LINKS["10gbe"])
+
+
+def test_a_fused_fp16_hook_counts_the_bytes_it_sends(results):
+    summary = results[0]["files"]["fp16"]["summary.json"]
+    assert [b["nbytes"] for b in summary["buckets"]] == results[0]["fp16_nbytes"]
+    assert [b["nbytes"] for b in summary["buckets"]] != results[0]["buckets_nbytes"]  # not the float32 size

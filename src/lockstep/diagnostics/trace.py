@@ -134,7 +134,11 @@ class TraceRecorder(ProfilerRanges):
     def bucket_launch(self, bucket_index: int, numel: int, seq: int) -> None:
         if self.recording:
             now = time.perf_counter()
-            nbytes = numel * self.reducer.buckets[bucket_index].flat.element_size()
+            # The bytes on the wire: a compress hook the reducer runs itself (``ddp.fused_compress``) sends
+            # half; a called hook's are its own business, counted at the bucket's size.
+            fused = getattr(self.reducer, "fused", None) if getattr(self.reducer, "nonfinite", None) is None else None
+            itemsize = fused.dtype.itemsize if fused is not None else self.reducer.buckets[bucket_index].flat.element_size()
+            nbytes = numel * itemsize
             self._inflight[bucket_index] = [now, numel, nbytes, None, seq]
             self.range_start(f"bucket{bucket_index}", f"lockstep/bucket{bucket_index} launch ({nbytes} bytes)")
 
