@@ -56,7 +56,8 @@ def wait_buckets(buckets: Sequence[Bucket], hooked: bool, observer: Any, copy_ea
 
     ``hooked``: a comm hook's result is put into the bucket (or the direct gradient) where it is not
     there already. ``fused`` (``fused_compress``): the reducer ran the hook's average itself; its
-    result is cast back into the bucket, or on the ``copy_each`` path straight into the gradients. ``copy_each`` (COPY mode's common path, what ``copy_back``'s fast path would do): each
+    result is cast back into the bucket, or on the ``copy_each`` path straight into the gradients.
+    ``copy_each`` (COPY mode's common path, what ``copy_back``'s fast path would do): each
     bucket's averages go into its gradients right after its wait, as torch's reducer finalizes a bucket,
     so the copy runs while later buckets are still in flight instead of after the last one. If another
     rank then reports a missing gradient, the error comes with these gradients already averaged.
