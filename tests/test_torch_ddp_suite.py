@@ -42,6 +42,7 @@ INCLUDED = [
     "test_ddp_bucket_cap_mb_list",
     "test_ddp_buffer_hook_allreduce",
     "test_ddp_buffer_hook_allreduce_return_future",
+    "test_ddp_comm_hook_logging",  # no entry before a hook; a built-in hook logged by its type, as torch's logger
     "test_ddp_compile_static_graph",
     "test_ddp_create_graph",
     "test_ddp_device_mesh_initialization",
@@ -77,7 +78,6 @@ INCLUDED = [
 INTERNALS = {
     "test_ddp_build_debug_param_to_name_mapping": "calls _build_params_for_reducer / _build_debug_param_to_name_mapping",
     "test_ddp_build_debug_param_to_name_mapping_requires_grad": "same private helpers",
-    "test_ddp_comm_hook_logging": "_get_ddp_logging_data()['comm_hook'] names (C++ logger contents)",
     "test_ddp_control_flow_different_across_ranks": "reducer._get_local_used_map(); then torch's iteration-2 error text",
     "test_ddp_control_flow_same_across_ranks": "reducer._get_local_used_map(); then torch's iteration-2 error text",
     "test_ddp_logging_data_cpu": "the full _get_ddp_logging_data() dict (timings, bucket strings, env fields)",

@@ -91,6 +91,7 @@ class HookPaths:
     comm_hook: Any
     fused: FusedCompression | None
     nonfinite: Any
+    comm_hook_name: str | None = None  # set for torch's built-in hook types (``_register_builtin_comm_hook``), for logging
 
     def _fused_now(self) -> FusedCompression | None:
         """The hook's average, run by the reducer; None where the hook is called (the NaN check's count needs it)."""

@@ -119,6 +119,7 @@ class WrapperSurface:
         if name not in hooks:
             raise ValueError(f"_register_builtin_comm_hook: unknown comm hook type {comm_hook_type!r}")
         self.register_comm_hook(self.process_group, hooks[name])
+        self.reducer.comm_hook_name = str(comm_hook_type)  # torch logs a built-in hook by its type, not a function
 
     def _register_buffer_comm_hook(self, state: Any, hook: Any, comm_hook_location: Any = None) -> None:
         """torch's buffer comm hook: ``hook(state, {name: buffer})`` replaces the buffers' broadcast.
@@ -152,7 +153,11 @@ class WrapperSurface:
     def _get_ddp_logging_data(self) -> dict:
         """The keys of torch's logging data that have a meaning here (Lightning reads it at teardown)."""
         reducer = self.reducer
-        return {
+        # torch's logger has no "comm_hook" entry until a hook is registered: a Python hook's __qualname__,
+        # a built-in one's type (``_register_builtin_comm_hook``).
+        hook = {} if reducer.comm_hook is None else {"comm_hook": reducer.comm_hook_name or getattr(
+            reducer.comm_hook, "__qualname__", type(reducer.comm_hook).__name__)}
+        return {**hook,
             "module_name": type(self.module).__name__,
             "device_ids": "" if self.device_ids is None else ", ".join(map(str, self.device_ids)),
             "output_device": -1 if self.output_device is None else self.output_device,
@@ -168,7 +173,6 @@ class WrapperSurface:
             "iteration": reducer.num_syncs,
             "num_buckets_reduced": len(reducer.buckets),
             "bucket_sizes": ", ".join(str(b.flat.numel() * b.flat.element_size()) for b in reducer.buckets),
-            "comm_hook": getattr(reducer.comm_hook, "__qualname__", "") if reducer.comm_hook else "",
             "has_rebuilt_buckets": int(reducer.buckets_rebuilt),
             "join_uneven_inputs": int(getattr(self, "_join_used", False)),  # set once a join hook was built
             # torch sets this after iterations in which the set of used parameters never changed.
