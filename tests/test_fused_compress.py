@@ -135,6 +135,7 @@ def _all_cases(rank: int, world_size: int) -> dict:
         out["missing"] = "no error"
     except RuntimeError as e:
         out["missing"] = str(e)
+    out["missing_logged"] = model._get_ddp_logging_data().get("error", "")  # torch's logging data notes the error too
     return out
 
 
@@ -185,3 +186,4 @@ def test_missing_gradient_on_one_rank_fails_on_both(results):
     for rank in range(2):
         message = results[rank]["missing"]
         assert "received no gradient" in message and "rank 1: 'head.bias'" in message and "rank 0" not in message, (rank, message)
+        assert results[rank]["missing_logged"] == f"<class 'RuntimeError'>: {message}"

@@ -60,6 +60,7 @@ INCLUDED = [
     "test_ddp_namedtuple",
     "test_ddp_new_tensor_in_fwd",
     "test_ddp_new_tensor_in_fwd_static_graph",
+    "test_ddp_python_error_logged",  # an error raised after construction is in the logging data, as torch notes it
     "test_ddp_remove_autograd_hooks",
     "test_ddp_returns_tensor_with_no_grad",
     "test_ddp_shared_grad_acc_unused_params",
@@ -83,7 +84,6 @@ INTERNALS = {
     "test_ddp_logging_data_cpu": "the full _get_ddp_logging_data() dict (timings, bucket strings, env fields)",
     "test_ddp_native_mixed_precision_ignored_params": "per-parameter _mp_param/_fp_param of torch's mixed precision",
     "test_ddp_profiling_torch_profiler": "a 'search_unused_parameters' profiler event of torch's C++ reducer",
-    "test_ddp_python_error_logged": "the error recorded in _get_ddp_logging_data() (verify_ddp_error_logged)",
     "test_detect_ddp_is_actually_static": "reducer._ddp_graph_static()",
 }
 

@@ -70,6 +70,8 @@ class Reducer(GradIntake, HookPaths, ReducerSurface):
             no copy in or out (``copy_in``); None: never.
     """
 
+    logged_error: str | None = None  # the last error a backward ended with, for the logging data (as torch's)
+
     def __init__(
         self,
         params: Sequence[torch.nn.Parameter],
@@ -364,6 +366,9 @@ class Reducer(GradIntake, HookPaths, ReducerSurface):
                 observer.backward_end(self.num_syncs)
             if self._observed_order is not None and not self.buckets_rebuilt:
                 self.rebuild_pending = True
+        except Exception as error:  # as torch's reducer, noted for the wrapper's logging data
+            self.logged_error = f"{type(error)}: {error}"
+            raise
         finally:
             self._reset()
 

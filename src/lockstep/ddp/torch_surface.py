@@ -57,6 +57,13 @@ class WrapperSurface:
     """torch's private wrapper methods that Lightning, Accelerate and torch's tests call, with lockstep's meaning."""
 
     broadcast_bucket_size = BROADCAST_BUCKET_BYTES
+    _logged_error: str | None = None
+
+    def _log_and_throw(self, error: BaseException) -> None:
+        """Raise ``error``, noted first as torch's DDP notes an error it raises after construction: its logging
+        data then carries ``has_error`` and ``error`` ("<class 'TypeError'>: ...")."""
+        self._logged_error = f"{type(error)}: {error}"
+        raise error
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -155,9 +162,11 @@ class WrapperSurface:
         reducer = self.reducer
         # torch's logger has no "comm_hook" entry until a hook is registered: a Python hook's __qualname__,
         # a built-in one's type (``_register_builtin_comm_hook``).
+        error = getattr(reducer, "logged_error", None) or self._logged_error  # the reducer's: a backward's
+        errors = {} if error is None else {"has_error": 1, "error": error}
         hook = {} if reducer.comm_hook is None else {"comm_hook": reducer.comm_hook_name or getattr(
             reducer.comm_hook, "__qualname__", type(reducer.comm_hook).__name__)}
-        return {**hook,
+        return {**hook, **errors,
             "module_name": type(self.module).__name__,
             "device_ids": "" if self.device_ids is None else ", ".join(map(str, self.device_ids)),
             "output_device": -1 if self.output_device is None else self.output_device,

@@ -342,11 +342,11 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         reducer runs their average itself, with the same bits (``lockstep.ddp.fused_compress``).
         """
         if not callable(hook):
-            raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+            self._log_and_throw(TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}"))
         if self.reducer.comm_hook is not None:
-            raise RuntimeError("register_comm_hook: a communication hook is already registered (one per model)")
+            self._log_and_throw(RuntimeError("register_comm_hook: a communication hook is already registered (one per model)"))
         if self.reducer.num_syncs > 0:
-            raise RuntimeError("register_comm_hook must be called before the first backward")
+            self._log_and_throw(RuntimeError("register_comm_hook must be called before the first backward"))
         self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
         self.reducer.fused = fused_compression(hook, state, self.process_group)  # torch's and lockstep's fp16/bf16 hooks
 
