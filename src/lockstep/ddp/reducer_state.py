@@ -127,6 +127,8 @@ class UsageTracker:
         self._static_globally_used: list[bool] | None = None
         self._static_exchange_due = False
         self.flag = MissingFlag()
+        self.graph_static = True  # torch's ddp_graph_static: no change yet in the unused set between iterations
+        self._last_unused: list[int] | None = None
 
     def reset_backward(self) -> None:
         if self.active:
@@ -140,7 +142,11 @@ class UsageTracker:
         """Parameters to mark ready right after forward: they will get no gradient in this backward."""
         if self.find_unused:
             reached = reachable_params(outputs, index_of)
-            return [i for i in range(self.num_params) if i not in reached]
+            unused = [i for i in range(self.num_params) if i not in reached]
+            if self.graph_static and not self.static_graph and self._last_unused is not None:
+                self.graph_static = unused == self._last_unused  # as torch's: once False, it stays False
+            self._last_unused = unused
+            return unused
         if self.static_graph and not self._static_first:
             return self.static_unused
         return []

@@ -216,6 +216,11 @@ class ReducerSurface:
         tensors = [t for t in outputs if isinstance(t, torch.Tensor)] if isinstance(outputs, (list, tuple)) else outputs
         self.prepare_after_forward(tensors if tensors else None)
 
+    def _ddp_graph_static(self) -> bool:
+        """torch's: with find_unused_parameters, False once the set of unused parameters differed from the last
+        iteration's (a hint that static_graph=True would not fit); True otherwise."""
+        return self.usage.graph_static
+
     def _delay_all_reduce(self) -> None:
         """torch's first-iteration flush of a static graph (Lightning calls it after a manual backward).
 
