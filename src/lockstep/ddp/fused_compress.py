@@ -5,7 +5,10 @@ the hook's arithmetic in C++). Here it applies to any hook declared ``averages_i
 (lockstep's ``fp16_compress_hook`` / ``bf16_compress_hook``) and to torch's
 ``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook``, when the hook's state names the
 reducer's own group. Per bucket the arithmetic is the hook's: cast the local gradients to ``dtype``
-(round to nearest), divide by the group's size in ``dtype``, all-reduce the sum, cast back.
+(round to nearest), divide by the group's size in ``dtype``, all-reduce the sum, cast back. At 2 ranks
+that is the hook's result bit for bit; at 3 or more, gloo's ring adds each element in an order set by
+its place in the buffer, and the last bucket here carries one element more (the flag), so sums there may
+round differently, as lockstep's path without a hook may against torch's (README, "Differences").
 
 What it saves against calling the hook, per backward:
 - the missing-gradient flag's own all-reduce (~0.5 ms at 2 ranks on gloo): a hook's buffer must be
