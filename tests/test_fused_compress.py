@@ -14,6 +14,8 @@ One group of 2 gloo ranks runs every case. The evidence:
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -50,13 +52,7 @@ def _train(make, hook, state=None, steps: int = STEPS, rank: int = 0, join: bool
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(8, 32, generator=gen), torch.randint(0, 10, (8,), generator=gen)) for _ in range(steps)]
-    if join:
-        with model.join():
-            for x, y in batches:
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-    else:
+    with model.join() if join else contextlib.nullcontext():
         for x, y in batches:
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()

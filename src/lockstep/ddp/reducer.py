@@ -42,7 +42,7 @@ from lockstep.ddp.lifetime import release_works as release_reducer_works
 from lockstep.ddp.observe import StepObserver
 from lockstep.ddp.optim_in_backward import step_optimizers_in_backward
 from lockstep.ddp.reducer_state import Bucket, UsageTracker, raise_missing_gradients
-from lockstep.ddp.torch_surface import ReducerSurface
+from lockstep.ddp.torch_surface import ReducerSurface, error_for_log
 
 # Where one all-reduce's fixed cost (~0.5 ms at 2 ranks on gloo) is below what the copies in and out
 # of a bucket cost a gradient this large (~0.15 ms per MB each way, measured on the 10.5M MLP).
@@ -70,7 +70,7 @@ class Reducer(GradIntake, HookPaths, ReducerSurface):
             no copy in or out (``copy_in``); None: never.
     """
 
-    logged_error: str | None = None  # the last error a backward ended with, for the logging data (as torch's)
+    logged_error: str | None = None  # the last error DDP raised (a backward's, the wrapper's), for the logging data
 
     def __init__(
         self,
@@ -367,7 +367,7 @@ class Reducer(GradIntake, HookPaths, ReducerSurface):
             if self._observed_order is not None and not self.buckets_rebuilt:
                 self.rebuild_pending = True
         except Exception as error:  # as torch's reducer, noted for the wrapper's logging data
-            self.logged_error = f"{type(error)}: {error}"
+            self.logged_error = error_for_log(error)
             raise
         finally:
             self._reset()

@@ -53,16 +53,21 @@ def close_inherited(cls: type, torch_cls: type) -> None:
             setattr(cls, name, _Closed(name))
 
 
+def error_for_log(error: BaseException) -> str:
+    """An error as torch's DDP logger records it: "<class 'TypeError'>: message"."""
+    return f"{type(error)}: {error}"
+
+
 class WrapperSurface:
     """torch's private wrapper methods that Lightning, Accelerate and torch's tests call, with lockstep's meaning."""
 
     broadcast_bucket_size = BROADCAST_BUCKET_BYTES
-    _logged_error: str | None = None
 
     def _log_and_throw(self, error: BaseException) -> None:
         """Raise ``error``, noted first as torch's DDP notes an error it raises after construction: its logging
-        data then carries ``has_error`` and ``error`` ("<class 'TypeError'>: ...")."""
-        self._logged_error = f"{type(error)}: {error}"
+        data then carries ``has_error`` and ``error`` (``error_for_log``). Noted on the reducer, where a
+        backward's error goes too, so the last one is reported."""
+        self.reducer.logged_error = error_for_log(error)
         raise error
 
     @property
@@ -162,8 +167,7 @@ class WrapperSurface:
         reducer = self.reducer
         # torch's logger has no "comm_hook" entry until a hook is registered: a Python hook's __qualname__,
         # a built-in one's type (``_register_builtin_comm_hook``).
-        error = getattr(reducer, "logged_error", None) or self._logged_error  # the reducer's: a backward's
-        errors = {} if error is None else {"has_error": 1, "error": error}
+        errors = {} if reducer.logged_error is None else {"has_error": 1, "error": reducer.logged_error}
         hook = {} if reducer.comm_hook is None else {"comm_hook": reducer.comm_hook_name or getattr(
             reducer.comm_hook, "__qualname__", type(reducer.comm_hook).__name__)}
         return {**hook, **errors,

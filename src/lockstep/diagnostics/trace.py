@@ -52,7 +52,7 @@ class TraceRecorder(ProfilerRanges):
     """A step observer (see ``lockstep.ddp.observe``) recording a window of synchronised steps on this rank.
 
     Args:
-        reducer: the DDP's reducer (read: ``num_syncs``, ``buckets[i].work`` / ``.flat``).
+        reducer: the DDP's reducer (read: ``num_syncs``, ``buckets[i].work`` / ``.flat``, ``_fused_now()``).
         group: the DDP's process group.
         trace_dir: where rank 0 writes trace.json, summary.json and timeline.png.
         steps: (first, last) synchronised steps to record, 1-based, inclusive.
@@ -136,7 +136,7 @@ class TraceRecorder(ProfilerRanges):
             now = time.perf_counter()
             # The bytes on the wire: a compress hook the reducer runs itself (``ddp.fused_compress``) sends
             # half; a called hook's are its own business, counted at the bucket's size.
-            fused = getattr(self.reducer, "fused", None) if getattr(self.reducer, "nonfinite", None) is None else None
+            fused = self.reducer._fused_now()
             itemsize = fused.dtype.itemsize if fused is not None else self.reducer.buckets[bucket_index].flat.element_size()
             nbytes = numel * itemsize
             self._inflight[bucket_index] = [now, numel, nbytes, None, seq]
