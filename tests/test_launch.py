@@ -140,6 +140,36 @@ def test_failing_worker_exits_nonzero_fast_with_one_report(tmp_path):
     assert f"full logs: {stderr_logs[0].parent.parent}" in text
 
 
+def test_report_names_the_cause_when_two_failures_share_a_second(tmp_path):
+    # torch stamps a failure in whole seconds: when rank 1 raises and rank 0's collective fails on the
+    # closed connection within the same second, torch's "first" failure is rank 0 (the lower rank). The
+    # report names the rank whose stderr was last written first (the CI flake that found this: rank 0).
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from lockstep.launch.output import failure_report
+
+    logs = SimpleNamespace(last_dest=SimpleNamespace(stderrs={}))
+    failures = {}
+    for rank, (text, mtime_s) in enumerate([("RuntimeError: Connection closed by peer", 1_000_000_002.5),
+                                            ("RuntimeError: the cause", 1_000_000_002.1)]):
+        path = tmp_path / f"attempt_0/{rank}/stderr.log"
+        path.parent.mkdir(parents=True)
+        path.write_text(text + "\n")
+        os.utime(path, (mtime_s, mtime_s))
+        logs.last_dest.stderrs[rank] = str(path)
+        failures[rank] = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=1, error_file=str(tmp_path / "none"))
+        failures[rank].timestamp = 1_000_000_002
+    error = ChildFailedError("raises.py", failures)
+    assert error.get_first_failure()[0] == 0  # torch's pick
+    report = failure_report(error, logs)
+    assert report.rank == 1 and str(report).startswith("lockstep launch: worker rank 1 (local rank 1"), str(report)
+    assert "the cause" in str(report) and "also failed: rank 0 (exit code 1)" in str(report)
+    failures[0].timestamp = 1_000_000_001  # a second earlier: the timestamps decide, as torch's
+    assert failure_report(ChildFailedError("raises.py", failures), logs).rank == 0
+
+
 def test_restarts_exhausted_reports_rank_exit_code_and_restarts(runs):
     counter = runs["tmp"] / "twice"
     proc, _ = runs["exhausted"]

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from lockstep.ddp.buckets import MIB, first_bucket_caps
+from lockstep.ddp.compiled import call_module, forward_outside_dynamo, skip_lockstep_in_dynamo
 from lockstep.ddp import diagnose
 from lockstep.ddp.autotune import resolve_auto
 from lockstep.ddp.fused_compress import fused_compression
@@ -202,6 +203,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         self.detect_nonfinite = bool(detect_nonfinite)  # read by _build_reducer (diagnose.setup sets it too)
         self.reducer = self._build_reducer()
         diagnose.setup(self, check_replicas_every, detect_nonfinite, trace_dir, trace_steps)
+        skip_lockstep_in_dynamo()  # where a script compiled before wrapping (else at its first compiled forward)
 
     def _build_reducer(self) -> Reducer:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
@@ -252,6 +254,11 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
 
     # ----------------------------------------------------------------- forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # torch.compile(DDP(module)): ours runs eagerly (``compiled``)
+            return forward_outside_dynamo(self._forward, inputs, kwargs)
+        return self._forward(*inputs, **kwargs)
+
+    def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.device_ids is not None:
             inputs, kwargs = move_to(inputs, self.device), move_to(kwargs, self.device)
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
@@ -291,7 +298,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         if in_join:
             backward_sync_round(self, synced, joined=False)
         try:
-            outputs = self.module(*inputs, **kwargs)
+            outputs = call_module(self, inputs, kwargs)  # as torch's: dynamo's DDPOptimizer splits at our buckets
         finally:
             if pending is not None:
                 pending.finish()

@@ -108,11 +108,29 @@ def describe_exit(exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
+def _first_failure(error: ChildFailedError, logs: RankLogsSpecs) -> tuple[int, ProcessFailure]:
+    """torch's first failure, by its timestamp, which is in whole seconds. Where failures share the second
+    (a rank raises, and its peer's collective fails on the connection it closed), the root cause is the one
+    whose stderr was last written first: the peer's error is printed after the cause has exited."""
+    rank, failure = error.get_first_failure()
+    tied = {r: f for r, f in error.failures.items() if f.timestamp == failure.timestamp}
+    if len(tied) < 2 or logs.last_dest is None:
+        return rank, failure
+
+    def last_write_ns(item: tuple[int, ProcessFailure]) -> float:
+        try:
+            return os.stat(logs.last_dest.stderrs[item[1].local_rank]).st_mtime_ns
+        except (KeyError, OSError, TypeError):
+            return float("inf")  # no log: torch's order decides
+
+    return min(sorted(tied.items()), key=last_write_ns)
+
+
 def failure_report(
     error: ChildFailedError, logs: RankLogsSpecs, restarts_used: int | None = None, tail_lines: int = 20
 ) -> LaunchError:
     """Turn the agent's ChildFailedError into one readable block naming the first failed rank."""
-    rank, failure = error.get_first_failure()
+    rank, failure = _first_failure(error, logs)
     stderr_path = None
     if logs.last_dest is not None:
         stderr_path = logs.last_dest.stderrs.get(failure.local_rank) or None

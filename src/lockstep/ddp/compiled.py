@@ -1,0 +1,88 @@
+"""torch.compile with lockstep's DistributedDataParallel, in either order, as with torch's DDP.
+
+- ``DDP(torch.compile(module))`` (nanoGPT's order). The DDP's forward runs eagerly and dynamo compiles
+  the module's frames. AOTAutograd makes a compiled graph's backward one autograd node, so all of its
+  gradients arrive together at its end and no bucket could start before the whole backward is done.
+  torch's DDP avoids that by naming itself dynamo's *active DDP module* while the module runs; dynamo
+  then splits the graph at bucket-sized boundaries (DDPOptimizer, ``torch._dynamo.backends.distributed``)
+  and each piece's gradients arrive when its backward ends. ``call_module`` names lockstep's DDP the same
+  way, so the same splits happen (dynamo reads ``bucket_bytes_cap`` and parameters' ``_ddp_ignored``).
+  Where the cap is below dynamo's first-bucket size (1 MiB) dynamo would fail an assertion
+  ("First bucket should be smaller/equal ..."), as it does with torch's DDP; lockstep then does not
+  name itself and the graph stays whole (correct, with the buckets after the backward).
+- ``torch.compile(DDP(module))`` (Accelerate's order). dynamo is handed the DDP's own forward. Its
+  bookkeeping (clocks, the progress observer, collectives, join) has no place in a graph, and tracing
+  it made dynamo warn about builtins it cannot trace (``time.monotonic``...). So under dynamo the
+  forward leaves the trace at once (``forward_outside_dynamo``: a graph break), runs eagerly, and the
+  module's frames are compiled as in the first order, split the same way. Once dynamo is loaded,
+  lockstep's own files are among the directories it skips, as torch's are, so neither lockstep's
+  helpers nor its gradient hooks are ever traced.
+
+Cost without compile: one flag read and two class-attribute writes per forward. Nothing here imports
+dynamo (seconds of start-up; torch's DDP imports it at construction): only a script that compiles does.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_TorchDDP = torch.nn.parallel.DistributedDataParallel
+_DYNAMO_FIRST_BUCKET_BYTES = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1024 * 1024)  # DDPOptimizer's first bucket
+_skipped = False
+
+
+def skip_lockstep_in_dynamo() -> bool:
+    """Add lockstep's package to the directories dynamo does not trace, once dynamo is loaded."""
+    global _skipped
+    if not _skipped and "torch._dynamo" in sys.modules:
+        from torch._dynamo import trace_rules
+
+        trace_rules.add("lockstep")
+        _skipped = True
+    return _skipped
+
+
+def _forward_eagerly(forward: Any, inputs: tuple, kwargs: dict) -> Any:
+    skip_lockstep_in_dynamo()  # dynamo is loaded: it is tracing the caller
+    return forward(*inputs, **kwargs)
+
+
+# A torch wrapper that imports dynamo on its first call only (under compile, where it is loaded already).
+# recursive=False: this frame runs eagerly, the frames it calls are still offered to dynamo, so the
+# module's own code is compiled while lockstep's (skipped by then) is not.
+forward_outside_dynamo = torch._disable_dynamo(_forward_eagerly, recursive=False)
+
+
+def _compiling() -> bool:
+    """Whether this runs inside a compiled call (dynamo's frame callback is set): a C call or two."""
+    frames = torch._C._dynamo.eval_frame
+    get = getattr(frames, "get_eval_frame_callback", None)
+    if get is not None:
+        return get() not in (None, False)
+    previous = frames.set_eval_frame(None)  # torch < 2.5 has no getter: read it by putting it back
+    frames.set_eval_frame(previous)
+    return previous not in (None, False)
+
+
+def call_module(ddp: Any, inputs: tuple, kwargs: dict) -> Any:
+    """``ddp.module(*inputs, **kwargs)`` with ``ddp`` as dynamo's active DDP module (restored after,
+    so a DDP nested in another sees the outer one again, as torch's does)."""
+    previous = _TorchDDP._active_ddp_module
+    if ddp.bucket_bytes_cap >= _DYNAMO_FIRST_BUCKET_BYTES:
+        _TorchDDP._active_ddp_module = ddp
+    module = ddp.module
+    if _skipped and _compiling():
+        from torch._dynamo import external_utils, trace_rules
+
+        if trace_rules.check(module.forward):
+            # A module whose forward is torch's own (nn.Sequential...): dynamo skips such a frame when it
+            # is the first one offered, so it gets a frame of its own, as torch.compile(module) gives it.
+            module = external_utils.wrap_inline(module)
+    try:
+        return module(*inputs, **kwargs)
+    finally:
+        _TorchDDP._active_ddp_module = previous
