@@ -12,7 +12,9 @@ inductor was checked by hand: the same bits as torch's DDP). The evidence:
 * in Accelerate's order dynamo does not trace lockstep's forward: no dynamo warning (it warned about
   ``time.monotonic`` and other builtins it met in lockstep's bookkeeping);
 * a cap under dynamo's 1 MiB first bucket: torch's DDP fails inside dynamo; lockstep keeps the graph
-  whole and trains to the bits of its own eager run.
+  whole and trains to the bits of its own eager run;
+* compiled autograd is refused with an error on every rank: it would run lockstep's hooks in its trace
+  only, and the gradients would not be averaged (they were not, silently, before the check).
 """
 
 from __future__ import annotations
@@ -133,8 +135,35 @@ def _cases(rank: int, world_size: int) -> dict:
     ours, graphs = _train(rank, "lockstep", "compile_then_ddp", _sequential, bucket_cap_mb=0.25)
     eager, _ = _train(rank, "lockstep", "eager", _sequential, bucket_cap_mb=0.25)
     out["small_cap"] = dict(equal_to_eager=torch.equal(ours, eager), graphs=graphs)
+    out["compiled_autograd"] = _compiled_autograd_backward(rank)
     torch._dynamo.reset()
     return out
+
+
+def _compiled_autograd_backward(rank: int) -> str:
+    """A backward under compiled autograd: lockstep must refuse it (its hooks would run in the trace only)."""
+    from torch._dynamo import compiled_autograd
+
+    import lockstep
+
+    enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable  # torch < 2.5: enable
+    model = lockstep.DistributedDataParallel(_sequential())
+    loss = model(torch.randn(4, 256)).sum()
+    try:
+        with enable(torch.compile(backend="aot_eager")):
+            loss.backward()
+    except Exception as e:  # noqa: BLE001 (dynamo may wrap it: the text is what is checked)
+        return str(e)
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    return f"no error; gradients equal across ranks: {_same_on_every_rank(grads)}"
+
+
+def _same_on_every_rank(t: torch.Tensor) -> bool:
+    import torch.distributed as dist
+
+    theirs = t.clone()
+    dist.broadcast(theirs, 0)
+    return bool(torch.equal(t, theirs))
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +205,10 @@ def test_a_cap_below_dynamo_first_bucket_keeps_one_graph(results):
     for r in results:
         assert "First bucket should be smaller/equal" in r["torch_small_cap"], r["torch_small_cap"]
         assert r["small_cap"] == dict(equal_to_eager=True, graphs=1)
+
+
+def test_compiled_autograd_is_refused_not_silently_unaveraged(results):
+    # Before the check, the gradients stayed each rank's own (0.004 apart in the weights after 3 steps).
+    for r in results:
+        assert "lockstep's DistributedDataParallel does not support compiled autograd" in r["compiled_autograd"], r["compiled_autograd"]
+        assert "python_reducer" in r["compiled_autograd"]

@@ -68,6 +68,33 @@ def _compiling() -> bool:
     return previous not in (None, False)
 
 
+def refuse_compiled_autograd() -> None:
+    """Raise where compiled autograd runs this backward (``torch._dynamo.compiled_autograd``).
+
+    It traces the backward, gradient hooks included, into a graph and runs that: lockstep's hooks copy
+    gradients into buckets and launch all-reduces outside any graph, so they would act on the trace's
+    tensors and the real gradients would stay unaveraged, the ranks drifting apart without an error
+    (seen: 0.004 apart after 3 steps). torch's DDP needs its Python reducer there
+    (``torch._dynamo.config.optimize_ddp = "python_reducer"``), which traces functional collectives.
+    Cost: a dict lookup per backward.
+    """
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    if compiled_autograd is None:
+        return
+    # Inside its trace: the region flag (torch >= 2.5; the "enabled" flag reads False there), or, before it
+    # existed, the "enabled" flag (2.4); dynamo's compiling flag where the trace reaches this frame itself.
+    region = getattr(compiled_autograd, "in_compiled_autograd_region", None)
+    inside = region if region is not None else getattr(compiled_autograd, "compiled_autograd_enabled", False)
+    if inside or torch.compiler.is_compiling():
+        raise RuntimeError(
+            "lockstep's DistributedDataParallel does not support compiled autograd "
+            "(torch._dynamo.compiled_autograd / torch._dynamo.config.compiled_autograd): its gradient hooks "
+            "would run in the trace and the gradients would not be averaged. Run this backward without it "
+            "(torch.compile of the model is supported), or use torch's DDP with "
+            "torch._dynamo.config.optimize_ddp = 'python_reducer'."
+        )
+
+
 def call_module(ddp: Any, inputs: tuple, kwargs: dict) -> Any:
     """``ddp.module(*inputs, **kwargs)`` with ``ddp`` as dynamo's active DDP module (restored after,
     so a DDP nested in another sees the outer one again, as torch's does)."""

@@ -21,7 +21,6 @@ What a reducer leaves behind (works, hooks) and when it goes: ``lifetime``.
 
 from __future__ import annotations
 
-import time
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -31,8 +30,9 @@ import torch.distributed as dist
 from lockstep.collectives.clean import all_reduce_sum_clean, launch_clean
 from lockstep.ddp.autotune import AutoBucketCap, BucketTuner
 from lockstep.ddp.buckets import assign_buckets
-from lockstep.ddp.copy_back import copy_back, wait_buckets
+from lockstep.ddp.compiled import refuse_compiled_autograd
 from lockstep.ddp.copy_in import COPY, VIEW, GradIntake, grad_mode
+from lockstep.ddp.end_of_backward import EndOfBackward
 from lockstep.ddp.fused_compress import FusedCompression, HookPaths
 from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.grad_hook import fast_table, make_hook
@@ -40,9 +40,8 @@ from lockstep.ddp.launch_order import LaunchOrder
 from lockstep.ddp.lifetime import register_for_exit, remove_handles
 from lockstep.ddp.lifetime import release_works as release_reducer_works
 from lockstep.ddp.observe import StepObserver
-from lockstep.ddp.optim_in_backward import step_optimizers_in_backward
-from lockstep.ddp.reducer_state import Bucket, UsageTracker, raise_missing_gradients
-from lockstep.ddp.torch_surface import ReducerSurface, error_for_log
+from lockstep.ddp.reducer_state import Bucket, UsageTracker
+from lockstep.ddp.torch_surface import ReducerSurface
 
 # Where one all-reduce's fixed cost (~0.5 ms at 2 ranks on gloo) is below what the copies in and out
 # of a bucket cost a gradient this large (~0.15 ms per MB each way, measured on the 10.5M MLP).
@@ -51,7 +50,7 @@ DEFAULT_DIRECT_MIN_BYTES = 4 * 1024 * 1024
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 
-class Reducer(GradIntake, HookPaths, ReducerSurface):
+class Reducer(EndOfBackward, GradIntake, HookPaths, ReducerSurface):
     """Bucketed gradient averaging for one replica's parameters.
 
     Args:
@@ -216,6 +215,7 @@ class Reducer(GradIntake, HookPaths, ReducerSurface):
         """The first node of backward ran (or the first hook fired): queue the end, mark the unused."""
         if self._callback_queued:
             return
+        refuse_compiled_autograd()  # its trace would run our hooks, not the real backward (``compiled``)
         # Runs once the whole backward is done: the only safe point to wait for the buckets.
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         self._callback_queued = True
@@ -303,87 +303,6 @@ class Reducer(GradIntake, HookPaths, ReducerSurface):
         else:
             tensor = bucket.flat  # the gradients only, as a direct bucket sends on a rank that went direct
         bucket.work = all_reduce_sum_clean(tensor, self.process_group)
-
-    # -------------------------------------------------------- end of backward
-    def _finalize_backward(self) -> None:
-        self._callback_queued = False
-        self._fast = None
-        self.expect_hooks = False
-        hooks_fired, self._hooks_fired = self._hooks_fired, False
-        if not hooks_fired and not any(any(b.seen) for b in self.buckets):
-            # No parameter of this model got a gradient and nothing was launched (the loss did not depend
-            # on the model, torch.func.functional_call with other tensors): nothing to reduce, as in torch.
-            self._reset()
-            return
-        try:
-            if self.usage.in_static_first_iteration():
-                # Static graph, iteration 1: nothing was launched during backward; now every count is known.
-                order = self.usage.finish_static_first_iteration()
-                if self._observed_order is not None:
-                    self._observed_order = order
-                for i in order + self.usage.static_unused:
-                    b, slot = self._location[i]
-                    if not self.buckets[b].seen[slot]:  # find_unused_parameters marked the unused ones already
-                        self._mark_ready(i, self.params[i].grad)
-            missing = [i for b in self.buckets for i, s in zip(b.plan.param_indices, b.seen) if not s]
-            # With find_unused_parameters, a parameter reachable from the outputs that got no gradient (an
-            # output the loss did not use, an undefined gradient) is unused this time, as in torch, not an
-            # error: it contributes zeros and its .grad stays as it was where no rank used it.
-            self._missing_flag = bool(missing) and not self.usage.find_unused
-            for i in missing:  # launch every bucket anyway: the other ranks are waiting in them
-                self._mark_ready(i, self.params[i].grad)
-            if not self._missing_flag:
-                missing = []
-            self._order.drain()
-            # Every collective of this backward is issued unless a hook issues some from its callbacks: the status
-            # exchange (comm hook, find_unused_parameters) queues behind them and hides behind their waits.
-            launched = None if self._hook_one_in_flight() else self.usage.launch_status(missing, self._flag_apart(), self.buckets[-1], self.process_group)
-            fast = not (self.gradient_as_bucket_view or self._graph_grads or self._missing_flag or self._fixups)
-            # Torch's order on the common path: each bucket copied back as soon as its wait returns, so the copy
-            # overlaps the buckets still in flight. Not where the non-finite check reads the local gradients after
-            # the waits, nor where unused parameters must keep their .grad (``copy_back``).
-            early = fast and self.grad_mode == COPY and not self.usage.active and self.nonfinite is None
-            observer = self.observer
-            self.comm_wait_s += wait_buckets(self.buckets, self.comm_hook is not None, observer, early, self._fused_now())
-            if self.post_backward_futures:
-                start = time.perf_counter()
-                futures, self.post_backward_futures = self.post_backward_futures, []
-                for future in futures:
-                    future.wait()
-                self.comm_wait_s += time.perf_counter() - start
-            if self.nonfinite is not None:
-                self.nonfinite.after_wait(self.buckets, self.comm_hook is not None)  # raises on every rank alike
-            status = self.usage.exchange_status(missing, self._flag_apart(), self.buckets[-1], self.process_group, launched=launched)
-            if status.any_missing:
-                raise_missing_gradients(status.missing, self.names, self.process_group, self.usage.static_graph, status.late)
-            if not early:
-                copy_back(self.buckets, self.params, status.globally_used, self.grad_mode, fast)
-            if self.optimizers_in_backward:
-                step_optimizers_in_backward(self.params)
-            self.num_syncs += 1
-            self.rounds += 1
-            if observer is not None:
-                observer.backward_end(self.num_syncs)
-            if self._observed_order is not None and not self.buckets_rebuilt:
-                self.rebuild_pending = True
-        except Exception as error:  # as torch's reducer, noted for the wrapper's logging data
-            self.logged_error = error_for_log(error)
-            raise
-        finally:
-            self._reset()
-
-    def _reset(self) -> None:
-        self._fast = None
-        self._pending = list(self._sizes)
-        self._order.reset()
-        self._missing_flag = False
-        self._graph_grads = False
-        self._fixups = 0
-        if self.nonfinite is not None:
-            self.nonfinite.reset()
-        for bucket in self.buckets:
-            bucket.reset()
-        self.usage.reset_backward()
 
     def remove_hooks(self) -> None:
         remove_handles(self._handles)
