@@ -2,7 +2,7 @@
 
 Each case runs the same script twice (IMPL=torch, IMPL=lockstep) under the library's own launcher and
 compares every rank's final state_dict with torch.equal. Skipped when the library is not installed.
-Cost on 2 cores: ~70 s (accelerate), ~100 s (lightning, 4 fits x 2), ~30 s (fabric).
+Cost on 2 cores: ~70 s (accelerate, ~55 s more with dynamo), ~100 s (lightning, 4 fits x 2), ~30 s (fabric).
 """
 
 from __future__ import annotations
@@ -25,14 +25,16 @@ def _run(cmd: list[str], env: dict[str, str], timeout: int = 400) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
-def _assert_identical(a: Path, b: Path) -> dict:
+def _assert_identical(a: Path, b: Path, may_fail: tuple[str, ...] = ()) -> dict:
     """Torch's run ``a`` and lockstep's ``b``: the same final state, bit for bit; returns lockstep's report."""
     sa, sb = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
     ra, rb = sa.pop("__report__"), sb.pop("__report__")
     assert "lockstep" in str(rb["class"]) and "lockstep" not in str(ra["class"])
-    # the scripts' own checks (resume equal, saved keys, checkpoint reload): true with both DDPs
+    # the scripts' own checks (resume equal, saved keys, checkpoint reload): true with both DDPs (those in
+    # ``may_fail``: the same with both)
     flags = {k: v for k, v in rb.items() if isinstance(v, bool)}
-    assert all(flags.values()) and flags == {k: v for k, v in ra.items() if isinstance(v, bool)}, (ra, rb)
+    assert all(v for k, v in flags.items() if k not in may_fail), (ra, rb)
+    assert flags == {k: v for k, v in ra.items() if isinstance(v, bool)}, (ra, rb)
     assert sorted(sa) == sorted(sb)
     assert [k for k in sa if not torch.equal(sa[k], sb[k])] == []
     return rb
@@ -61,19 +63,25 @@ def _loads_without_lockstep(directory: Path) -> None:
     assert proc.returncode == 0 and "files loaded" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("env_hook, comm_hook", [(False, "no"), (True, "no"), (False, "fp16")],
-                         ids=["use_as_torch_ddp", "env_var", "fp16_comm_hook"])
-def test_accelerate_bit_identical(tmp_path, env_hook, comm_hook):
+@pytest.mark.parametrize("env_hook, comm_hook, dynamo", [(False, "no", "no"), (True, "no", "no"), (False, "fp16", "no"),
+                                                     (False, "no", "aot_eager")],
+                         ids=["use_as_torch_ddp", "env_var", "fp16_comm_hook", "dynamo_backend"])
+def test_accelerate_bit_identical(tmp_path, env_hook, comm_hook, dynamo):
     pytest.importorskip("accelerate")
     launch = [PY, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", "accelerate_run.py"]
+              "--mixed_precision", "no", "--dynamo_backend", dynamo, "accelerate_run.py"]
+    # --dynamo_backend: accelerate compiles the wrapped model, torch.compile(DDP(m)) (lockstep.ddp.compiled). The
+    # script's 0.002 MB buckets are below dynamo's 1 MiB first bucket, where torch's DDP fails in dynamo: 25 MB.
+    cap = {"BUCKET_CAP_MB": "25"} if dynamo != "no" else {}
     for impl in ("torch", "lockstep"):
         extra = {"LOCKSTEP_AS_TORCH_DDP": "1"} if env_hook and impl == "lockstep" else {}
         # JOIN=1: uneven inputs under Join, BatchNorm buffers included in the comparison. COMM_HOOK=fp16:
         # accelerate registers torch's fp16_compress_hook, which lockstep's reducer runs itself (ddp/fused_compress).
         _run(launch, {"IMPL": impl, "JOIN": "1", "COMM_HOOK": comm_hook, "OUT": str(tmp_path / f"{impl}.pt"),
-                      "CKPT_DIR": str(tmp_path / impl), **extra})
-    report = _assert_identical(tmp_path / "torch.pt", tmp_path / "lockstep.pt")
+                      "CKPT_DIR": str(tmp_path / impl), **cap, **extra})
+    # Under accelerate's dynamo the resumed run does not reproduce the first, with torch's DDP as with lockstep's
+    # (accelerate's save_state/load_state with a compiled model): that check must then agree, not hold.
+    report = _assert_identical(tmp_path / "torch.pt", tmp_path / "lockstep.pt", may_fail=("resumed_equal",) if dynamo != "no" else ())
     assert report["hook_path"] == ("fused" if comm_hook == "fp16" else "none"), report
     _loads_without_lockstep(tmp_path / "lockstep")
 

@@ -7,7 +7,8 @@
 Covers: prepare, accumulate() with 2 micro-batches (no_sync under the hood), clip_grad_norm_,
 no_sync + trigger_sync_in_backward (reaches model.reducer.prepare_for_backward([])),
 save_state / load_state (resume reproduces the same end state), save_model (keys without
-"module."), unwrap_model, Join([model]) with uneven inputs (accelerate.join_uneven_inputs is a no-op on CPU). Rank 0 writes the final
+"module."), unwrap_model, Join([model]) with uneven inputs (accelerate.join_uneven_inputs is a no-op on CPU),
+--dynamo_backend (accelerate then compiles the wrapped model; BUCKET_CAP_MB overrides the 0.002 MB buckets). Rank 0 writes the final
 parameters to $OUT; compare_results.py compares torch's and lockstep's bit for bit.
 """
 
@@ -59,7 +60,7 @@ def main() -> None:
     hook = os.environ.get("COMM_HOOK", "no")
     state = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2} if "power" in hook else {}
     ddp_kwargs = DistributedDataParallelKwargs(
-        bucket_cap_mb=0.002, comm_hook=DDPCommunicationHookType(hook), comm_state_option=state
+        bucket_cap_mb=float(os.environ.get("BUCKET_CAP_MB", "0.002")), comm_hook=DDPCommunicationHookType(hook), comm_state_option=state
     )
     acc = Accelerator(cpu=True, gradient_accumulation_steps=2, kwargs_handlers=[ddp_kwargs])
     assert acc.num_processes == 2, acc.state
@@ -68,7 +69,8 @@ def main() -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, opt, loader = acc.prepare(model, opt, loader)
-    cls = check_ddp_class(model)
+    ddp = getattr(model, "_orig_mod", model)  # --dynamo_backend: accelerate compiles the wrapped model
+    cls = check_ddp_class(ddp)
     batches = list(loader)  # the per-rank shards, in order
     train_steps(acc, model, opt, batches, STEPS_A)
 
@@ -104,7 +106,7 @@ def main() -> None:
 
     saved = load_file(os.path.join(ckpt, "model", "model.safetensors"))
     saved_keys_ok = sorted(saved) == sorted(k for k in second_end) and all(torch.equal(saved[k], second_end[k]) for k in saved)
-    wrapped_keys = list(model.state_dict())
+    wrapped_keys = list(ddp.state_dict())
     prefix_ok = all(k.startswith("module.") for k in wrapped_keys)
 
     # Uneven inputs (JOIN=1): rank 1 gets one batch fewer; Join shadows the missing collectives. accelerate's own
@@ -116,7 +118,7 @@ def main() -> None:
         from torch.distributed.algorithms.join import Join
 
         before_join = {f"before_join.{k}": v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
-        with Join([model]):
+        with Join([ddp]):
             n = 3 if acc.process_index == 0 else 2
             for i in range(n):
                 xj, yj = batches[i]
@@ -133,7 +135,7 @@ def main() -> None:
     for part in gather_object([mine]):
         final.update(part)
     if acc.is_main_process:
-        reducer = getattr(model, "reducer", None)
+        reducer = getattr(ddp, "reducer", None)
         # How lockstep's reducer runs the registered hook: "fused" (run by the reducer itself), "called", "none".
         hook_path = ("none" if getattr(reducer, "comm_hook", None) is None
                      else "fused" if getattr(reducer, "fused", None) is not None else "called")
