@@ -2,7 +2,7 @@
 
 Each case runs the same script twice (IMPL=torch, IMPL=lockstep) under the library's own launcher and
 compares every rank's final state_dict with torch.equal. Skipped when the library is not installed.
-Cost on 2 cores: ~70 s (accelerate, ~55 s more with dynamo), ~100 s (lightning, 4 fits x 2), ~30 s (fabric).
+Cost on 2 cores: ~70 s (accelerate, ~55 s more with dynamo), ~100 s (lightning, 4 fits x 2), ~30 s (fabric; ~40 s more compiled).
 """
 
 from __future__ import annotations
@@ -97,9 +97,11 @@ def test_lightning_bit_identical(tmp_path, strategy):
     _loads_without_lockstep(tmp_path / "lockstep")
 
 
-def test_fabric_bit_identical(tmp_path):
+@pytest.mark.parametrize("compile_", ["0", "1"], ids=["eager", "compiled"])
+def test_fabric_bit_identical(tmp_path, compile_):
     pytest.importorskip("lightning")
     for impl in ("torch", "lockstep"):
-        _run([PY, "fabric_run.py"], {"IMPL": impl, "OUT": str(tmp_path / impl)})
+        # COMPILE=1: a compiled model given to setup, which wraps it and compiles the wrapper (lockstep.ddp.compiled)
+        _run([PY, "fabric_run.py"], {"IMPL": impl, "OUT": str(tmp_path / impl), "COMPILE": compile_})
     for rank in (0, 1):
         _assert_identical(tmp_path / f"torch.rank{rank}.pt", tmp_path / f"lockstep.rank{rank}.pt")

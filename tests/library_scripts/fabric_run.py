@@ -1,4 +1,5 @@
 """Lightning Fabric, 2 CPU ranks, IMPL=torch|lockstep: setup, no_backward_sync accumulation, clip, save/load.
+COMPILE=1: the model is torch.compile'd (aot_eager) before setup; Fabric compiles the wrapped model again.
 
     IMPL=lockstep OUT=/tmp/fab_lockstep python checks/fabric_run.py
 """
@@ -20,8 +21,11 @@ if __name__ == "__main__":
     fabric.seed_everything(0)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if os.environ.get("COMPILE") == "1":
+        model = torch.compile(model, backend="aot_eager")
     model, opt = fabric.setup(model, opt)
-    cls = check_ddp_class(model._forward_module)
+    wrapped = model._forward_module
+    cls = check_ddp_class(getattr(wrapped, "_orig_mod", wrapped))  # compiled: torch.compile(DDP(module))
     x, y = digits(512)
     loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16))
     for i, (xb, yb) in enumerate(loader):
