@@ -31,6 +31,9 @@ all-reduce of the model's gradients (one flat buffer, and 25 MB chunks in flight
 the all-reduce-alone floor.
 
     python benchmarks/ddp_step.py [--models mlp,cnn,transformer] [--threads 1] [--blocks 5] [--block-steps 8]
+
+``--compile inductor`` compiles every module before wrapping it (``DDP(torch.compile(m))``, nanoGPT's order):
+both DDPs then get dynamo's graph split at their buckets (``lockstep.ddp.compiled``).
 """
 
 from __future__ import annotations
@@ -98,12 +101,14 @@ RATIOS = (("lockstep_25", "torch"), ("lockstep_auto", "torch"), ("lockstep_fp16"
           ("lockstep_25", "floor"), ("lockstep_fp16_called", "torch_fp16"), ("lockstep_fp16", "lockstep_fp16_called"))
 
 
-def _build(name: str, build):
+def _build(name: str, build, compile_backend: str = ""):
     import lockstep
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     torch.manual_seed(0)
     module = build()
+    if compile_backend:  # nanoGPT's order: compiled, then wrapped (every contender alike)
+        module = torch.compile(module, backend=compile_backend)
     if name == "compute":
         return module
     if name == "floor":
@@ -189,12 +194,16 @@ def _summarise(times: dict[str, list[float]], blocks: int) -> dict:
 def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
+    if args.compile:  # one compiled forward per contender and model: more than dynamo's default 8 recompiles
+        from torch._dynamo import config as dynamo_config
+
+        dynamo_config.cache_size_limit = 64
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         report = {}
         for kind in args.models:
             build, batch = MODELS[kind]
-            models = {name: _build(name, build) for name in args.contenders}
+            models = {name: _build(name, build, args.compile) for name in args.contenders}
             optims = {name: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for name, m in models.items()}
             x, y = batch(torch.Generator().manual_seed(rank))
             auto = models.get("lockstep_auto")
@@ -235,7 +244,7 @@ def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
 def _markdown(report: dict, args, load: tuple[float, ...]) -> str:
     lines = [
         f"# DDP step time, {args.world_size} ranks x {args.threads} thread(s), gloo, torch {torch.__version__} "
-        f"({datetime.datetime.now():%Y-%m-%d %H:%M})",
+        f"({datetime.datetime.now():%Y-%m-%d %H:%M})" + (f", modules torch.compile'd ({args.compile})" if args.compile else ""),
         "",
         f"{args.blocks} blocks of {args.block_steps} interleaved steps after {args.warmup} warm-up; load average "
         f"before: {' / '.join(f'{v:.2f}' for v in load)}. Step ms = median of block medians; ratio = median of "
@@ -284,6 +293,8 @@ def main(argv=None) -> int:
     parser.add_argument("--block-steps", type=int, default=8, help="interleaved iterations per block")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--allreduce-reps", type=int, default=10)
+    parser.add_argument("--compile", default="", metavar="BACKEND",
+                        help="torch.compile every module with this backend (inductor, aot_eager) before wrapping")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="'' to write nothing")
     args = parser.parse_args(argv)
     args.models = args.models.split(",")
@@ -315,6 +326,7 @@ def main(argv=None) -> int:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         stem = f"ddp_step_{datetime.datetime.now():%Y-%m-%d_%H%M%S}_n{args.world_size}_t{args.threads}"
+        stem += f"_compile-{args.compile}" if args.compile else ""
         with open(os.path.join(args.out, stem + ".md"), "w") as f:
             f.write(text + "\n")
         with open(os.path.join(args.out, stem + ".json"), "w") as f:
