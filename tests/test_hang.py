@@ -25,7 +25,7 @@ from lockstep.process_group import free_port
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "hang_scripts" / "hang_cases.py"
 HANG_TIMEOUT_S = 6.0  # a few seconds, with margin for a loaded machine: the healthy cases must never trip it
-WORLD = {"data": 3, "skip": 2, "fewer": 2, "extra": 2, "kill": 2, "branch": 2, "slow": 2}
+WORLD = {"data": 3, "skip": 2, "fewer": 2, "extra": 2, "kill": 2, "branch": 2, "raise": 2, "slow": 2}
 JOB_LIMIT_S = 240  # a case still running by then has hung for real: it is killed and fails
 
 pytestmark = pytest.mark.timeout(JOB_LIMIT_S + 60)
@@ -175,6 +175,20 @@ def test_ranks_whose_models_take_different_branches(jobs):
     for out in job["out"]:
         assert "parameters received no gradient in this backward" in out and "(rank 1: 'b.weight', 'b.bias')" in out
         assert "lockstep hang report" not in out
+        # each rank exited on that same error, as its peer's last record says: no failure report adds to it
+        assert "lockstep failure report" not in out, out
+
+
+def test_rank_that_raises_is_named_with_its_error(jobs):
+    # rank 1's forward raises; rank 0's all-reduce then fails on the closed connection. Rank 1's last record
+    # says it exited and on what, so rank 0's report names that error instead of "stopped responding".
+    job = jobs["raise"]
+    assert job["rc"] == [1, 1], job["rc"]
+    assert_ended_in_time(job)
+    assert re.search(r"lockstep failure report \(rank 0\): rank 1 exited on an error of its own \(ValueError: a bad batch "
+                     r"on purpose\) in forward of step 3; rank 0 failed in all-reduce of bucket 0 \(collective #\d+\) of step 3",
+                     job["out"][0]), job["out"][0]
+    assert "stopped responding" not in job["out"][0] and "lockstep failure report" not in job["out"][1]
 
 
 def test_long_healthy_step_is_not_reported(jobs):

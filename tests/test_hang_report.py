@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lockstep.diagnostics.progress import Progress, ProgressObserver, current_collective, user_location
-from lockstep.diagnostics.report import describe, diagnose
+from lockstep.diagnostics.report import describe, diagnose, failure_report
 from lockstep.diagnostics.watchdog import DEFAULT_HANG_TIMEOUT_S, FROM_ENV, resolve_hang_timeout
 
 
@@ -42,6 +42,20 @@ def test_ranks_in_different_collectives():
     assert diagnose(infos, infos, 2) == ("rank 1 is in all-reduce of bucket 1 (collective #7) of step 3 instead: the ranks' "
                                          "collectives differ (in the end of backward at train.py:10 in main); "
                                          "rank 0 waits in all-reduce of bucket 2 (collective #8) of step 3")
+
+
+def test_failure_report_says_what_became_of_each_peer():
+    # rank 0's all-reduce failed; rank 1 exited on an error of its own, rank 2 exited cleanly (fewer batches),
+    # rank 3 stopped beating. Each peer's last record says which (``Watchdog._note_exit``).
+    mine = {**rec(4, "wait", 0, 9), "rank": 0, "stacks": "Traceback ...\nRuntimeError: Connection closed by peer"}
+    records = {1: {**rec(4, "forward"), "exited": True, "error": "ValueError: bad batch"},
+               2: {**rec(3, "data"), "exited": True, "error": None}, 3: rec(4, "backward", 0, 8)}
+    head = failure_report(0, mine, records, [1, 2, 3], 4).splitlines()[1]
+    assert head == ("lockstep failure report (rank 0): rank 1 exited on an error of its own (ValueError: bad batch) in "
+                    "forward of step 5; rank 2 exited without an error after data loading before step 4; rank 3 "
+                    "stopped responding (its last heartbeat showed backward of step 5, bucket 0 launched last): it "
+                    "died or is frozen; rank 0 failed in all-reduce of bucket 0 (collective #9) of step 5 (in the "
+                    "end of backward at train.py:10 in main)"), head
 
 
 def test_describe_phases():

@@ -166,6 +166,10 @@ def test_report_names_the_cause_when_two_failures_share_a_second(tmp_path):
     report = failure_report(error, logs)
     assert report.rank == 1 and str(report).startswith("lockstep launch: worker rank 1 (local rank 1"), str(report)
     assert "the cause" in str(report) and "also failed: rank 0 (exit code 1)" in str(report)
+    # A worker the agent stopped (SIGTERM) in the same second is not the cause, however early its last write.
+    failures[0].exitcode = -signal.SIGTERM
+    os.utime(logs.last_dest.stderrs[0], (1_000_000_000.0, 1_000_000_000.0))
+    assert failure_report(ChildFailedError("raises.py", failures), logs).rank == 1
     failures[0].timestamp = 1_000_000_001  # a second earlier: the timestamps decide, as torch's
     assert failure_report(ChildFailedError("raises.py", failures), logs).rank == 0
 

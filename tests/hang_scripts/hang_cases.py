@@ -30,8 +30,12 @@ class Net(torch.nn.Module):
         self.c = torch.nn.Linear(64, 64)
         self.head = torch.nn.Linear(64, 4)
         self.only_c = False  # a branch one rank may take: the start-up check sees the same shapes
+        self.explode = False  # a forward that raises on one rank
 
     def forward(self, x):
+        if self.explode:
+            mark()
+            raise ValueError("a bad batch on purpose")  # CASE:raise the rank leaves; its peer's all-reduce fails
         h = torch.relu(self.a(x))
         h = torch.relu(self.c(h)) if self.only_c else torch.relu(self.b(h)) + torch.relu(self.c(h))
         if CASE == "slow" and dist.get_rank() == 0:
@@ -68,6 +72,7 @@ def main():
             mark()
             time.sleep(1000)  # CASE:data a data loader that never returns
         model.only_c = CASE == "branch" and bad  # CASE:branch
+        model.explode = CASE == "raise" and bad
         out = ddp(x)  # CASE:forward
         loss = torch.nn.functional.cross_entropy(out, y)
         if CASE == "skip" and bad:

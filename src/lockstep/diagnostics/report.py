@@ -125,10 +125,19 @@ def hang_report(alarm: dict[str, Any], infos: dict[int, Any], records: dict[int,
     return "\n".join(lines)
 
 
+def _gone(r: int, rec: dict[str, Any]) -> str:
+    """What became of a peer that stopped beating: its last record says whether it exited, and on what."""
+    if rec.get("exited"):
+        if rec.get("error"):
+            return f"rank {r} exited on an error of its own ({rec['error']}) in {describe(rec)}"
+        return f"rank {r} exited without an error after {describe(rec)}"
+    return f"rank {r} stopped responding (its last heartbeat showed {describe(rec)}): it died or is frozen"
+
+
 def failure_report(rank: int, info: dict[str, Any], records: dict[int, Any], silent: list[int], world_size: int) -> str:
-    """A rank left a DDP step with an error (a collective failed) while ``silent`` ranks stopped beating."""
-    gone = "; ".join(f"rank {r} stopped responding (its last heartbeat showed {describe(records[r])})" for r in silent)
-    lines = [_RULE, f"lockstep failure report (rank {rank}): {gone}: it died or is frozen; "
+    """A rank left a DDP step with an error (a collective failed) while ``silent`` ranks stopped beating or exited."""
+    gone = "; ".join(_gone(r, records[r]) for r in silent)
+    lines = [_RULE, f"lockstep failure report (rank {rank}): {gone}; "
              f"rank {rank} failed in {describe(info)} ({_doing(info)})", "",
              *_table({rank: info}, records, world_size), "",
              f"--- rank {rank}: the error that ended its step ---", info["stacks"].rstrip(), _RULE]

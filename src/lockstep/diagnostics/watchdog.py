@@ -16,7 +16,8 @@ attribute writes (``progress``); the thread does one store ``set`` and one ``che
 Then every rank leaves with ``os._exit(HANG_EXIT_CODE)``: the job ends within about
 ``hang_timeout_s + 2 * tick_s + 2 * grace_s + 1`` s of the stall (under 2 x ``hang_timeout_s`` from
 4 s up), instead of gloo's or NCCL's 30-minute default. A rank that leaves a DDP step with an exception (a peer died and the
-collective failed) writes the same kind of report at exit, naming the ranks that stopped beating.
+collective failed) writes the same kind of report at exit, naming the ranks that stopped beating, or
+that exited and on what error (every rank notes in its last record that it is exiting, and why).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class Watchdog(threading.Thread):
         self.stopped = threading.Event()
         self.reporting = threading.Lock()
         self.report_started = False
+        self.exit_note: dict[str, Any] | None = None  # in the last record: this process is exiting, on what error
         atexit.register(self._at_exit)
 
     def set_timeout(self, hang_timeout_s: float) -> None:
@@ -136,6 +138,8 @@ class Watchdog(threading.Thread):
         self.beat += 1
         record = self.progress.snapshot()
         record.update(beat=self.beat, wall=time.time())
+        if self.exit_note is not None:
+            record.update(self.exit_note)
         self.store.set(f"p{self.rank}", json.dumps(record))
 
     def stall_reason(self) -> str | None:
@@ -210,6 +214,7 @@ class Watchdog(threading.Thread):
         if self.report_started:
             time.sleep(3 * self.grace_s + 5)  # the report's os._exit ends the process meanwhile
         try:
+            self._note_exit()
             if self.is_alive() and not self.stopped.is_set() and self.progress.phase in DDP_PHASES:
                 self._report_failure()
         finally:
@@ -217,15 +222,34 @@ class Watchdog(threading.Thread):
             if self.is_alive() and threading.current_thread() is not self:
                 self.join(timeout=5.0)
 
+    def _note_exit(self) -> None:
+        """Tell the peers that this process is exiting, and on which error: a peer whose collective fails
+        because of it then says so instead of "stopped responding" (one store write, at exit)."""
+        error = getattr(sys, "last_value", None)  # an uncaught exception ends the main thread
+        text = None
+        if error is not None:
+            first = str(error).strip().splitlines()[:1]
+            text = f"{type(error).__name__}: {first[0] if first else ''}"[:240]
+        self.exit_note = {"exited": True, "error": text}
+        if not self.is_alive():
+            return  # the group was destroyed (the thread ended with it), or the watchdog never ran
+        try:
+            self.publish()
+        except Exception:
+            pass  # the store is gone (its host exited first): nothing to tell
+
     def _report_failure(self) -> None:
-        """The process is exiting from inside a DDP step (a collective failed): say which peers stopped beating."""
+        """The process is exiting from inside a DDP step (a collective failed): say which peers stopped beating
+        or exited (on what error, from their last record). None where every peer exited on this rank's error."""
         try:
             before = self.records()
             time.sleep(2.5 * self.tick_s)  # long enough for every live rank to beat again
             after = self.records()
-            silent = sorted(r for r in after if r != self.rank and after[r]["beat"] == before.get(r, {}).get("beat"))
-            if not silent:
-                return
+            silent = sorted(r for r in after if r != self.rank and
+                            (after[r].get("exited") or after[r]["beat"] == before.get(r, {}).get("beat")))
+            mine = self.exit_note and self.exit_note["error"]
+            if not silent or (mine and all(after[r].get("error") == mine for r in silent)):
+                return  # every peer left on this rank's own error: each printed it, there is nothing to add
             # The training thread's stack is gone by now; the exception that ended it says where it was.
             tb = getattr(sys, "last_traceback", None)
             frame, stacks = None, None

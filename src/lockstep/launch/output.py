@@ -109,21 +109,23 @@ def describe_exit(exitcode: int) -> str:
 
 
 def _first_failure(error: ChildFailedError, logs: RankLogsSpecs) -> tuple[int, ProcessFailure]:
-    """torch's first failure, by its timestamp, which is in whole seconds. Where failures share the second
-    (a rank raises, and its peer's collective fails on the connection it closed), the root cause is the one
-    whose stderr was last written first: the peer's error is printed after the cause has exited."""
+    """torch's first failure, by its timestamp, which is in whole seconds. Where failures share the second,
+    a worker the agent stopped (SIGTERM, sent to the rest once one failed) is not the cause; among the others
+    (a rank raises, and its peer's collective fails on the connection it closed) the cause is the one whose
+    stderr was last written first: the peer's error is printed after the cause has exited."""
     rank, failure = error.get_first_failure()
     tied = {r: f for r, f in error.failures.items() if f.timestamp == failure.timestamp}
     if len(tied) < 2 or logs.last_dest is None:
         return rank, failure
 
-    def last_write_ns(item: tuple[int, ProcessFailure]) -> float:
+    def order(item: tuple[int, ProcessFailure]) -> tuple[bool, float]:
+        stopped = item[1].exitcode == -signal.SIGTERM
         try:
-            return os.stat(logs.last_dest.stderrs[item[1].local_rank]).st_mtime_ns
+            return stopped, os.stat(logs.last_dest.stderrs[item[1].local_rank]).st_mtime_ns
         except (KeyError, OSError, TypeError):
-            return float("inf")  # no log: torch's order decides
+            return stopped, float("inf")  # no log: torch's order decides
 
-    return min(sorted(tied.items()), key=last_write_ns)
+    return min(sorted(tied.items()), key=order)
 
 
 def failure_report(
