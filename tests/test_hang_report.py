@@ -58,6 +58,13 @@ def test_failure_report_says_what_became_of_each_peer():
                     "end of backward at train.py:10 in main)"), head
 
 
+def test_hang_diagnosis_names_a_peer_that_exited_on_its_own_error():
+    infos = {0: rec(2, "wait", 0, 7)}
+    records = {**infos, 1: {**rec(2, "forward"), "exited": True, "error": "ValueError: a bad batch"}}
+    assert diagnose(infos, records, 2) == ("rank 1 exited on an error of its own (ValueError: a bad batch) in forward "
+                                           "of step 3; rank 0 waits in all-reduce of bucket 0 (collective #7) of step 3")
+
+
 def test_describe_phases():
     assert describe(rec(0, "data")) == "data loading before step 1"
     assert describe(rec(3, "optimizer")) == "optimizer after step 3"

@@ -89,6 +89,10 @@ def main():
     mark()
     dist.barrier()  # CASE:end every rank meets here after training
     print(f"rank {rank} finished {steps} steps", flush=True)
+    if CASE == "grad_end":  # a backward that reduces nothing (torch.autograd.grad), then an exit without teardown
+        x, _ = batch(0, rank)
+        torch.autograd.grad(ddp(x).sum(), list(ddp.parameters()))
+        return
     dist.destroy_process_group()
 
 

@@ -71,6 +71,9 @@ def diagnose(infos: dict[int, Any], records: dict[int, Any], world_size: int) ->
     parts = []
     for r in silent:
         rec = records.get(r)
+        if rec and rec.get("exited"):
+            parts.append(_gone(r, rec))
+            continue
         last = f"last seen in {describe(rec)}" if rec else "never published progress"
         parts.append(f"rank {r} does not respond ({last}): it died or is frozen")
     for r, i in sorted(infos.items()):

@@ -124,6 +124,8 @@ class Watchdog(threading.Thread):
                 if not dist.is_initialized():
                     return  # the group was destroyed: nothing more to watch
                 self.publish()
+                if self.exit_note is not None:
+                    continue  # exiting on its own error (or cleanly): that is its report, not a hang's exit code
                 if self.store.check(["alarm"]):
                     self.report_and_exit(json.loads(self.store.get("alarm")))
                 reason = self.stall_reason()
@@ -215,7 +217,13 @@ class Watchdog(threading.Thread):
             time.sleep(3 * self.grace_s + 5)  # the report's os._exit ends the process meanwhile
         try:
             self._note_exit()
-            if self.is_alive() and not self.stopped.is_set() and self.progress.phase in DDP_PHASES:
+            # Only an exit on a failed collective (DDP's wait, or any torch.distributed error): a clean exit may
+            # find the phase stale (a backward that reduced nothing, torch.autograd.grad), and an error of this
+            # rank's own (a ValueError in forward) is its own report, where waiting to watch the peers' beats
+            # would only keep them waiting for this rank's sockets to close.
+            error = getattr(sys, "last_value", None)
+            failed = error is not None and (self.progress.phase == "wait" or isinstance(error, dist.DistError))
+            if failed and self.is_alive() and not self.stopped.is_set() and self.progress.phase in DDP_PHASES:
                 self._report_failure()
         finally:
             self.stop()
