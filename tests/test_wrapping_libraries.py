@@ -2,7 +2,8 @@
 
 Each case runs the same script twice (IMPL=torch, IMPL=lockstep) under the library's own launcher and
 compares every rank's final state_dict with torch.equal. Skipped when the library is not installed.
-Cost on 2 cores: ~70 s (accelerate, ~55 s more with dynamo), ~100 s (lightning, 4 fits x 2), ~30 s (fabric; ~40 s more compiled).
+Cost on 2 cores: ~70 s (accelerate), ~100 s (lightning, 4 fits x 2), ~30 s (fabric); the compiled cases
+~100 s more (LOCKSTEP_COMPILED_LIBRARIES=1, a step of CI's own).
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import torch
 
 HERE = Path(__file__).resolve().parent / "library_scripts"
 PY = sys.executable
+# The compiled cases (accelerate's --dynamo_backend, Fabric with a compiled model) cost ~100 s more: CI runs them
+# in a step of its own (.ci/run); tests/test_compile.py covers both orders of torch.compile in every run.
+_COMPILED = pytest.mark.skipif(os.environ.get("LOCKSTEP_COMPILED_LIBRARIES") != "1",
+                               reason="about 100 s: set LOCKSTEP_COMPILED_LIBRARIES=1 (CI does)")
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: int = 400) -> None:
@@ -64,7 +69,7 @@ def _loads_without_lockstep(directory: Path) -> None:
 
 
 @pytest.mark.parametrize("env_hook, comm_hook, dynamo", [(False, "no", "no"), (True, "no", "no"), (False, "fp16", "no"),
-                                                     (False, "no", "aot_eager")],
+                                                     pytest.param(False, "no", "aot_eager", marks=_COMPILED)],
                          ids=["use_as_torch_ddp", "env_var", "fp16_comm_hook", "dynamo_backend"])
 def test_accelerate_bit_identical(tmp_path, env_hook, comm_hook, dynamo):
     pytest.importorskip("accelerate")
@@ -97,7 +102,7 @@ def test_lightning_bit_identical(tmp_path, strategy):
     _loads_without_lockstep(tmp_path / "lockstep")
 
 
-@pytest.mark.parametrize("compile_", ["0", "1"], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compile_", ["0", pytest.param("1", marks=_COMPILED)], ids=["eager", "compiled"])
 def test_fabric_bit_identical(tmp_path, compile_):
     pytest.importorskip("lightning")
     for impl in ("torch", "lockstep"):
