@@ -216,12 +216,12 @@ class Watchdog(threading.Thread):
         if self.report_started:
             time.sleep(3 * self.grace_s + 5)  # the report's os._exit ends the process meanwhile
         try:
-            self._note_exit()
+            error = getattr(sys, "last_value", None)  # an uncaught exception ends the main thread
+            self._note_exit(error)
             # Only an exit on a failed collective (DDP's wait, or any torch.distributed error): a clean exit may
             # find the phase stale (a backward that reduced nothing, torch.autograd.grad), and an error of this
             # rank's own (a ValueError in forward) is its own report, where waiting to watch the peers' beats
             # would only keep them waiting for this rank's sockets to close.
-            error = getattr(sys, "last_value", None)
             failed = error is not None and (self.progress.phase == "wait" or isinstance(error, dist.DistError))
             if failed and self.is_alive() and not self.stopped.is_set() and self.progress.phase in DDP_PHASES:
                 self._report_failure()
@@ -230,10 +230,9 @@ class Watchdog(threading.Thread):
             if self.is_alive() and threading.current_thread() is not self:
                 self.join(timeout=5.0)
 
-    def _note_exit(self) -> None:
-        """Tell the peers that this process is exiting, and on which error: a peer whose collective fails
-        because of it then says so instead of "stopped responding" (one store write, at exit)."""
-        error = getattr(sys, "last_value", None)  # an uncaught exception ends the main thread
+    def _note_exit(self, error: BaseException | None) -> None:
+        """Tell the peers that this process is exiting, and on which error (None: a clean exit): a peer whose
+        collective fails because of it then says so instead of "stopped responding" (one store write, at exit)."""
         text = None
         if error is not None:
             first = str(error).strip().splitlines()[:1]
