@@ -280,6 +280,47 @@ def _errors(rank, impl):
     return out
 
 
+# ------------------------------------------------------------------ 11. find_unused_parameters with nothing unused
+def _all_used_warning(rank):
+    """torch's DDP warns once (from C++, to stderr) when find_unused_parameters=True finds nothing unused;
+    lockstep warns once per process too, as a Python UserWarning that also says what the walk cost."""
+    from lockstep.ddp import reducer_state
+
+    def warned(make, steps=2):
+        reducer_state._warned_all_used = False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = make()
+            for _ in range(steps):
+                model(torch.ones(2, 3), use_both=True).sum().backward()
+        return [str(w.message) for w in caught if "find_unused_parameters" in str(w.message)]
+
+    import lockstep
+
+    DDP = lockstep.DistributedDataParallel
+    out = {"all_used": warned(lambda: DDP(_Unused(), find_unused_parameters=True)),
+           "default": warned(lambda: DDP(_Unused())),
+           "static": warned(lambda: DDP(_Unused(), find_unused_parameters=True, static_graph=True))}
+    # One per process, however many wrappers: a second model after the first warned says nothing.
+    reducer_state._warned_all_used = False
+    warned_first = warned(lambda: DDP(_Unused(), find_unused_parameters=True), steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DDP(_Unused(), find_unused_parameters=True)(torch.ones(2, 3), use_both=True).sum().backward()
+    out["second_model"] = (len(warned_first), [str(w.message) for w in caught if "find_unused" in str(w.message)])
+
+    # A forward that leaves a parameter unused: nothing to warn about.
+    def unused_then_all():
+        reducer_state._warned_all_used = False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            DDP(_Unused(), find_unused_parameters=True)(torch.ones(2, 3), use_both=False).sum().backward()
+        return [str(w.message) for w in caught if "find_unused" in str(w.message)]
+
+    out["some_unused"] = unused_then_all()
+    return out
+
+
 def _all_cases(rank, world_size):
     cases = {
         "pickling": _pickling, "no_grad_module": _no_grad_module, "create_graph": _create_graph,
@@ -289,6 +330,7 @@ def _all_cases(rank, world_size):
     }
     out = {name: {impl: fn(rank, impl) for impl in IMPLS} for name, fn in cases.items()}
     out["local_partial_outputs"] = _local_partial_outputs(world_size)
+    out["all_used_warning"] = _all_used_warning(rank)
     return out
 
 
@@ -379,3 +421,16 @@ def test_errors_carry_torch_key_sentences(results):
         for impl in IMPLS:
             assert dropped in r["errors"][impl]["static_dropped"][1], impl
             assert "Your training graph has changed in this iteration" in r["errors"][impl]["static_added"][1], impl
+
+
+def test_find_unused_with_nothing_unused_warns_once_with_its_cost(results):
+    for r in results:
+        w = r["all_used_warning"]
+        assert len(w["all_used"]) == 1, w  # two iterations, one warning (once per process, as torch's)
+        text = w["all_used"][0]
+        n = len(list(_Unused().parameters()))
+        for part in ("find_unused_parameters=True", "did not find any unused parameters", f"all {n} were used",
+                     "nodes,", "ms on this rank", "pass find_unused_parameters=False"):
+            assert part in text, (part, text)
+        assert w["default"] == [] and w["static"] == [] and w["some_unused"] == []
+        assert w["second_model"] == (1, [])

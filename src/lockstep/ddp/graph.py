@@ -34,8 +34,9 @@ def output_tensors(outputs: Any) -> list[torch.Tensor]:
     return found
 
 
-def reachable_params(outputs: Any, index_of: dict[int, int]) -> set[int]:
-    """Indices (via ``index_of``: id(param) -> index) of parameters the outputs' graph leads to.
+def reachable_params(outputs: Any, index_of: dict[int, int]) -> tuple[set[int], int]:
+    """Indices (via ``index_of``: id(param) -> index) of parameters the outputs' graph leads to, and the
+    number of graph nodes visited.
 
     Costs one Python visit per graph node, each forward (only with find_unused_parameters).
     """
@@ -55,7 +56,7 @@ def reachable_params(outputs: Any, index_of: dict[int, int]) -> set[int]:
         for next_node, _ in node.next_functions:
             if next_node is not None and next_node not in seen:
                 stack.append(next_node)
-    return used
+    return used, len(seen)
 
 
 def on_backward_start(outputs: Any, callback: Callable[[], None]) -> int:
