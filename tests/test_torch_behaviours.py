@@ -293,7 +293,7 @@ def _all_used_warning(rank):
             model = make()
             for _ in range(steps):
                 model(torch.ones(2, 3), use_both=True).sum().backward()
-        return [str(w.message) for w in caught if "find_unused_parameters" in str(w.message)]
+        return [str(w.message) for w in caught if "did not find any unused" in str(w.message)]
 
     import lockstep
 
@@ -307,7 +307,7 @@ def _all_used_warning(rank):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         DDP(_Unused(), find_unused_parameters=True)(torch.ones(2, 3), use_both=True).sum().backward()
-    out["second_model"] = (len(warned_first), [str(w.message) for w in caught if "find_unused" in str(w.message)])
+    out["second_model"] = (len(warned_first), [str(w.message) for w in caught if "did not find any unused" in str(w.message)])
 
     # A forward that leaves a parameter unused: nothing to warn about.
     def unused_then_all():
@@ -315,10 +315,36 @@ def _all_used_warning(rank):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             DDP(_Unused(), find_unused_parameters=True)(torch.ones(2, 3), use_both=False).sum().backward()
-        return [str(w.message) for w in caught if "find_unused" in str(w.message)]
+        return [str(w.message) for w in caught if "did not find any unused" in str(w.message)]
 
     out["some_unused"] = unused_then_all()
     return out
+
+
+# ------------------------------------------------------------------ 12. the constructor's and _set_static_graph's warnings
+def _setup_warnings(rank, impl):
+    """Which warning categories each set-up gives (torch's in torch's words, lockstep's in its own)."""
+    DDP = _ddp_class(impl)
+
+    def categories(fn):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+        return [(w.category.__name__, w.message.args[0][:200]) for w in caught
+                if "static" in str(w.message) or "check_reduction" in str(w.message)]
+
+    def set_twice(find_unused):
+        model = DDP(nn.Linear(3, 3), find_unused_parameters=find_unused)
+        model._set_static_graph()
+        model._set_static_graph()
+
+    return {
+        "check_reduction": categories(lambda: DDP(nn.Linear(3, 3), check_reduction=True)),
+        "static_find_unused": categories(lambda: DDP(nn.Linear(3, 3), static_graph=True, find_unused_parameters=True)),
+        "static": categories(lambda: DDP(nn.Linear(3, 3), static_graph=True)),
+        "set_twice": categories(lambda: set_twice(False)),
+        "set_with_find_unused": categories(lambda: set_twice(True)),
+    }
 
 
 def _all_cases(rank, world_size):
@@ -326,7 +352,7 @@ def _all_cases(rank, world_size):
         "pickling": _pickling, "no_grad_module": _no_grad_module, "create_graph": _create_graph,
         "partial_outputs": _partial_outputs, "undefined_grads": _undefined_grads, "shared": _shared_parameter,
         "functional_call": _functional_call, "api": _api, "reassigned_buffer": _reassigned_buffer,
-        "errors": _errors,
+        "errors": _errors, "setup_warnings": _setup_warnings,
     }
     out = {name: {impl: fn(rank, impl) for impl in IMPLS} for name, fn in cases.items()}
     out["local_partial_outputs"] = _local_partial_outputs(world_size)
@@ -434,3 +460,14 @@ def test_find_unused_with_nothing_unused_warns_once_with_its_cost(results):
             assert part in text, (part, text)
         assert w["default"] == [] and w["static"] == [] and w["some_unused"] == []
         assert w["second_model"] == (1, [])
+
+
+def test_setup_warnings_as_torch(results):
+    for r in results:
+        ours, theirs = r["setup_warnings"]["lockstep"], r["setup_warnings"]["torch"]
+        # The same warnings, of the same categories, for the same set-ups (the words are lockstep's own).
+        assert {k: [c for c, _ in v] for k, v in ours.items()} == {k: [c for c, _ in v] for k, v in theirs.items()}, (ours, theirs)
+        assert [c for c, _ in ours["check_reduction"]] == ["FutureWarning"] and ours["static"] == []
+        assert "check_reduction" in ours["check_reduction"][0][1]
+        assert "find_unused_parameters=True" in ours["static_find_unused"][0][1]
+        assert len(ours["set_with_find_unused"]) == 2 and "already True" in ours["set_twice"][0][1]

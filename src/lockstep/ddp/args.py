@@ -38,6 +38,23 @@ def reject_unsupported(
         )
 
 
+STATIC_WITH_FIND_UNUSED = (
+    "find_unused_parameters=True was passed together with static graph: a static graph finds the unused parameters "
+    "itself in its first iteration, so find_unused_parameters=True is not needed (it adds nothing); make sure the "
+    "set of unused parameters does not change during training."
+)
+
+
+def warn_like_torch(check_reduction: bool, static_graph: bool, find_unused_parameters: bool) -> None:
+    """The constructor warnings torch's DDP gives (FutureWarning for ``check_reduction``, a UserWarning for a
+    static graph with find_unused_parameters), in lockstep's words, so ``-W error`` and warning filters see them."""
+    if check_reduction:
+        warnings.warn("DistributedDataParallel: `check_reduction` is deprecated (in torch as here) and ignored; "
+                      "do not pass it.", FutureWarning, stacklevel=3)
+    if static_graph and find_unused_parameters:
+        warnings.warn(STATIC_WITH_FIND_UNUSED, UserWarning, stacklevel=3)
+
+
 def resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup:
     """The group to average over: ``process_group``, a 1-D ``device_mesh``'s group, or the default group."""
     if device_mesh is not None:

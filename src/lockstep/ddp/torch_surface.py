@@ -11,11 +11,13 @@ names the method and says why, instead of a confusing failure deep inside torch'
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lockstep.ddp.args import STATIC_WITH_FIND_UNUSED
 from lockstep.ddp.replicas import broadcast_coalesced, named_syncable_buffers
 
 # torch's methods that work unchanged on lockstep's wrapper (they read only attributes it has).
@@ -105,11 +107,15 @@ class WrapperSurface:
             )
 
     def _set_static_graph(self) -> None:
-        """Turn on ``static_graph`` after construction, before the first backward (as torch's private API)."""
+        """Turn on ``static_graph`` after construction, before the first backward (as torch's private API, with
+        its two warnings: already static, and find_unused_parameters=True made redundant)."""
         if self.static_graph:
+            warnings.warn("static_graph is already True for this DistributedDataParallel: nothing to set again.", stacklevel=2)
             return
         self.reducer._set_static_graph()
         self.static_graph = True
+        if self.find_unused_parameters:
+            warnings.warn(STATIC_WITH_FIND_UNUSED, UserWarning, stacklevel=2)
 
     def _check_reducer_finalized(self) -> None:
         self.reducer._check_reducer_finalized()

@@ -27,8 +27,10 @@ from lockstep.ddp.fused_compress import fused_compression
 from lockstep.ddp.observe import attach
 from lockstep.diagnostics.progress import observer_for
 from lockstep.diagnostics.watchdog import FROM_ENV, resolve_hang_timeout, watch_for_hangs
-from lockstep.ddp.args import caps_from_list, ignored_names, reject_unsupported, resolve_buffer_sync, resolve_group
+from lockstep.ddp.args import (caps_from_list, ignored_names, reject_unsupported, resolve_buffer_sync, resolve_group,
+                               warn_like_torch)
 from lockstep.ddp.graph import on_backward_start
+from lockstep.ddp.pickling import Pickling
 from lockstep.ddp.optim_in_backward import take_over_optimizers_in_backward
 from lockstep.ddp.join import DDPJoinHook, backward_sync_round, common_rank
 from lockstep.ddp import buffer_sync
@@ -39,13 +41,7 @@ from lockstep.ddp.torch_surface import WrapperSurface, close_inherited, closed_m
 DEFAULT_BUCKET_CAP_MB = 25.0
 
 
-def _default_group() -> dist.ProcessGroup:
-    if not dist.is_initialized():
-        raise RuntimeError("DistributedDataParallel: no default process group to load onto: call init_process_group first")
-    return dist.group.WORLD
-
-
-class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParallel):
+class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedDataParallel):
     """Data parallelism with bucketed all-reduce overlapped with backward.
 
     Args (as torch's):
@@ -162,6 +158,7 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         reject_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, skip_all_reduce_unused_params)
+        warn_like_torch(check_reduction, static_graph, find_unused_parameters)
         process_group = resolve_group(process_group, device_mesh)
         devices = {p.device for p in module.parameters()}
         self.device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
@@ -231,26 +228,6 @@ class DistributedDataParallel(WrapperSurface, nn.parallel.DistributedDataParalle
         if watch_for_hangs(self.process_group, getattr(self, "hang_timeout_s", None)):
             reducer.observer = attach(reducer.observer, observer_for(reducer))  # the watchdog reads its progress
         return reducer
-
-    # ----------------------------------------------------------------- pickling
-    def __getstate__(self) -> dict:
-        """As torch's: the process group and the reducer stay behind; loading rebuilds them on the default group."""
-        if self.process_group is not dist.group.WORLD and self.process_group is not _default_group():
-            raise RuntimeError(
-                "DDP Pickling/Unpickling are only supported when using DDP with the default process group. That is, "
-                "when you have called init_process_group and have not passed process_group argument to DDP constructor"
-            )
-        state = dict(self.__dict__)
-        del state["process_group"], state["reducer"]
-        for name in ("_replica_check", "trace", "_profiler_ranges"):  # hold the group, the store: rebuilt on load
-            state.pop(name, None)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.process_group = _default_group()
-        self.reducer = self._build_reducer()
-        diagnose.setup(self, state.get("check_replicas_every"), state.get("detect_nonfinite", False), None, None)  # no trace
 
     # ----------------------------------------------------------------- forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
