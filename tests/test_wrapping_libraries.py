@@ -2,7 +2,8 @@
 
 Each case runs the same script twice (IMPL=torch, IMPL=lockstep) under the library's own launcher and
 compares every rank's final state_dict with torch.equal. Skipped when the library is not installed.
-Cost on 2 cores: ~70 s (accelerate), ~100 s (lightning, 4 fits x 2), ~30 s (fabric); the compiled cases
+Cost on 2 cores: ~70 s (accelerate), ~100 s (lightning, 4 fits x 2), ~30 s (fabric), ~70 s (Transformers' Trainer,
+2 cases); the compiled cases
 ~100 s more (LOCKSTEP_COMPILED_LIBRARIES=1, a step of CI's own).
 """
 
@@ -100,6 +101,22 @@ def test_lightning_bit_identical(tmp_path, strategy):
     for rank in (0, 1):
         _assert_identical(tmp_path / f"torch.rank{rank}.pt", tmp_path / f"lockstep.rank{rank}.pt")
     _loads_without_lockstep(tmp_path / "lockstep")
+
+
+@pytest.mark.parametrize("grad_ckpt", ["0", "1"], ids=["find_unused", "activation_checkpointing"])
+def test_hf_trainer_bit_identical(tmp_path, grad_ckpt):
+    """Transformers' Trainer (through Accelerate, with its own DDP arguments) on a tiny Llama built from its config:
+    the straight run and a resume from its step-8 checkpoint end bit-identical to torch's DDP."""
+    pytest.importorskip("transformers")
+    for impl in ("torch", "lockstep"):
+        _run([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "hf_trainer_run.py"],
+             {"IMPL": impl, "GRAD_CKPT": grad_ckpt, "OUT": str(tmp_path / f"{impl}.pt"), "CKPT_DIR": str(tmp_path / impl)})
+    report = _assert_identical(tmp_path / "torch.pt", tmp_path / "lockstep.pt")
+    # Trainer's own choice of DDP arguments: find_unused_parameters unless activation checkpointing is on
+    assert report["setup"] == ({"find_unused": False, "checkpointing": True} if grad_ckpt == "1"
+                               else {"find_unused": True, "checkpointing": False}), report
+    assert report["loss_fell"], report
+    _loads_without_lockstep(tmp_path / "lockstep" / "final")
 
 
 @pytest.mark.parametrize("compile_", ["0", pytest.param("1", marks=_COMPILED)], ids=["eager", "compiled"])
