@@ -344,6 +344,8 @@ def _setup_warnings(rank, impl):
         "static": categories(lambda: DDP(nn.Linear(3, 3), static_graph=True)),
         "set_twice": categories(lambda: set_twice(False)),
         "set_with_find_unused": categories(lambda: set_twice(True)),
+        "cpu_sync_bn": _capture(lambda: DDP(nn.Sequential(nn.Linear(3, 3), nn.SyncBatchNorm(3)))),
+        "has_sync_bn": DDP(nn.Linear(3, 3))._get_ddp_logging_data().get("has_sync_bn"),
     }
 
 
@@ -466,7 +468,13 @@ def test_setup_warnings_as_torch(results):
     for r in results:
         ours, theirs = r["setup_warnings"]["lockstep"], r["setup_warnings"]["torch"]
         # The same warnings, of the same categories, for the same set-ups (the words are lockstep's own).
-        assert {k: [c for c, _ in v] for k, v in ours.items()} == {k: [c for c, _ in v] for k, v in theirs.items()}, (ours, theirs)
+        warned = [k for k in ours if k not in ("cpu_sync_bn", "has_sync_bn")]
+        assert {k: [c for c, _ in ours[k]] for k in warned} == {k: [c for c, _ in theirs[k]] for k in warned}, (ours, theirs)
+        # SyncBatchNorm in a CPU module: refused at construction by both, torch's sentence, and lockstep names the layer
+        assert ours["cpu_sync_bn"][0] == theirs["cpu_sync_bn"][0] == "ValueError"
+        assert "SyncBatchNorm layers only work with GPU modules" in theirs["cpu_sync_bn"][1]
+        assert "SyncBatchNorm layers only work with GPU modules: '1' is a SyncBatchNorm" in ours["cpu_sync_bn"][1]
+        assert ours["has_sync_bn"] == theirs["has_sync_bn"] == 0
         assert [c for c, _ in ours["check_reduction"]] == ["FutureWarning"] and ours["static"] == []
         assert "check_reduction" in ours["check_reduction"][0][1]
         assert "find_unused_parameters=True" in ours["static_find_unused"][0][1]

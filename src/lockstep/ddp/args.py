@@ -55,6 +55,22 @@ def warn_like_torch(check_reduction: bool, static_graph: bool, find_unused_param
         warnings.warn(STATIC_WITH_FIND_UNUSED, UserWarning, stacklevel=3)
 
 
+def reject_cpu_sync_batchnorm(module: Any, device: Any) -> None:
+    """As torch's DDP: SyncBatchNorm on a CPU module is refused at construction (torch's text, and the layer's name),
+    not at the first forward, where SyncBatchNorm itself would raise on the CPU input."""
+    if device.type != "cpu":
+        return
+    import torch
+
+    for name, layer in module.named_modules():
+        if isinstance(layer, torch.nn.SyncBatchNorm):
+            raise ValueError(
+                f"SyncBatchNorm layers only work with GPU modules: {name or type(module).__name__!r} is a SyncBatchNorm "
+                "in a CPU module. On CPU use BatchNorm (DDP's forward_sync_buffers broadcasts rank 0's running stats) "
+                "or move the model to the GPU before wrapping it."
+            )
+
+
 def resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup:
     """The group to average over: ``process_group``, a 1-D ``device_mesh``'s group, or the default group."""
     if device_mesh is not None:

@@ -186,6 +186,7 @@ class WrapperSurface:
             # As torch: the argument (0 when not passed); what lockstep does is "grads_alias_buckets".
             "gradient_as_bucket_view": int(bool(self.gradient_as_bucket_view)),
             "static_graph": int(self.static_graph),
+            "has_sync_bn": int(any(isinstance(m, torch.nn.SyncBatchNorm) for m in self.module.modules())),
             "backend_name": dist.get_backend(self.process_group),
             "world_size": dist.get_world_size(self.process_group),
             "rank": dist.get_rank(self.process_group),

@@ -27,8 +27,8 @@ from lockstep.ddp.fused_compress import fused_compression
 from lockstep.ddp.observe import attach
 from lockstep.diagnostics.progress import observer_for
 from lockstep.diagnostics.watchdog import FROM_ENV, resolve_hang_timeout, watch_for_hangs
-from lockstep.ddp.args import (caps_from_list, ignored_names, reject_unsupported, resolve_buffer_sync, resolve_group,
-                               warn_like_torch)
+from lockstep.ddp.args import (caps_from_list, ignored_names, reject_cpu_sync_batchnorm, reject_unsupported,
+                               resolve_buffer_sync, resolve_group, warn_like_torch)
 from lockstep.ddp.graph import on_backward_start
 from lockstep.ddp.pickling import Pickling
 from lockstep.ddp.optim_in_backward import take_over_optimizers_in_backward
@@ -169,6 +169,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
                     f"[device] for a single-GPU module; got device_ids={device_ids} for a module on {sorted(map(str, devices))}"
                 )
             self.device = torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
+        reject_cpu_sync_batchnorm(module, self.device)
         self.module = module
         self.device_ids = device_ids
         self.output_device = output_device
