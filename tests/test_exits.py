@@ -2,7 +2,7 @@
 
 Each case runs a real 2-rank training script in a loop and counts non-zero exits (an abort at
 interpreter exit shows as -6 / 134 and "terminate called without an active exception"). The
-suite runs a few rounds per case; CI's exit-loop step runs LOCKSTEP_EXIT_RUNS=25 of each (before the fix in
+suite runs a few rounds per case; CI runs the suite with LOCKSTEP_EXIT_RUNS=15 (two at a time) (before the fix in
 ``ddp/lifetime.py`` about 1 run in 35 aborted on a crowded machine; since ``collectives/clean.py`` the works
 hold no Python object and are dropped at the next backward: 0 in 60 runs, two at a time).
 """
@@ -92,7 +92,7 @@ def _loop(launcher: str, ending: str, runs: int) -> list[str]:
 
 
 # A run costs ~7-9 s here (three interpreters import torch), more on a loaded machine; the file-wide 300 s limit would cut
-# CI's 50-run loops short, so the limit grows with the number of runs.
+# longer loops (LOCKSTEP_EXIT_RUNS=50) short, so the limit grows with the number of runs.
 @pytest.mark.timeout(60 + 30 * RUNS)
 @pytest.mark.parametrize(
     "launcher, ending",
