@@ -321,6 +321,23 @@ def _all_used_warning(rank):
     return out
 
 
+def _hook_bad_bucket(state, bucket):
+    raise AssertionError("never called")
+
+
+def _hook_bad_return(state, bucket):
+    raise AssertionError("never called")
+
+
+# Evaluated annotations (this module postpones its own, which torch's check reads as strings and refuses)
+_hook_bad_bucket.__annotations__ = {"bucket": int, "return": torch.futures.Future[torch.Tensor]}
+_hook_bad_return.__annotations__ = {"bucket": dist.GradBucket, "return": int}
+
+
+def _hook_string_annotations(state, grads: "dist.GradBucket") -> "torch.futures.Future[torch.Tensor]":
+    raise AssertionError("never called")  # as under `from __future__ import annotations`, the bucket not named bucket
+
+
 # ------------------------------------------------------------------ 12. the constructor's and _set_static_graph's warnings
 def _setup_warnings(rank, impl):
     """Which warning categories each set-up gives (torch's in torch's words, lockstep's in its own)."""
@@ -345,6 +362,11 @@ def _setup_warnings(rank, impl):
         "set_twice": categories(lambda: set_twice(False)),
         "set_with_find_unused": categories(lambda: set_twice(True)),
         "cpu_sync_bn": _capture(lambda: DDP(nn.Sequential(nn.Linear(3, 3), nn.SyncBatchNorm(3)))),
+        "lazy": _capture(lambda: DDP(nn.Sequential(nn.Linear(3, 3), nn.LazyLinear(2)))),
+        "hook_not_callable": _capture(lambda: DDP(nn.Linear(3, 3)).register_comm_hook(None, 3)),
+        "hook_bucket_annotation": _capture(lambda: DDP(nn.Linear(3, 3)).register_comm_hook(None, _hook_bad_bucket)),
+        "hook_return_annotation": _capture(lambda: DDP(nn.Linear(3, 3)).register_comm_hook(None, _hook_bad_return)),
+        "hook_string_annotations": _capture(lambda: DDP(nn.Linear(3, 3)).register_comm_hook(None, _hook_string_annotations)),
         "has_sync_bn": DDP(nn.Linear(3, 3))._get_ddp_logging_data().get("has_sync_bn"),
     }
 
@@ -468,13 +490,21 @@ def test_setup_warnings_as_torch(results):
     for r in results:
         ours, theirs = r["setup_warnings"]["lockstep"], r["setup_warnings"]["torch"]
         # The same warnings, of the same categories, for the same set-ups (the words are lockstep's own).
-        warned = [k for k in ours if k not in ("cpu_sync_bn", "has_sync_bn")]
+        warned = [k for k in ours if k.startswith(("check_", "static", "set_"))]
         assert {k: [c for c, _ in ours[k]] for k in warned} == {k: [c for c, _ in theirs[k]] for k in warned}, (ours, theirs)
         # SyncBatchNorm in a CPU module: refused at construction by both, torch's sentence, and lockstep names the layer
         assert ours["cpu_sync_bn"][0] == theirs["cpu_sync_bn"][0] == "ValueError"
         assert "SyncBatchNorm layers only work with GPU modules" in theirs["cpu_sync_bn"][1]
         assert "SyncBatchNorm layers only work with GPU modules: '1' is a SyncBatchNorm" in ours["cpu_sync_bn"][1]
         assert ours["has_sync_bn"] == theirs["has_sync_bn"] == 0
+        # Refused by both with the same type and torch's sentence; lockstep's names the parameter or the hook
+        for case, name in (("lazy", "'1.weight'"), ("hook_not_callable", "int"),
+                           ("hook_bucket_annotation", "_hook_bad_bucket"), ("hook_return_annotation", "_hook_bad_return")):
+            assert ours[case][0] == theirs[case][0] != "ok", (case, ours[case], theirs[case])
+            assert theirs[case][1].split(".")[0] in ours[case][1] and name in ours[case][1], (case, ours[case], theirs[case])
+        # Deliberate difference: postponed (string) annotations and a bucket parameter of another name are accepted
+        # (torch's check raises KeyError: 'bucket' on the name, and refuses the strings)
+        assert ours["hook_string_annotations"] == ("ok", None) and theirs["hook_string_annotations"][0] != "ok"
         assert [c for c, _ in ours["check_reduction"]] == ["FutureWarning"] and ours["static"] == []
         assert "check_reduction" in ours["check_reduction"][0][1]
         assert "find_unused_parameters=True" in ours["static_find_unused"][0][1]

@@ -6,6 +6,7 @@ A hook is ``hook(state, bucket) -> Future``: ``bucket`` offers torch's
 know of each other: hooks import nothing from ``lockstep.ddp``.
 """
 
+import inspect
 from typing import Any, Callable, Protocol
 
 import torch
@@ -28,6 +29,42 @@ class BucketLike(Protocol):
     def is_last(self) -> bool: ...
     def parameters(self) -> list[torch.Tensor]: ...
     def gradients(self) -> list[torch.Tensor]: ...
+
+
+def contract_error(hook: Any) -> Exception | None:
+    """Why ``register_comm_hook`` must refuse ``hook``, or None: torch's checks (callable; a ``bucket`` annotation
+    that is ``dist.GradBucket``; a return annotation that is ``Future[torch.Tensor]``), with the hook's name.
+
+    Differs from torch's on purpose in two ways that only accept more: a postponed (string) annotation naming
+    GradBucket / Future passes (torch's check compares by value, so under ``from __future__ import annotations``
+    it refuses a correctly annotated hook), and the bucket may be the second parameter under another name (torch's
+    check raises a bare ``KeyError: 'bucket'`` there). An unannotated hook passes, as in torch.
+    """
+    if not callable(hook):
+        return TypeError(f"Communication hook must be callable, got {type(hook).__name__}")
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return None
+    name = getattr(hook, "__qualname__", type(hook).__name__)
+    params = list(signature.parameters.values())
+    bucket = signature.parameters.get("bucket") or (params[1] if len(params) > 1 else None)
+    if bucket is not None and not _names(bucket.annotation, "GradBucket", lambda a: isinstance(a, type) and "GradBucket" in a.__name__):
+        return ValueError(f"Communication hook: bucket annotation should be dist.GradBucket; {name}'s "
+                          f"{bucket.name!r} is annotated {bucket.annotation!r}")
+    returned = signature.return_annotation
+    if not _names(returned, "Future", lambda a: a == Future[torch.Tensor] or a is Future):
+        return ValueError(f"Communication hook: return annotation should be torch.futures.Future[torch.Tensor]; "
+                          f"{name} returns {returned!r}")
+    return None
+
+
+def _names(annotation: Any, word: str, matches: Callable[[Any], bool]) -> bool:
+    if annotation is inspect.Parameter.empty:
+        return True
+    if isinstance(annotation, str):
+        return word in annotation
+    return matches(annotation)
 
 
 # ----------------------------------------------------------------- issuing order

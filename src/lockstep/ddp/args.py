@@ -55,13 +55,20 @@ def warn_like_torch(check_reduction: bool, static_graph: bool, find_unused_param
         warnings.warn(STATIC_WITH_FIND_UNUSED, UserWarning, stacklevel=3)
 
 
-def reject_cpu_sync_batchnorm(module: Any, device: Any) -> None:
-    """As torch's DDP: SyncBatchNorm on a CPU module is refused at construction (torch's text, and the layer's name),
-    not at the first forward, where SyncBatchNorm itself would raise on the CPU input."""
-    if device.type != "cpu":
-        return
+def reject_module(module: Any, device: Any) -> None:
+    """torch's DDP's checks of the module itself, with the offending parameter's or layer's name: no parameter
+    left uninitialized (a lazy module before its first forward), and no SyncBatchNorm in a CPU module (refused at
+    construction, not at the first forward where SyncBatchNorm itself would raise on the CPU input)."""
     import torch
 
+    for name, param in module.named_parameters():
+        if isinstance(param, torch.nn.parameter.UninitializedParameter):
+            raise RuntimeError(
+                "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. Run a dummy "
+                f"forward pass to correctly initialize the modules (parameter {name!r} is uninitialized: a lazy module)."
+            )
+    if device.type != "cpu":
+        return
     for name, layer in module.named_modules():
         if isinstance(layer, torch.nn.SyncBatchNorm):
             raise ValueError(

@@ -19,6 +19,7 @@ from torch import nn
 
 from torch.distributed.algorithms.join import Join, Joinable
 
+from lockstep.comm_hooks.base import contract_error
 from lockstep.ddp.buckets import MIB, first_bucket_caps
 from lockstep.ddp.compiled import call_module, forward_outside_dynamo, skip_lockstep_in_dynamo
 from lockstep.ddp import diagnose
@@ -27,7 +28,7 @@ from lockstep.ddp.fused_compress import fused_compression
 from lockstep.ddp.observe import attach
 from lockstep.diagnostics.progress import observer_for
 from lockstep.diagnostics.watchdog import FROM_ENV, resolve_hang_timeout, watch_for_hangs
-from lockstep.ddp.args import (caps_from_list, ignored_names, reject_cpu_sync_batchnorm, reject_unsupported,
+from lockstep.ddp.args import (caps_from_list, ignored_names, reject_module, reject_unsupported,
                                resolve_buffer_sync, resolve_group, warn_like_torch)
 from lockstep.ddp.graph import on_backward_start
 from lockstep.ddp.pickling import Pickling
@@ -169,7 +170,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
                     f"[device] for a single-GPU module; got device_ids={device_ids} for a module on {sorted(map(str, devices))}"
                 )
             self.device = torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
-        reject_cpu_sync_batchnorm(module, self.device)
+        reject_module(module, self.device)
         self.module = module
         self.device_ids = device_ids
         self.output_device = output_device
@@ -324,10 +325,12 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         As in torch, the bucket buffer given to the hook holds the local gradients (not divided by
         the world size) and one hook may be registered, before the first backward. Unlike torch, the
         fp16/bf16 compress hooks (torch's and lockstep's) on this model's group are not called: the
-        reducer runs their average itself, with the same bits (``lockstep.ddp.fused_compress``).
+        reducer runs their average itself, with the same bits (``lockstep.ddp.fused_compress``). torch's
+        annotation checks apply, but postponed (string) annotations pass (``comm_hooks.base.contract_error``).
         """
-        if not callable(hook):
-            self._log_and_throw(TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}"))
+        refused = contract_error(hook)  # torch's checks: callable, bucket and return annotations
+        if refused is not None:
+            self._log_and_throw(refused)
         if self.reducer.comm_hook is not None:
             self._log_and_throw(RuntimeError("register_comm_hook: a communication hook is already registered (one per model)"))
         if self.reducer.num_syncs > 0:
