@@ -41,16 +41,21 @@ def test_caps_close_buckets_as_torchs_ddp(cap_mb):
 @pytest.mark.parametrize("seed", range(4))
 def test_layout_is_torchs(seed):
     """The same buckets as torch's own assignment (``dist._compute_bucket_assignment_by_size``, what its DDP
-    rebuilds with after the first iteration), for a shuffled ready order and torch's 1 MiB first bucket."""
+    rebuilds with after the first iteration), for a shuffled ready order and torch's 1 MiB first bucket, with
+    and without parameters that expect sparse gradients."""
     import torch.distributed as dist
 
     g = torch.Generator().manual_seed(seed)
     params = _params(*torch.randint(1, 400_000, (60,), generator=g).tolist())
     order = torch.randperm(60, generator=g).tolist()
+    # torch's expect_sparse_gradient: such a parameter (a sparse nn.Embedding's) gets a bucket of its own at once.
+    sparse = (torch.rand(60, generator=g) < 0.2).tolist()
     for cap in (MIB // 2, 2 * MIB, 25 * MIB):
-        ours = [p.param_indices for p in assign_buckets(params, order, bucket_cap_bytes=cap, first_bucket_bytes=MIB)]
-        theirs, _ = dist._compute_bucket_assignment_by_size([params[i] for i in order], [min(MIB, cap), cap], [False] * 60, order)
-        assert ours == [list(b) for b in theirs], cap
+        for flags in ([False] * 60, sparse):
+            plans = assign_buckets(params, order, bucket_cap_bytes=cap, first_bucket_bytes=MIB, sparse=flags)
+            theirs, _ = dist._compute_bucket_assignment_by_size([params[i] for i in order], [min(MIB, cap), cap], flags, order)
+            assert [p.param_indices for p in plans] == [list(b) for b in theirs], (cap, flags)
+            assert all(p.sparse == (len(p.param_indices) == 1 and flags[p.param_indices[0]]) for p in plans)
 
 
 def test_observed_order_is_followed():

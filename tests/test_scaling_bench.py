@@ -45,6 +45,9 @@ def test_efficiencies_and_prediction_arithmetic(run):
         expected = t1 / (2 * t2) if mode == "strong" else t1 / t2
         assert rows[mode, 2]["efficiency"] == pytest.approx(expected)
         assert rows[mode, 2]["samples_per_s"] == pytest.approx(rows[mode, 2]["global_batch"] / t2)
+        # The share of a rank's own step time spent waiting (its waits lie inside its steps, so it is below 1 by
+        # construction; against the paced median step it once read 1.22).
+        assert rows[mode, 2]["comm_share"] == pytest.approx(rows[mode, 2]["comm_wait_s_per_step"] / rows[mode, 2]["rank_step_s_mean"])
         assert 0 <= rows[mode, 2]["comm_share"] < 1
         assert rows[mode, 2]["predicted_step_s"] > 0 and 0 < rows[mode, 2]["predicted_efficiency"] <= 1.0
 

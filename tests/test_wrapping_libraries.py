@@ -10,6 +10,7 @@ Cost on 2 cores: ~70 s (accelerate), ~100 s (lightning, 4 fits x 2), ~30 s (fabr
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,9 +26,19 @@ _COMPILED = pytest.mark.skipif(os.environ.get("LOCKSTEP_COMPILED_LIBRARIES") != 
                                reason="about 100 s: set LOCKSTEP_COMPILED_LIBRARIES=1 (CI does)")
 
 
+# torch's own DDP can abort a rank at exit (gloo's thread freeing a work while the interpreter finalises:
+# lockstep.ddp.lifetime); seen once in CI under accelerate with dynamo. The reference run is then run again, once.
+_INCUMBENT_EXIT_ABORT = "terminate called without an active exception"
+
+
 def _run(cmd: list[str], env: dict[str, str], timeout: int = 400) -> None:
     full = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     proc = subprocess.run(cmd, cwd=HERE, env=full, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 and env.get("IMPL") == "torch" and _INCUMBENT_EXIT_ABORT in proc.stderr:
+        print(f"torch's DDP aborted at exit ({_INCUMBENT_EXIT_ABORT!r}); its reference run is repeated once", file=sys.stderr)
+        if env.get("CKPT_DIR"):
+            shutil.rmtree(env["CKPT_DIR"], ignore_errors=True)  # from scratch: the scripts resume from their own checkpoints
+        proc = subprocess.run(cmd, cwd=HERE, env=full, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Sequence
 
+import torch
 import torch.distributed as dist
 
 from lockstep.ddp.buckets import MIB
@@ -137,3 +138,10 @@ def caps_from_list(bucket_cap_mb_list: Sequence[float] | None) -> list[int] | No
     if not caps or any(not (c > 0) for c in caps):
         raise ValueError(f"DistributedDataParallel: bucket_cap_mb_list must be non-empty and all > 0, got {caps}")
     return [max(1, int(c * MIB)) for c in caps]
+
+
+def produces_sparse_gradient(module: torch.nn.Module, name: str) -> bool:
+    """Whether parameter ``name`` of ``module`` gets sparse gradients, as torch's DDP judges it
+    (``expect_sparse_gradient``): it belongs to an ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``."""
+    owner = module.get_submodule(name.rpartition(".")[0])
+    return isinstance(owner, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and bool(owner.sparse)

@@ -76,6 +76,7 @@ class BucketPlan:
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
     direct: bool = False  # one large parameter, all-reduced in its own gradient when it can be (``copy_in``)
+    sparse: bool = False  # one parameter whose gradient is sparse (``nn.Embedding(sparse=True)``): no flat buffer, numel 0
 
     @property
     def nbytes(self) -> int:
@@ -89,6 +90,7 @@ def assign_buckets(
     first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
     bucket_caps_bytes: Sequence[int] | None = None,
     direct_min_bytes: int | None = None,
+    sparse: Sequence[bool] | None = None,
 ) -> list[BucketPlan]:
     """Group ``params`` (visited in ``order``, a permutation of their indices) into buckets.
 
@@ -99,8 +101,8 @@ def assign_buckets(
     on the bench CNN the last bucket, whose all-reduce no backward hides, is then 2.1 MB, not 4.5.
     The first bucket of each (device, dtype) has cap ``first_bucket_bytes``, later ones
     ``bucket_cap_bytes``; ``bucket_caps_bytes`` instead gives every bucket's cap in
-    turn (the last one repeats). Buckets are numbered by where their first parameter
-    falls in ``order``: bucket 0 is expected to be ready first.
+    turn (the last one repeats). Buckets are numbered in the order they close (a full one when its
+    last parameter comes, a sparse one at once), then those left open: bucket 0 is expected to be ready first.
 
     ``direct_min_bytes``: a CPU parameter at least this large gets a bucket of its own, marked
     ``direct`` (it closes the open bucket of its kind, as a full one would): its gradient can be
@@ -108,6 +110,11 @@ def assign_buckets(
     direct (it carries the status flag in a spare element): a direct parameter that would be last joins
     the bucket before it where that one had not reached its cap (torch's rule would have put it there),
     or stays a plain bucket of its own.
+
+    ``sparse[i]``: parameter ``i`` gets sparse gradients (torch's ``expect_sparse_gradient``, an
+    ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``): it gets a bucket of its own, as in
+    torch's assignment, which leaves the open bucket of its kind open and counts towards no cap. Such a
+    bucket has no flat buffer (``numel`` 0): its gradient is all-reduced as the sparse tensor it is.
     """
     if bucket_cap_bytes <= 0:
         raise ValueError(f"bucket cap must be > 0 bytes, got {bucket_cap_bytes}")
@@ -115,41 +122,44 @@ def assign_buckets(
         raise ValueError(f"order must be a permutation of range({len(params)}), got {list(order)[:10]}...")
     caps = list(bucket_caps_bytes) if bucket_caps_bytes else [min(first_bucket_bytes, bucket_cap_bytes), bucket_cap_bytes]
     open_buckets: dict[tuple, tuple[BucketPlan, int, int]] = {}  # key -> (plan, nbytes, how many closed before)
-    closed: list[tuple[int, BucketPlan]] = []  # (position of first parameter in order, plan)
-    first_pos: dict[int, int] = {}
+    closed: list[BucketPlan] = []
     full: set[int] = set()  # ids of plans closed because they reached their cap
     for pos, index in enumerate(order):
         p = params[index]
         key = (p.device, p.dtype)
         nbytes = p.numel() * p.element_size()
         plan, used, n_closed = open_buckets.get(key, (None, 0, 0))
+        if sparse is not None and sparse[index]:
+            closed.append(BucketPlan([index], [0], 0, p.dtype, p.device, sparse=True))
+            continue
         if direct_min_bytes is not None and nbytes >= direct_min_bytes and p.device.type == "cpu":
             if plan is not None and plan.param_indices:
-                closed.append((first_pos[id(plan)], plan))
-            closed.append((pos, BucketPlan([index], [0], p.numel(), p.dtype, p.device, direct=True)))
+                closed.append(plan)
+            closed.append(BucketPlan([index], [0], p.numel(), p.dtype, p.device, direct=True))
             open_buckets[key] = (None, 0, n_closed + 1 + bool(plan is not None and plan.param_indices))
             continue
         if plan is None:
             plan = BucketPlan([], dtype=p.dtype, device=p.device)
-            first_pos[id(plan)] = pos
         plan.offsets.append(plan.numel)
         plan.param_indices.append(index)
         plan.numel += p.numel()
         used += nbytes
         if used >= caps[min(n_closed, len(caps) - 1)]:
-            closed.append((first_pos[id(plan)], plan))
+            closed.append(plan)
             full.add(id(plan))
             open_buckets[key] = (None, 0, n_closed + 1)
         else:
             open_buckets[key] = (plan, used, n_closed)
-    closed.extend((first_pos[id(plan)], plan) for plan, _, _ in open_buckets.values() if plan is not None and plan.param_indices)
-    closed.sort(key=lambda item: item[0])
-    plans = [plan for _, plan in closed]
+    # Numbered as torch's rebuilt layout: in the order they closed (each when its last parameter came; a
+    # sparse parameter's at once), then the ones left open, by their last parameter's place in ``order``.
+    position = {index: pos for pos, index in enumerate(order)}
+    left_open = [plan for plan, _, _ in open_buckets.values() if plan is not None and plan.param_indices]
+    plans = closed + sorted(left_open, key=lambda plan: position[plan.param_indices[-1]])
     if plans and plans[-1].direct:
         last = plans[-1]
         last.direct = False
         before = plans[-2] if len(plans) > 1 else None
-        if (before is not None and not before.direct and (before.dtype, before.device) == (last.dtype, last.device)
+        if (before is not None and not before.direct and not before.sparse and (before.dtype, before.device) == (last.dtype, last.device)
                 and id(before) not in full):
             before.offsets.append(before.numel)
             before.param_indices.append(last.param_indices[0])

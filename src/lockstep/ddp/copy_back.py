@@ -33,6 +33,9 @@ def copy_back(
     for bucket in buckets:
         if bucket.direct is not None:
             continue  # all-reduced in its gradient: the average is in .grad already (``copy_in``)
+        if bucket.plan.sparse:
+            _sparse_back(bucket, params, globally_used)
+            continue
         if globally_used is None and fast and mode == COPY:
             torch._foreach_copy_(bucket.grads, bucket.views)
             continue
@@ -49,6 +52,20 @@ def copy_back(
                 p.grad = view.clone()
             else:
                 grad.copy_(view)
+
+
+def _sparse_back(bucket: Bucket, params: Sequence[torch.nn.Parameter], globally_used: list[bool] | None) -> None:
+    """A sparse bucket's average (all-reduced in place, ``copy_in``) into ``.grad`` where it is a stand-in.
+    ``.grad`` itself was all-reduced where this rank had a gradient; a parameter no rank used keeps its ``.grad``."""
+    i = bucket.plan.param_indices[0]
+    p = params[i]
+    grad = p.grad
+    if grad is bucket.sparse or (globally_used is not None and not globally_used[i]):
+        return
+    if grad is None or grad.requires_grad or not grad.is_sparse:
+        p.grad = bucket.sparse
+    else:
+        grad.copy_(bucket.sparse)
 
 
 def wait_buckets(buckets: Sequence[Bucket], hooked: bool, observer: Any, copy_each: bool, fused: Any = None) -> float:
@@ -76,9 +93,13 @@ def wait_buckets(buckets: Sequence[Bucket], hooked: bool, observer: Any, copy_ea
             continue
         if hooked:
             tensor = result[0] if isinstance(result, (list, tuple)) else result
+            if bucket.plan.sparse:
+                if tensor is not bucket.sparse:
+                    bucket.sparse.copy_(tensor)
+                continue
             target = bucket.flat if bucket.direct is None else bucket.direct
             if tensor.data_ptr() != target.data_ptr():
                 target.copy_(tensor.view(-1))
-        if copy_each and bucket.direct is None:
+        if copy_each and bucket.direct is None and not bucket.plan.sparse:
             torch._foreach_copy_(bucket.grads, bucket.views)
     return waited

@@ -31,6 +31,10 @@ where another went direct: a bucket that is not the last sends only its gradient
 
 ``VIEW`` (True): torch's ``gradient_as_bucket_view=True``: the local gradient is copied unscaled and
 the whole bucket divided at launch (``Reducer._issue``).
+
+Sparse buckets (any mode): the gradient of an ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``
+is divided in place and all-reduced as the sparse tensor it is, as torch's reducer does
+(``_sparse_in``); the backend's sparse all-reduce (gloo's) leaves the coalesced sum in it.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class GradIntake:
 
     grad_mode: str
     params: list
+    names: list
     divisor: int
     comm_hook: Any
     buckets: list
@@ -76,6 +81,15 @@ class GradIntake:
         exchange at the end of backward tells.
         """
         bucket.grads[slot] = grad  # the local gradient, kept to the end of backward (the non-finite check reads it)
+        if bucket.plan.sparse:
+            self._sparse_in(index, bucket, grad, hooked)
+            return
+        if grad is not None and grad.layout != torch.strided:
+            raise RuntimeError(
+                f"parameter {self.names[index]!r} got a {grad.layout} gradient where DistributedDataParallel expects a "
+                "dense one: only the weights of nn.Embedding / nn.EmbeddingBag modules with sparse=True are expected "
+                "to produce sparse gradients (as in torch's DDP); compute the gradient in such a module, or densify it"
+            )
         view = bucket.views[slot]
         if grad is None:  # .grad is None (a hook that fires with no gradient reads .grad, as torch's)
             view.zero_()  # no local gradient: this rank contributes zero
@@ -130,6 +144,32 @@ class GradIntake:
             else:
                 self._fixups += 1
 
+    def _sparse_in(self, index: int, bucket: Any, grad: torch.Tensor | None, hooked: bool) -> None:
+        """A sparse bucket's gradient, divided in place by the divisor (torch's reducer divides it so: the
+        all-reduced sum is then the average); a comm hook gets it undivided, as torch's.
+
+        Where this rank has no gradient of its own it sends a stand-in instead (``copy_back`` hands the
+        average to ``.grad`` only where some rank used the parameter): an empty sparse tensor where
+        ``.grad`` is None, else a divided copy of the ``.grad`` left from earlier (marked without its hook:
+        unused here, or missing), so that tensor is not changed in place. Unlike torch's DDP, which raises
+        "Expected sparse gradient to be defined." where a rank did not use a sparse parameter under
+        find_unused_parameters=True.
+        """
+        if grad is not None and grad.layout != torch.sparse_coo:
+            raise RuntimeError(
+                f"parameter {self.names[index]!r} belongs to a module with sparse=True, so DistributedDataParallel "
+                f"expects a sparse gradient, and it got a {grad.layout} one"
+            )
+        if grad is None:
+            grad = empty_sparse_like(self.params[index])
+            self._fixups += 1
+        elif not hooked or grad.requires_grad:
+            grad = grad.detach().clone()
+            self._fixups += 1
+        if self.comm_hook is None and self.divisor != 1:
+            grad.div_(self.divisor)
+        bucket.sparse = grad
+
     def _direct_ok(self, index: int, grad: torch.Tensor, view: torch.Tensor) -> bool:
         """Whether this gradient can be all-reduced where it is (the module docstring lists why not)."""
         if grad.requires_grad:
@@ -169,3 +209,11 @@ class GradIntake:
                 grad = p.grad
                 if grad is not None and grad.data_ptr() == view.data_ptr():
                     p.grad = view.clone()
+
+
+def empty_sparse_like(param: torch.Tensor) -> torch.Tensor:
+    """No gradient for an embedding table, as the sparse tensor its backward makes (1 sparse dimension, the rest
+    dense), so a rank with none takes part in the sparse all-reduce and adds nothing."""
+    indices = torch.empty((1, 0), dtype=torch.long, device=param.device)
+    values = torch.empty((0, *param.shape[1:]), dtype=param.dtype, device=param.device)
+    return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=False, is_coalesced=True)

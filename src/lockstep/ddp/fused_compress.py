@@ -94,15 +94,19 @@ class HookPaths:
     comm_hook: Any
     fused: FusedCompression | None
     nonfinite: Any
+    has_sparse: bool
+    buckets: list
     comm_hook_name: str | None = None  # set for torch's built-in hook types (``_register_builtin_comm_hook``), for logging
 
     def _fused_now(self) -> FusedCompression | None:
-        """The hook's average, run by the reducer; None where the hook is called (the NaN check's count needs it)."""
-        return self.fused if self.nonfinite is None else None
+        """The hook's average, run by the reducer; None where the hook is called (the NaN check's count needs it;
+        a sparse gradient is the hook's to compress, as in torch)."""
+        return self.fused if self.nonfinite is None and not self.has_sparse else None
 
     def _flag_apart(self) -> bool:
-        """A hook is called: its buffer is only gradients, so the missing-gradient flag needs an all-reduce."""
-        return self.comm_hook is not None and self._fused_now() is None
+        """The missing-gradient flag needs an all-reduce of its own: a hook is called (its buffer is only
+        gradients), or the last bucket is sparse (no spare element to carry it)."""
+        return (self.comm_hook is not None and self._fused_now() is None) or self.buckets[-1].plan.sparse
 
     def _hook_one_in_flight(self) -> bool:
         """A registered hook not known to issue its collectives up front: one of its buckets in flight at a time.

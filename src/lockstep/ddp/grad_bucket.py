@@ -20,13 +20,15 @@ class GradBucket:
     def __init__(self, bucket: Any, num_buckets: int):
         self._bucket = bucket
         self._num_buckets = num_buckets
-        self._buffer = bucket.flat if bucket.direct is None else bucket.direct  # direct: the gradient itself
+        # A direct or sparse bucket's buffer is the gradient itself (``copy_in``)
+        self._buffer = bucket.sparse if bucket.plan.sparse else bucket.flat if bucket.direct is None else bucket.direct
 
     def index(self) -> int:
         return self._bucket.index
 
     def buffer(self) -> torch.Tensor:
-        """The flat 1-D buffer of the bucket's gradients (or what ``set_buffer`` put there); may be reduced in place."""
+        """The flat 1-D buffer of the bucket's gradients (or what ``set_buffer`` put there); may be reduced in place.
+        A sparse bucket's is its one sparse gradient, as torch's."""
         return self._buffer
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
@@ -35,11 +37,10 @@ class GradBucket:
         The reducer takes the hook's result from the returned future, never from this tensor, so a
         replaced buffer of another dtype is fine; the parameters' views keep pointing at the bucket.
         """
-        if tensor.numel() != self._bucket.flat.numel():
-            raise ValueError(
-                f"set_buffer: bucket {self.index()} holds {self._bucket.flat.numel()} elements, got {tensor.numel()}"
-            )
-        self._buffer = tensor.reshape(-1)
+        numel = self._bucket.params[0].numel() if self._bucket.plan.sparse else self._bucket.flat.numel()
+        if tensor.numel() != numel:
+            raise ValueError(f"set_buffer: bucket {self.index()} holds {numel} elements, got {tensor.numel()}")
+        self._buffer = tensor if tensor.is_sparse else tensor.reshape(-1)
 
     def is_last(self) -> bool:
         """True for the last bucket to be reduced in this backward."""
@@ -52,6 +53,8 @@ class GradBucket:
         """Each parameter's gradient as a view into ``buffer()`` (shaped like the parameter), as torch's."""
         if self._buffer is self._bucket.flat:
             return list(self._bucket.views)
+        if self._bucket.plan.sparse:
+            return [self._buffer]
         return [
             self._buffer[offset : offset + p.numel()].view(p.shape)
             for offset, p in zip(self._bucket.plan.offsets, self._bucket.params)

@@ -8,8 +8,8 @@ backward the reducer decides once whether this backward is on the common path (`
 copies (torch's default ``gradient_as_bucket_view=False``), no unused-parameter tracking or static
 graph, buckets already rebuilt, no test event log. Then each hook does only what that path needs (mark
 the slot, one fused scale-and-copy, count down the bucket) with its bucket, slot, view and scale
-looked up in one list. Anything off that path (no gradient, a gradient twice, one carrying a graph, a
-direct bucket) goes through ``Reducer._on_grad`` as before, so behaviour is the same by construction:
+looked up in one list. Anything off that path (no gradient, a gradient twice, one carrying a graph or
+sparse, a direct or sparse bucket) goes through ``Reducer._on_grad`` as before, so behaviour is the same by construction:
 the fast path is a subset of the slow one's steps, in the same order, for the cases it takes.
 """
 
@@ -39,8 +39,8 @@ def fast_table(reducer: Any) -> list | None:
         return cached[1]
     table: list = [None] * len(reducer.params)
     for bucket in reducer.buckets:
-        if bucket.plan.direct:
-            continue  # large and rare: copy_in's checks decide per backward whether it goes direct
+        if bucket.plan.direct or bucket.plan.sparse:
+            continue  # large and rare (copy_in's checks decide per backward whether it goes direct), or sparse
         for slot, (i, view) in enumerate(zip(bucket.plan.param_indices, bucket.views)):
             # A comm hook gets the local gradients as they are (as torch's); otherwise the 1/world-size
             # scaling rides on the copy (``copy_in``: the same multiply, so the same bits).
@@ -61,7 +61,7 @@ def make_hook(reducer_ref: weakref.ref, index: int) -> Callable[[torch.Tensor], 
         if fast is not None:
             entry = fast[index]
             grad = param.grad
-            if entry is not None and grad is not None and not grad.requires_grad:
+            if entry is not None and grad is not None and not grad.requires_grad and not grad.is_sparse:
                 bucket, slot, view, scale = entry
                 seen = bucket.seen
                 if not seen[slot]:  # a second gradient is an error: the slow path raises it

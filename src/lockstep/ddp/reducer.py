@@ -31,7 +31,7 @@ from lockstep.collectives.clean import all_reduce_sum_clean, launch_clean
 from lockstep.ddp.autotune import AutoBucketCap, BucketTuner
 from lockstep.ddp.buckets import assign_buckets
 from lockstep.ddp.compiled import refuse_compiled_autograd
-from lockstep.ddp.copy_in import COPY, VIEW, GradIntake, grad_mode
+from lockstep.ddp.copy_in import COPY, VIEW, GradIntake, empty_sparse_like, grad_mode
 from lockstep.ddp.end_of_backward import EndOfBackward
 from lockstep.ddp.fused_compress import FusedCompression, HookPaths
 from lockstep.ddp.grad_bucket import GradBucket
@@ -67,6 +67,8 @@ class Reducer(EndOfBackward, GradIntake, HookPaths, ReducerSurface):
         auto_buckets: try these caps over the first steps and keep the fastest (``autotune``); None: fixed caps.
         direct_min_bytes: a parameter this large (CPU, copies mode) is all-reduced in its own gradient,
             no copy in or out (``copy_in``); None: never.
+        sparse: per parameter, whether its gradient is sparse (torch's ``expect_sparse_gradient``): a bucket
+            of its own, all-reduced as a sparse tensor (``copy_in``); None: none is.
     """
 
     logged_error: str | None = None  # the last error DDP raised (a backward's, the wrapper's), for the logging data
@@ -85,8 +87,13 @@ class Reducer(EndOfBackward, GradIntake, HookPaths, ReducerSurface):
         auto_buckets: AutoBucketCap | None = None,
         direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES,
         rebuilt_first_bucket_bytes: int | None = None,
+        sparse: Sequence[bool] | None = None,
     ):
         self.params = list(params)
+        self.sparse = [bool(s) for s in sparse] if sparse is not None else [False] * len(self.params)
+        if len(self.sparse) != len(self.params):
+            raise ValueError(f"sparse: {len(self.sparse)} flags for {len(self.params)} parameters")
+        self.has_sparse = any(self.sparse)
         self.buckets: list[Bucket] = []
         self.direct_min_bytes = direct_min_bytes
         self.names = list(names)
@@ -137,7 +144,8 @@ class Reducer(EndOfBackward, GradIntake, HookPaths, ReducerSurface):
             self.release_works(keep=False)  # before the old buckets go
         self._param_order = order
         direct = self.direct_min_bytes if self.grad_mode == COPY else None
-        plans = assign_buckets(self.params, order, self.bucket_cap_bytes, self.first_bucket_bytes, self.bucket_caps_bytes, direct)
+        plans = assign_buckets(self.params, order, self.bucket_cap_bytes, self.first_bucket_bytes, self.bucket_caps_bytes, direct,
+                               self.sparse if self.has_sparse else None)
         self.buckets = [Bucket(b, plan, self.params) for b, plan in enumerate(plans)]
         self._location = [(0, 0)] * len(self.params)
         for bucket in self.buckets:
@@ -275,7 +283,10 @@ class Reducer(EndOfBackward, GradIntake, HookPaths, ReducerSurface):
             observer.bucket_launched(bucket.index, bucket.seq)
 
     def _issue(self, bucket: Bucket) -> None:  # the NaN check first, where it must see the local gradients
-        divided = self.nonfinite is not None and self.nonfinite.check_bucket(bucket, self.divisor, self.comm_hook is not None)
+        sparse = bucket.plan.sparse
+        if sparse and bucket.sparse is None:
+            bucket.sparse = empty_sparse_like(bucket.params[0])  # a joined rank's shadow: nothing of its own
+        divided = not sparse and self.nonfinite is not None and self.nonfinite.check_bucket(bucket, self.divisor, self.comm_hook is not None)
         last = bucket.index == len(self.buckets) - 1
         self.direct_launches += bucket.direct is not None
         if last:  # the spare element: every rank's flag is summed there (where no hook is called: ``_flag_apart``)
@@ -291,6 +302,9 @@ class Reducer(EndOfBackward, GradIntake, HookPaths, ReducerSurface):
                     f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} must return a "
                     f"torch.futures.Future, got {type(bucket.work).__name__}"
                 )
+            return
+        if sparse:  # divided already (``copy_in``); the flag travels apart when this is the last (``_flag_apart``)
+            bucket.work = all_reduce_sum_clean(bucket.sparse, self.process_group)
             return
         if self.gradient_as_bucket_view and self.divisor != 1 and not divided:
             bucket.flat.div_(self.divisor)  # one pass per bucket instead of one call per parameter

@@ -27,7 +27,7 @@ class Bucket:
     flags), views, in-flight work."""
 
     __slots__ = ("index", "plan", "buffer", "flat", "views", "params", "grads", "seen", "work", "seq", "direct",
-                 "compressed", "compressed_views")
+                 "compressed", "compressed_views", "sparse")
 
     def __init__(self, index: int, plan: BucketPlan, params: Sequence[torch.nn.Parameter]):
         self.index = index
@@ -40,7 +40,8 @@ class Bucket:
         else:
             self.buffer = torch.zeros(plan.numel + 1, dtype=plan.dtype, device=plan.device)
         self.flat = self.buffer[: plan.numel]  # what a comm hook sees: the gradients only
-        self.views = [self.flat[offset : offset + p.numel()].view(p.shape) for offset, p in zip(plan.offsets, self.params)]
+        # A sparse bucket (``plan.sparse``) has no slots: its one buffer element is the last bucket's spare.
+        self.views = [] if plan.sparse else [self.flat[o : o + p.numel()].view(p.shape) for o, p in zip(plan.offsets, self.params)]
         # dist.Work (default all-reduce) or a Future (comm hook). Kept after the backward that launched it,
         # until the next backward starts (``lifetime``).
         self.work: Any = None
@@ -54,6 +55,9 @@ class Bucket:
 
     def reset(self) -> None:
         self.direct = None
+        # A sparse bucket's gradient this backward (``copy_in``): the parameter's own ``.grad``, divided in
+        # place (torch's reducer does the same), or this rank's stand-in where it has none; all-reduced in place.
+        self.sparse: torch.Tensor | None = None
         self.grads: list[torch.Tensor | None] = [None] * len(self.params)
         self.seen = [False] * len(self.params)
 

@@ -28,7 +28,7 @@ from lockstep.ddp.fused_compress import fused_compression
 from lockstep.ddp.observe import attach
 from lockstep.diagnostics.progress import observer_for
 from lockstep.diagnostics.watchdog import FROM_ENV, resolve_hang_timeout, watch_for_hangs
-from lockstep.ddp.args import (caps_from_list, ignored_names, reject_module, reject_unsupported,
+from lockstep.ddp.args import (caps_from_list, ignored_names, produces_sparse_gradient, reject_module, reject_unsupported,
                                resolve_buffer_sync, resolve_group, warn_like_torch)
 from lockstep.ddp.graph import on_backward_start
 from lockstep.ddp.pickling import Pickling
@@ -226,6 +226,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             static_graph=self.static_graph,
             auto_buckets=self._auto_buckets,
             direct_min_bytes=self.direct_min_bytes,
+            sparse=[produces_sparse_gradient(self.module, n) for n, _ in named],
         )
         if watch_for_hangs(self.process_group, getattr(self, "hang_timeout_s", None)):
             reducer.observer = attach(reducer.observer, observer_for(reducer))  # the watchdog reads its progress
