@@ -172,6 +172,35 @@ def _shared_parameter(rank, impl):
     return out
 
 
+# ------------------------------------------------------------------ complex and float64 parameters
+class _Complex(nn.Module):
+    """A complex64 weight (registered first: its bucket is the last, the one that carries the status flag) and a float64 one."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 4, dtype=torch.complex64))
+        self.lin = nn.Linear(4, 2)
+        self.d = nn.Parameter(torch.randn(3, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.lin((x.to(torch.complex64) @ self.w).abs()).sum() + (self.d ** 2).sum()
+
+
+def _complex_params(rank, impl):
+    out = {}
+    for name, kwargs in (("copies", {}), ("view", {"gradient_as_bucket_view": True}), ("one_per_bucket", {"bucket_cap_mb": 1e-5})):
+        torch.manual_seed(0)
+        model = _ddp_class(impl)(_Complex(), **kwargs)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(4):
+            opt.zero_grad()
+            model(torch.randn(5, 6, generator=gen)).backward()
+            opt.step()
+        out[name] = _params(model)
+    return out
+
+
 # ------------------------------------------------------------------ 7. functional_call on the wrapper
 class _WithBuffer(nn.Module):
     def __init__(self):
@@ -376,7 +405,7 @@ def _all_cases(rank, world_size):
         "pickling": _pickling, "no_grad_module": _no_grad_module, "create_graph": _create_graph,
         "partial_outputs": _partial_outputs, "undefined_grads": _undefined_grads, "shared": _shared_parameter,
         "functional_call": _functional_call, "api": _api, "reassigned_buffer": _reassigned_buffer,
-        "errors": _errors, "setup_warnings": _setup_warnings,
+        "errors": _errors, "setup_warnings": _setup_warnings, "complex": _complex_params,
     }
     out = {name: {impl: fn(rank, impl) for impl in IMPLS} for name, fn in cases.items()}
     out["local_partial_outputs"] = _local_partial_outputs(world_size)
@@ -432,6 +461,14 @@ def test_parameter_under_two_names(results):
     for r in results:
         for static in (True, False):
             assert _exact(r["shared"]["lockstep"][static], r["shared"]["torch"][static]), static
+
+
+def test_complex_parameters_as_torch(results):
+    """A complex64 last bucket read its summed flag with ``>`` on a complex number (TypeError) before."""
+    for r in results:
+        for name in ("copies", "view", "one_per_bucket"):
+            ours, theirs = r["complex"]["lockstep"][name], r["complex"]["torch"][name]
+            assert ours[0].dtype == torch.complex64 and _exact(ours, theirs), name
 
 
 def test_functional_call_on_the_wrapper(results):

@@ -93,13 +93,13 @@ class MissingFlag:
         """Status of this backward (CPU), or of the previous one (deferred), from the summed flag."""
         deferred = buffer.is_cuda if self.deferred is None else self.deferred
         if not deferred:
-            return Status(bool(buffer[-1].item() > 0), None, missing)
+            return Status(bool(buffer[-1].real.item() > 0), None, missing)  # .real: a complex last bucket
         previous, self._pending = self._pending, None
         late = Status(False, None, [], late=True)
         if previous is not None:
             if self._event is not None:
                 self._event.synchronize()  # recorded a backward ago: already complete, no stall
-            late = Status(bool(previous[0].item() > 0), None, previous[1], late=True)
+            late = Status(bool(previous[0].real.item() > 0), None, previous[1], late=True)
         if buffer.is_cuda:
             if self._host is None or self._host.dtype != buffer.dtype:
                 self._host = torch.empty(1, dtype=buffer.dtype, pin_memory=True)
