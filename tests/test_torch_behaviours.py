@@ -201,6 +201,36 @@ def _complex_params(rank, impl):
     return out
 
 
+# ------------------------------------------------------------------ half precision, channels_last and transposed parameters
+class _Layouts(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.t = nn.Parameter(torch.randn(3, 6).t().to(dtype))  # a transpose: strides (1, 6)
+        self.conv = nn.Conv2d(3, 4, 3).to(dtype).to(memory_format=torch.channels_last)
+        self.lin = nn.Linear(4, 3).to(dtype)
+
+    def forward(self, x):
+        return (self.lin(self.conv(x).mean((2, 3))) @ self.t.t()).float().pow(2).mean()
+
+
+def _layouts(rank, impl):
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        for view in (False, True, None):
+            if impl == "torch" and view is None:
+                continue  # lockstep's None is compared with torch's default (False)
+            torch.manual_seed(0)
+            model = _ddp_class(impl)(_Layouts(dtype), gradient_as_bucket_view=view)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            gen = torch.Generator().manual_seed(rank)
+            for _ in range(4):
+                opt.zero_grad()
+                model(torch.randn(2, 3, 8, 8, generator=gen).to(dtype).to(memory_format=torch.channels_last)).backward()
+                opt.step()
+            out[str(dtype), view] = (_params(model), [p.grad.stride() for p in model.module.parameters()])
+    return out
+
+
 # ------------------------------------------------------------------ 7. functional_call on the wrapper
 class _WithBuffer(nn.Module):
     def __init__(self):
@@ -406,6 +436,7 @@ def _all_cases(rank, world_size):
         "partial_outputs": _partial_outputs, "undefined_grads": _undefined_grads, "shared": _shared_parameter,
         "functional_call": _functional_call, "api": _api, "reassigned_buffer": _reassigned_buffer,
         "errors": _errors, "setup_warnings": _setup_warnings, "complex": _complex_params,
+        "layouts": _layouts,
     }
     out = {name: {impl: fn(rank, impl) for impl in IMPLS} for name, fn in cases.items()}
     out["local_partial_outputs"] = _local_partial_outputs(world_size)
@@ -469,6 +500,17 @@ def test_complex_parameters_as_torch(results):
         for name in ("copies", "view", "one_per_bucket"):
             ours, theirs = r["complex"]["lockstep"][name], r["complex"]["torch"][name]
             assert ours[0].dtype == torch.complex64 and _exact(ours, theirs), name
+
+
+def test_half_precision_strided_parameters_as_torch(results):
+    """``.grad`` in the buckets keeps the parameter's strides, as torch's bucket views: with contiguous slots a
+    channels_last / transposed fp16 or bf16 weight's SGD step differed from torch's by one unit in the last place."""
+    for r in results:
+        ours, theirs = r["layouts"]["lockstep"], r["layouts"]["torch"]
+        for (dtype, view), (params, strides) in ours.items():
+            ref_params, ref_strides = theirs[dtype, bool(view)]
+            assert _exact(params, ref_params), (dtype, view)
+            assert strides == ref_strides, (dtype, view, strides, ref_strides)
 
 
 def test_functional_call_on_the_wrapper(results):

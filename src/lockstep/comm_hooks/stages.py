@@ -139,8 +139,10 @@ class CompressedBucket:
         # The outer bucket's layout, laid over the compressed buffer (computed once: hooks may ask often).
         if self._views is None:
             offsets = gradient_offsets(self._outer)
+            # As strided as the outer views (a channels_last weight's slot is channels_last in the buffer).
             self._views = [
-                self._buffer[o : o + g.numel()].view(g.shape) for o, g in zip(offsets, self._outer.gradients())
+                self._buffer.as_strided(g.shape, g.stride(), self._buffer.storage_offset() + o)
+                for o, g in zip(offsets, self._outer.gradients())
             ]
         return list(self._views)
 

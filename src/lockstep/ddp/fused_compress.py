@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from lockstep.collectives.clean import all_reduce_sum_clean
 from lockstep.comm_hooks.base import compressed_average_dtype, group_of, issues_collectives_up_front
+from lockstep.ddp.reducer_state import slot_view
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class FusedCompression:
         compressed = bucket.compressed
         if compressed is None or compressed.numel() != source.numel() or compressed.dtype != self.dtype:
             compressed = bucket.compressed = torch.empty(source.numel(), dtype=self.dtype, device=source.device)
-            bucket.compressed_views = [compressed[o : o + v.numel()].view(v.shape) for o, v in zip(bucket.plan.offsets, bucket.views)]
+            bucket.compressed_views = [slot_view(compressed, o, v) for o, v in zip(bucket.plan.offsets, bucket.views)]
         compressed.copy_(source)  # the cast ``buffer.to(dtype)`` does, into a buffer kept from the last step
         compressed.div_(self.world_size)  # in ``dtype``, after the cast: the hook's two roundings, not one
         return all_reduce_sum_clean(compressed, group)

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from lockstep.ddp.reducer_state import slot_view
+
 
 class GradBucket:
     """A view of one reducer bucket for a comm hook. The buffer holds the local (not yet divided) gradients."""
@@ -55,10 +57,7 @@ class GradBucket:
             return list(self._bucket.views)
         if self._bucket.plan.sparse:
             return [self._buffer]
-        return [
-            self._buffer[offset : offset + p.numel()].view(p.shape)
-            for offset, p in zip(self._bucket.plan.offsets, self._bucket.params)
-        ]
+        return [slot_view(self._buffer, offset, p) for offset, p in zip(self._bucket.plan.offsets, self._bucket.params)]
 
     def __repr__(self) -> str:
         return f"GradBucket(index={self.index()}, numel={self._bucket.flat.numel()}, params={len(self._bucket.params)})"

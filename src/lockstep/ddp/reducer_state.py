@@ -22,6 +22,33 @@ from lockstep.ddp.buckets import BucketPlan
 from lockstep.ddp.graph import reachable_params
 
 
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Its elements fill a block of memory without gaps or overlaps in some order of its dimensions
+    (contiguous, channels_last, a transpose), as torch's ``is_non_overlapping_and_dense``."""
+    expected = 1
+    for d in sorted(range(tensor.dim()), key=lambda d: (tensor.stride(d), tensor.size(d))):
+        if tensor.size(d) == 1:
+            continue
+        if tensor.stride(d) != expected:
+            return False
+        expected *= tensor.size(d)
+    return True
+
+
+def slot_view(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """``like``'s slot in ``flat``, from element ``offset``, laid out as ``like`` is, as torch's bucket views are.
+
+    A channels_last or transposed parameter's gradient then keeps its strides where ``.grad`` is the slot
+    (bucket views, lockstep's None), as autograd makes it under torch's default: elementwise kernels take
+    the same path on it, so a half-precision optimizer step has torch's bits (a contiguous view of a
+    channels_last fp16 weight moved SGD's update by one unit in the last place). A parameter that is not
+    dense gets a plain contiguous view.
+    """
+    if is_dense(like):
+        return flat.as_strided(like.shape, like.stride(), flat.storage_offset() + offset)
+    return flat[offset : offset + like.numel()].view(like.shape)
+
+
 class Bucket:
     """Runtime state of one bucket: a flat buffer (+1 spare element, which the last bucket sends with the status
     flags), views, in-flight work."""
@@ -41,7 +68,7 @@ class Bucket:
             self.buffer = torch.zeros(plan.numel + 1, dtype=plan.dtype, device=plan.device)
         self.flat = self.buffer[: plan.numel]  # what a comm hook sees: the gradients only
         # A sparse bucket (``plan.sparse``) has no slots: its one buffer element is the last bucket's spare.
-        self.views = [] if plan.sparse else [self.flat[o : o + p.numel()].view(p.shape) for o, p in zip(plan.offsets, self.params)]
+        self.views = [] if plan.sparse else [slot_view(self.flat, o, p) for o, p in zip(plan.offsets, self.params)]
         # dist.Work (default all-reduce) or a Future (comm hook). Kept after the backward that launched it,
         # until the next backward starts (``lifetime``).
         self.work: Any = None
