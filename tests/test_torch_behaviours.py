@@ -187,6 +187,11 @@ class _Complex(nn.Module):
 
 
 def _complex_params(rank, impl):
+    # torch 2.4's own DDP cannot broadcast a complex parameter at construction ("Invalid scalar type", gloo)
+    return _capture(lambda: _train_complex(rank, impl))
+
+
+def _train_complex(rank, impl):
     out = {}
     for name, kwargs in (("copies", {}), ("view", {"gradient_as_bucket_view": True}), ("one_per_bucket", {"bucket_cap_mb": 1e-5})):
         torch.manual_seed(0)
@@ -497,9 +502,13 @@ def test_parameter_under_two_names(results):
 def test_complex_parameters_as_torch(results):
     """A complex64 last bucket read its summed flag with ``>`` on a complex number (TypeError) before."""
     for r in results:
+        (status, ours), (torch_status, theirs) = r["complex"]["lockstep"], r["complex"]["torch"]
+        assert status == "ok", ours
+        if torch_status != "ok":  # torch 2.4's DDP fails at construction: nothing to compare with
+            assert "Invalid scalar type" in theirs, theirs
+            continue
         for name in ("copies", "view", "one_per_bucket"):
-            ours, theirs = r["complex"]["lockstep"][name], r["complex"]["torch"][name]
-            assert ours[0].dtype == torch.complex64 and _exact(ours, theirs), name
+            assert ours[name][0].dtype == torch.complex64 and _exact(ours[name], theirs[name]), name
 
 
 def test_half_precision_strided_parameters_as_torch(results):
