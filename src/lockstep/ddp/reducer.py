@@ -29,14 +29,13 @@ import torch.distributed as dist
 
 from lockstep.collectives.clean import all_reduce_sum_clean, launch_clean
 from lockstep.ddp.autotune import AutoBucketCap, BucketTuner
-from lockstep.ddp.buckets import assign_buckets
 from lockstep.ddp.compiled import refuse_compiled_autograd
-from lockstep.ddp.copy_in import COPY, VIEW, GradIntake, empty_sparse_like, grad_mode
+from lockstep.ddp.copy_in import VIEW, GradIntake, empty_sparse_like, grad_mode
 from lockstep.ddp.end_of_backward import EndOfBackward
 from lockstep.ddp.fused_compress import FusedCompression, HookPaths
 from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.grad_hook import fast_table, make_hook
-from lockstep.ddp.launch_order import LaunchOrder
+from lockstep.ddp.layout import Layout
 from lockstep.ddp.lifetime import register_for_exit, remove_handles
 from lockstep.ddp.lifetime import release_works as release_reducer_works
 from lockstep.ddp.observe import StepObserver
@@ -50,7 +49,7 @@ DEFAULT_DIRECT_MIN_BYTES = 4 * 1024 * 1024
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 
-class Reducer(EndOfBackward, GradIntake, HookPaths, ReducerSurface):
+class Reducer(Layout, EndOfBackward, GradIntake, HookPaths, ReducerSurface):
     """Bucketed gradient averaging for one replica's parameters.
 
     Args:
@@ -137,58 +136,6 @@ class Reducer(EndOfBackward, GradIntake, HookPaths, ReducerSurface):
         self._handles = [p.register_post_accumulate_grad_hook(make_hook(self_ref, i)) for i, p in enumerate(self.params)]
         weakref.finalize(self, remove_handles, self._handles)
         register_for_exit(self)
-
-    # ----------------------------------------------------------------- layout
-    def _build(self, order: list[int]) -> None:
-        if self.buckets:
-            self.release_works(keep=False)  # before the old buckets go
-        self._param_order = order
-        direct = self.direct_min_bytes if self.grad_mode == COPY else None
-        plans = assign_buckets(self.params, order, self.bucket_cap_bytes, self.first_bucket_bytes, self.bucket_caps_bytes, direct,
-                               self.sparse if self.has_sparse else None)
-        self.buckets = [Bucket(b, plan, self.params) for b, plan in enumerate(plans)]
-        self._location = [(0, 0)] * len(self.params)
-        for bucket in self.buckets:
-            for slot, i in enumerate(bucket.plan.param_indices):
-                self._location[i] = (bucket.index, slot)
-        self._sizes = [len(b.params) for b in self.buckets]
-        self._order = LaunchOrder(self.buckets, self._launch, self._hook_one_in_flight)
-        self.layout_version += 1  # ``grad_hook.fast_table``'s cache key
-        self._reset()
-        if self.gradient_as_bucket_view:
-            # Existing gradients move into the new buffers so no accumulated value is lost.
-            for bucket in self.buckets:
-                for p, view in zip(bucket.params, bucket.views):
-                    if p.grad is not None:
-                        view.copy_(p.grad)
-                        p.grad = view
-
-    def bucket_layout(self) -> list[list[int]]:
-        """Parameter indices (into ``params``) of each bucket, in launch order."""
-        return [list(b.plan.param_indices) for b in self.buckets]
-
-    def rebuild_buckets(self) -> None:
-        """Rebuild once from the first synced backward's ready order (rank 0's, so all ranks agree).
-
-        Costs one broadcast of ``len(params)`` integers, once per run; rank 0's first-bucket cap rides
-        with them (ranks may judge their machines differently; the layouts must agree).
-        """
-        self.rebuild_pending = False
-        observed = self._observed_order or []
-        self._observed_order = None
-        seen = set(observed)  # parameters never ready go last, in reverse registration order
-        order = observed + [i for i in reversed(range(len(self.params))) if i not in seen]
-        device = self.buckets[0].buffer.device if dist.get_backend(self.process_group) == "nccl" else "cpu"
-        order_t = torch.tensor(order + [self.rebuilt_first_bucket_bytes], dtype=torch.int64, device=device)
-        dist.broadcast(order_t, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
-        *order, self.first_bucket_bytes = order_t.tolist()
-        self._build(order)
-        self.buckets_rebuilt = True
-
-    def relayout(self, bucket_caps_bytes: list[int]) -> None:
-        """New buckets with these caps, in the current order (the auto-tuner's trials; every rank at the same round)."""
-        self.bucket_caps_bytes = bucket_caps_bytes
-        self._build(self._param_order)
 
     def between_steps(self) -> None:
         """Before a round's collectives, on every rank (a forward, or a joined rank's shadow): rebuild, tune."""
