@@ -236,6 +236,47 @@ def _layouts(rank, impl):
     return out
 
 
+# ------------------------------------------------------------------ torch.distributed.checkpoint
+def _dcp(rank, impl):
+    """get_state_dict / dcp.save, two more steps; a fresh replica loads (dcp.load / set_state_dict) and takes the same two."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def make():
+        torch.manual_seed(0)
+        model = _ddp_class(impl)(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)))
+        return model, torch.optim.AdamW(model.parameters(), 1e-2)
+
+    def steps(model, opt, n, seed):
+        gen = torch.Generator().manual_seed(seed * 10 + rank)
+        for _ in range(n):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(torch.randn(5, 4, generator=gen)), torch.randn(5, 2, generator=gen)).backward()
+            opt.step()
+
+    where = [tempfile.mkdtemp(prefix=f"dcp_{impl}_") if rank == 0 else None]
+    dist.broadcast_object_list(where)
+    model, opt = make()
+    steps(model, opt, 3, 1)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=where[0])
+    steps(model, opt, 2, 2)
+    model2, opt2 = make()
+    model_sd2, optim_sd2 = get_state_dict(model2, opt2)
+    state = {"model": model_sd2, "optim": optim_sd2}
+    dcp.load(state, checkpoint_id=where[0])
+    set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    steps(model2, opt2, 2, 2)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(where[0], ignore_errors=True)
+    return {"model_keys": sorted(model_sd), "optim_keys": sorted(optim_sd["state"]), "continued": _params(model),
+            "resumed": _params(model2)}
+
+
 # ------------------------------------------------------------------ 7. functional_call on the wrapper
 class _WithBuffer(nn.Module):
     def __init__(self):
@@ -441,7 +482,7 @@ def _all_cases(rank, world_size):
         "partial_outputs": _partial_outputs, "undefined_grads": _undefined_grads, "shared": _shared_parameter,
         "functional_call": _functional_call, "api": _api, "reassigned_buffer": _reassigned_buffer,
         "errors": _errors, "setup_warnings": _setup_warnings, "complex": _complex_params,
-        "layouts": _layouts,
+        "layouts": _layouts, "dcp": _dcp,
     }
     out = {name: {impl: fn(rank, impl) for impl in IMPLS} for name, fn in cases.items()}
     out["local_partial_outputs"] = _local_partial_outputs(world_size)
@@ -520,6 +561,16 @@ def test_half_precision_strided_parameters_as_torch(results):
             ref_params, ref_strides = theirs[dtype, bool(view)]
             assert _exact(params, ref_params), (dtype, view)
             assert strides == ref_strides, (dtype, view, strides, ref_strides)
+
+
+def test_distributed_checkpoint_as_torch(results):
+    """torch.distributed.checkpoint's state_dict API strips the wrapper's ``module.`` as for torch's DDP, and a
+    replica resumed through dcp.save / dcp.load continues bit for bit, as torch's does."""
+    for r in results:
+        ours, theirs = r["dcp"]["lockstep"], r["dcp"]["torch"]
+        assert ours["model_keys"] == theirs["model_keys"] and not any(k.startswith("module.") for k in ours["model_keys"])
+        assert ours["optim_keys"] == theirs["optim_keys"]
+        assert _exact(ours["resumed"], ours["continued"]) and _exact(ours["resumed"], theirs["resumed"])
 
 
 def test_functional_call_on_the_wrapper(results):
