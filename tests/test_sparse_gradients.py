@@ -15,7 +15,8 @@ gloo ranks runs every case. The evidence:
   average of the ranks that did (torch's DDP raises "Expected sparse gradient to be defined.");
   where no rank used it its ``.grad`` stays None;
 * errors: a gradient missing on one rank fails on both, naming it; a sparse gradient from a module
-  not declared sparse is refused, naming the parameter.
+  not declared sparse is refused, naming the parameter; ``detect_nonfinite`` names a NaN in a dense or a
+  sparse gradient where the last bucket is sparse.
 """
 
 from __future__ import annotations
@@ -157,6 +158,22 @@ def _all_cases(rank: int, world_size: int) -> dict:
     except RuntimeError as e:
         out["missing"] = str(e)
 
+    # The NaN check where the last bucket is sparse (no spare element to carry its count): a NaN put into the
+    # head's gradients, then into the word table's, on rank 1 only, each raised on both ranks, naming it.
+    for where in ("head", "words"):
+        model = ours(_model(), detect_nonfinite=True, bucket_cap_mb=0.0003)
+        F.cross_entropy(model(tokens), labels).backward()  # the rebuilt layout: [head], [dense], [bag], [words]
+        out["nan/last_sparse"] = model.reducer.buckets[-1].plan.sparse
+        poison = model.module.head.weight if where == "head" else model.module.words.weight
+        handle = poison.register_hook(lambda g: g * float("nan")) if rank == 1 else None
+        try:
+            F.cross_entropy(model(tokens), labels).backward()
+            out[f"nan/{where}"] = "no error"
+        except RuntimeError as e:
+            out[f"nan/{where}"] = f"{type(e).__name__}: {e}"
+        if handle is not None:
+            handle.remove()
+
     # A sparse gradient where the module did not say sparse=True (F.embedding(sparse=True) in a custom module).
     class Custom(nn.Module):
         def __init__(self):
@@ -221,6 +238,17 @@ def test_missing_sparse_gradient_fails_on_both_ranks(results):
     for rank in range(2):
         message = results[rank]["missing"]
         assert "received no gradient" in message and "rank 1: 'words.weight'" in message and "rank 0" not in message, (rank, message)
+
+
+def test_nan_check_with_a_sparse_last_bucket(results):
+    """The count of non-finite buckets travels in its own all-reduce where the last bucket is sparse (it rode in a
+    spare element that a sparse bucket does not send, so a NaN went unseen); sparse values are checked before
+    their all-reduce, which overwrites them."""
+    for rank in range(2):
+        assert results[rank]["nan/last_sparse"]
+        head, words = results[rank]["nan/head"], results[rank]["nan/words"]
+        assert head.startswith("NonfiniteGradientError") and "on rank 1" in head and "'head.weight'" in head, head
+        assert words.startswith("NonfiniteGradientError") and "rank 1: 1 of 6 parameters, 'words.weight'" in words, words
 
 
 def test_sparse_gradient_of_an_undeclared_module_is_refused(results):

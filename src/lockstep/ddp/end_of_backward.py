@@ -69,7 +69,7 @@ class EndOfBackward:
                     future.wait()
                 self.comm_wait_s += time.perf_counter() - start
             if self.nonfinite is not None:
-                self.nonfinite.after_wait(self.buckets, self.comm_hook is not None)  # raises on every rank alike
+                self.nonfinite.after_wait(self.buckets, self.comm_hook is not None, self._flag_apart())  # raises on every rank alike
             status = self.usage.exchange_status(missing, self._flag_apart(), self.buckets[-1], self.process_group, launched=launched)
             if status.any_missing:
                 raise_missing_gradients(status.missing, self.names, self.process_group, self.usage.static_graph, status.late)

@@ -113,7 +113,7 @@ def shadow_backward(reducer: Any) -> None:
     if fused is not None:  # the summed flag, cast back into the last bucket where the status read finds it
         fused.finish(reducer.buckets[-1], True, False)
     if reducer.nonfinite is not None:
-        reducer.nonfinite.after_wait(reducer.buckets, reducer.comm_hook is not None)  # a training rank's NaN ends here too
+        reducer.nonfinite.after_wait(reducer.buckets, reducer.comm_hook is not None, hooked)  # a training rank's NaN ends here too
     usage.exchange_status([], hooked, reducer.buckets[-1], reducer.process_group, joined=True, launched=launched)
     reducer._reset()
     reducer.rounds += 1

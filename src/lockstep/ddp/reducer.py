@@ -233,7 +233,10 @@ class Reducer(Layout, EndOfBackward, GradIntake, HookPaths, ReducerSurface):
         sparse = bucket.plan.sparse
         if sparse and bucket.sparse is None:
             bucket.sparse = empty_sparse_like(bucket.params[0])  # a joined rank's shadow: nothing of its own
-        divided = not sparse and self.nonfinite is not None and self.nonfinite.check_bucket(bucket, self.divisor, self.comm_hook is not None)
+        nonfinite = self.nonfinite
+        if nonfinite is not None and sparse:
+            nonfinite.check_sparse(bucket)
+        divided = not sparse and nonfinite is not None and nonfinite.check_bucket(bucket, self.divisor, self.comm_hook is not None)
         last = bucket.index == len(self.buckets) - 1
         self.direct_launches += bucket.direct is not None
         if last:  # the spare element: every rank's flag is summed there (where no hook is called: ``_flag_apart``)

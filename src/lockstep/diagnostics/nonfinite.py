@@ -91,6 +91,7 @@ class NonfiniteCheck:
         self._count: Any = 0  # this rank's bad buckets this backward (an int, or a device tensor on CUDA)
         self._offenders: list[tuple[str, int, int, int]] = []  # (name, nan count, inf count, numel), CPU only
         self._device_flags: dict[int, torch.Tensor] = {}  # bucket index -> device bool (CUDA)
+        self._sparse_bad: dict[int, list] = {}  # sparse bucket index -> this rank's offenders in it (``check_sparse``)
 
     def after_reduce(self, tensor: torch.Tensor, comm_hook: bool) -> bool:
         """The common path, checked after the all-reduce on the average: a CPU bucket, no hook, copied gradients."""
@@ -140,6 +141,18 @@ class NonfiniteCheck:
         self._count = self._count + bad.to(flat.dtype)
         return False
 
+    def check_sparse(self, bucket: Any) -> None:
+        """A sparse bucket's gradient (``ddp.copy_in``), before its collective and at every world size: its values
+        are all-reduced in place, so the local ones exist only now. One sum of the values (a host read; a
+        debugging mode), the offender noted; at world sizes that are not a power of two its verdict is the
+        bucket's flag in the end-of-backward all-reduce (``after_wait``)."""
+        values = bucket.sparse._values()
+        if values.numel() and not math.isfinite(_sum(values).item()):
+            found = self._find([values], bucket.plan.param_indices)
+            self._sparse_bad[bucket.index] = found
+            if self.pre_launch:
+                self._note(found)
+
     def _note(self, found: list[tuple[str, int, int, int]]) -> None:
         if found:
             self._offenders += found
@@ -161,17 +174,21 @@ class NonfiniteCheck:
         elif self._count:
             buffer[-1] += self._count * self.scale
 
-    def after_wait(self, buckets: Sequence[Any], comm_hook: bool) -> None:
-        """End of backward, every rank, after the waits and before the status exchange: raise if any rank was bad."""
+    def after_wait(self, buckets: Sequence[Any], comm_hook: bool, flag_apart: bool | None = None) -> None:
+        """End of backward, every rank, after the waits and before the status exchange: raise if any rank was bad.
+        ``flag_apart`` (default: ``comm_hook``): the last bucket has no spare element in its collective (a comm
+        hook's buffer, a sparse bucket), so the count needs an all-reduce of its own."""
+        flag_apart = comm_hook if flag_apart is None else flag_apart
         try:
             if self.after_reduce(buckets[-1].buffer, comm_hook):
-                flags = torch.tensor([int(not self._slice_finite(b.flat)) for b in buckets], dtype=torch.int32)
+                flags = torch.tensor([int(b.index in self._sparse_bad) if b.plan.sparse else int(not self._slice_finite(b.flat))
+                                      for b in buckets], dtype=torch.int32)
                 self.last_work = launch_clean(dist.all_reduce, flags, group=self.group, async_op=True)  # collectives.clean
                 self.last_work.wait()
                 if flags.any():
                     self._raise(buckets, [b for b, bad in zip(buckets, flags.tolist()) if bad])
                 return
-            if comm_hook:
+            if flag_apart:
                 count = torch.tensor([float(self._count)], dtype=torch.float32)
                 if dist.get_backend(self.group) == "nccl":
                     count = count.to(buckets[-1].buffer.device)
@@ -203,6 +220,9 @@ class NonfiniteCheck:
         """This rank's local gradients in these buckets that hold a NaN or Inf (a flagged step only)."""
         found = []
         for bucket in buckets:
+            if bucket.plan.sparse:
+                found += self._sparse_bad.get(bucket.index, [])  # read before its all-reduce (``check_sparse``)
+                continue
             for i, g, view in zip(bucket.plan.param_indices, bucket.grads, bucket.views):
                 if g is None:
                     continue  # this rank contributed zeros
