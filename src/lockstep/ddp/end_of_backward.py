@@ -54,7 +54,8 @@ class EndOfBackward:
             self._order.drain()
             # Every collective of this backward is issued unless a hook issues some from its callbacks: the status
             # exchange (comm hook, find_unused_parameters) queues behind them and hides behind their waits.
-            launched = None if self._hook_one_in_flight() else self.usage.launch_status(missing, self._flag_apart(), self.buckets[-1], self.process_group)
+            apart = self._flag_apart()
+            launched = None if self._hook_one_in_flight() else self.usage.launch_status(missing, apart, self.buckets[-1], self.process_group)
             fast = not (self.gradient_as_bucket_view or self._graph_grads or self._missing_flag or self._fixups)
             # Torch's order on the common path: each bucket copied back as soon as its wait returns, so the copy
             # overlaps the buckets still in flight. Not where the non-finite check reads the local gradients after
@@ -69,8 +70,8 @@ class EndOfBackward:
                     future.wait()
                 self.comm_wait_s += time.perf_counter() - start
             if self.nonfinite is not None:
-                self.nonfinite.after_wait(self.buckets, self.comm_hook is not None, self._flag_apart())  # raises on every rank alike
-            status = self.usage.exchange_status(missing, self._flag_apart(), self.buckets[-1], self.process_group, launched=launched)
+                self.nonfinite.after_wait(self.buckets, self.comm_hook is not None, apart)  # raises on every rank alike
+            status = self.usage.exchange_status(missing, apart, self.buckets[-1], self.process_group, launched=launched)
             if status.any_missing:
                 raise_missing_gradients(status.missing, self.names, self.process_group, self.usage.static_graph, status.late)
             if not early:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
+from lockstep.ddp.copy_in import empty_sparse_like
 from lockstep.ddp.replicas import broadcast_coalesced
 
 
@@ -103,6 +104,8 @@ def shadow_backward(reducer: Any) -> None:
     reducer._unalias_grads()
     for bucket in reducer.buckets:
         bucket.buffer.zero_()
+        if bucket.plan.sparse:
+            bucket.sparse = empty_sparse_like(bucket.params[0])  # nothing of its own: adds nothing to the sum
     reducer._order.drain()
     hooked, usage = reducer._flag_apart(), reducer.usage
     # Where a training rank launches its status exchange right behind the buckets (``_finalize_backward``), so here.

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from lockstep.collectives.clean import all_reduce_sum_clean, launch_clean
 from lockstep.ddp.autotune import AutoBucketCap, BucketTuner
 from lockstep.ddp.compiled import refuse_compiled_autograd
-from lockstep.ddp.copy_in import VIEW, GradIntake, empty_sparse_like, grad_mode
+from lockstep.ddp.copy_in import VIEW, GradIntake, grad_mode
 from lockstep.ddp.end_of_backward import EndOfBackward
 from lockstep.ddp.fused_compress import FusedCompression, HookPaths
 from lockstep.ddp.grad_bucket import GradBucket
@@ -230,13 +230,7 @@ class Reducer(Layout, EndOfBackward, GradIntake, HookPaths, ReducerSurface):
             observer.bucket_launched(bucket.index, bucket.seq)
 
     def _issue(self, bucket: Bucket) -> None:  # the NaN check first, where it must see the local gradients
-        sparse = bucket.plan.sparse
-        if sparse and bucket.sparse is None:
-            bucket.sparse = empty_sparse_like(bucket.params[0])  # a joined rank's shadow: nothing of its own
-        nonfinite = self.nonfinite
-        if nonfinite is not None and sparse:
-            nonfinite.check_sparse(bucket)
-        divided = not sparse and nonfinite is not None and nonfinite.check_bucket(bucket, self.divisor, self.comm_hook is not None)
+        divided = self.nonfinite is not None and self.nonfinite.check_bucket(bucket, self.divisor, self.comm_hook is not None)
         last = bucket.index == len(self.buckets) - 1
         self.direct_launches += bucket.direct is not None
         if last:  # the spare element: every rank's flag is summed there (where no hook is called: ``_flag_apart``)
@@ -253,7 +247,7 @@ class Reducer(Layout, EndOfBackward, GradIntake, HookPaths, ReducerSurface):
                     f"torch.futures.Future, got {type(bucket.work).__name__}"
                 )
             return
-        if sparse:  # divided already (``copy_in``); the flag travels apart when this is the last (``_flag_apart``)
+        if bucket.plan.sparse:  # divided already (``copy_in``); the flag travels apart when this is the last (``_flag_apart``)
             bucket.work = all_reduce_sum_clean(bucket.sparse, self.process_group)
             return
         if self.gradient_as_bucket_view and self.divisor != 1 and not divided:

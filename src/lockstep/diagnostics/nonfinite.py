@@ -116,6 +116,9 @@ class NonfiniteCheck:
     def check_bucket(self, bucket: Any, divisor: int = 1, comm_hook: bool = False) -> bool:
         """Before the bucket's collective. True when it also divided the bucket by ``divisor`` (bucket view)."""
         flat = bucket.flat
+        if bucket.plan.sparse:
+            self.check_sparse(bucket)
+            return False
         if bucket.direct is not None:
             return False  # checked as it was scaled (``scale_direct``)
         if flat.numel() == 0 or self.after_reduce(flat, comm_hook):
