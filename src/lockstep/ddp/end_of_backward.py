@@ -15,7 +15,7 @@ import time
 from lockstep.ddp.copy_back import copy_back, wait_buckets
 from lockstep.ddp.copy_in import COPY
 from lockstep.ddp.optim_in_backward import step_optimizers_in_backward
-from lockstep.ddp.reducer_state import raise_missing_gradients
+from lockstep.ddp.errors import raise_missing_gradients
 from lockstep.ddp.torch_surface import error_for_log
 
 
@@ -73,7 +73,9 @@ class EndOfBackward:
                 self.nonfinite.after_wait(self.buckets, self.comm_hook is not None, apart)  # raises on every rank alike
             status = self.usage.exchange_status(missing, apart, self.buckets[-1], self.process_group, launched=launched)
             if status.any_missing:
-                raise_missing_gradients(status.missing, self.names, self.process_group, self.usage.static_graph, status.late)
+                changes = self.module_changes
+                raise_missing_gradients(status.missing, self.names, self.process_group, self.usage.static_graph,
+                                        status.late, None if changes is None else changes.explain)
             if not early:
                 copy_back(self.buckets, self.params, status.globally_used, self.grad_mode, fast)
             if self.optimizers_in_backward:

@@ -39,6 +39,7 @@ from lockstep.ddp.layout import Layout
 from lockstep.ddp.lifetime import register_for_exit, remove_handles
 from lockstep.ddp.lifetime import release_works as release_reducer_works
 from lockstep.ddp.observe import StepObserver
+from lockstep.ddp.errors import twice_message
 from lockstep.ddp.reducer_state import Bucket, UsageTracker
 from lockstep.ddp.torch_surface import ReducerSurface
 
@@ -112,6 +113,7 @@ class Reducer(Layout, EndOfBackward, GradIntake, HookPaths, ReducerSurface):
         self.expect_hooks = False  # set by a synchronised forward: other backwards' hooks do nothing
         self._callback_queued = False
         self._unused_at_start: list[int] = []
+        self._marked_unused: list[int] = []  # what the last backward started by marking unused (read by an error only)
         self._hooks_fired = False
         self._observed_order: list[int] | None = []  # first synced backward's ready order, for the rebuild
         self.rebuild_pending = False
@@ -120,6 +122,7 @@ class Reducer(Layout, EndOfBackward, GradIntake, HookPaths, ReducerSurface):
         self.observer: StepObserver | None = None  # diagnostics (``observe``); None = off
         self.optimizers_in_backward = False  # torch's _apply_optimizer_in_backward on these parameters
         self.post_backward_futures: list = []  # a buffer comm hook's futures, waited for at the end of backward
+        self.module_changes: Any = None  # ddp.module_changes.ModuleChanges: explains missing gradients; None = off
         self.nonfinite: Any = None  # diagnostics.nonfinite.NonfiniteCheck (detect_nonfinite=True); None = off
         self.direct_launches = 0  # all-reduces run on a gradient where autograd left it (``copy_in``), since construction
         self.launch_seq = 0  # launches issued since construction: the same on every rank, step after step
@@ -179,6 +182,7 @@ class Reducer(Layout, EndOfBackward, GradIntake, HookPaths, ReducerSurface):
         if self.observer is not None:
             self.observer.backward_start()
         unused, self._unused_at_start = self._unused_at_start, []
+        self._marked_unused = unused
         for i in unused:
             self._mark_ready(i, self.params[i].grad)
 
@@ -199,11 +203,7 @@ class Reducer(Layout, EndOfBackward, GradIntake, HookPaths, ReducerSurface):
         b, slot = self._location[index]
         bucket = self.buckets[b]
         if bucket.seen[slot]:
-            raise RuntimeError(
-                f"parameter {self.names[index]!r} received its gradient twice in one backward. This happens "
-                "with activation checkpointing (torch.utils.checkpoint with use_reentrant=True) when a module runs "
-                "in several checkpointed segments: pass static_graph=True to DistributedDataParallel."
-            )
+            raise RuntimeError(twice_message(self.names[index], hooked and index in self._marked_unused))
         bucket.seen[slot] = True
         if self.events is not None:
             self.events.append(("ready", index))

@@ -25,6 +25,7 @@ from lockstep.ddp.compiled import call_module, forward_outside_dynamo, skip_lock
 from lockstep.ddp import diagnose
 from lockstep.ddp.autotune import resolve_auto
 from lockstep.ddp.fused_compress import fused_compression
+from lockstep.ddp.module_changes import GENERATION as CHANGES_GENERATION, ModuleChanges
 from lockstep.ddp.observe import attach
 from lockstep.diagnostics.progress import observer_for
 from lockstep.diagnostics.watchdog import FROM_ENV, resolve_hang_timeout, watch_for_hangs
@@ -105,8 +106,10 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
 
     Differences from torch's DDP, on purpose: a parameter without a gradient raises on every rank
     at the end of backward (naming the parameter and the rank) instead of hanging or failing only
-    on the next iteration; the outputs are returned as the module made them (torch's ``_DDPSink``
-    clones them under static_graph / find_unused_parameters). With ``gradient_as_bucket_view=None``
+    on the next iteration, and says which of them were replaced or frozen after construction; trainable
+    parameters assigned to the module after construction (a new head), which neither DDP averages, are
+    warned about at the next forward (``module_changes``); the outputs are returned as the module
+    made them (torch's ``_DDPSink`` clones them under static_graph / find_unused_parameters). With ``gradient_as_bucket_view=None``
     (opt-in) ``param.grad`` aliases the bucket buffer after a synchronised backward, as with torch's
     ``gradient_as_bucket_view=True``: a reference to ``.grad`` kept across steps sees the next step's
     averages (``zero_grad(set_to_none=True)`` drops the reference, the next backward writes the same
@@ -228,6 +231,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             direct_min_bytes=self.direct_min_bytes,
             sparse=[produces_sparse_gradient(self.module, n) for n, _ in named],
         )
+        reducer.module_changes = ModuleChanges(self.module, reducer.params, reducer.names, self.parameters_to_ignore)
         if watch_for_hangs(self.process_group, getattr(self, "hang_timeout_s", None)):
             reducer.observer = attach(reducer.observer, observer_for(reducer))  # the watchdog reads its progress
         return reducer
@@ -247,6 +251,9 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         observer = self.reducer.observer
         if observer is not None:
             observer.forward_start()
+        changes = self.reducer.module_changes
+        if changes is not None and changes.seen != CHANGES_GENERATION[0]:  # a module or parameter assigned somewhere
+            changes.warn_not_averaged()  # a layer added or replaced after construction would never be averaged
         if not self._lazy_init_done:
             # As torch's lazy init: _apply_optimizer_in_backward may be called after construction.
             self._lazy_init_done = True
