@@ -444,6 +444,11 @@ def _hook_string_annotations(state, grads: "dist.GradBucket") -> "torch.futures.
 
 
 # ------------------------------------------------------------------ 12. the constructor's and _set_static_graph's warnings
+def _on_meta():
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+
+
 def _setup_warnings(rank, impl):
     """Which warning categories each set-up gives (torch's in torch's words, lockstep's in its own)."""
     DDP = _ddp_class(impl)
@@ -468,6 +473,7 @@ def _setup_warnings(rank, impl):
         "set_with_find_unused": categories(lambda: set_twice(True)),
         "cpu_sync_bn": _capture(lambda: DDP(nn.Sequential(nn.Linear(3, 3), nn.SyncBatchNorm(3)))),
         "lazy": _capture(lambda: DDP(nn.Sequential(nn.Linear(3, 3), nn.LazyLinear(2)))),
+        "meta": _capture(lambda: DDP(_on_meta())),
         "hook_not_callable": _capture(lambda: DDP(nn.Linear(3, 3)).register_comm_hook(None, 3)),
         "hook_bucket_annotation": _capture(lambda: DDP(nn.Linear(3, 3)).register_comm_hook(None, _hook_bad_bucket)),
         "hook_return_annotation": _capture(lambda: DDP(nn.Linear(3, 3)).register_comm_hook(None, _hook_bad_return)),
@@ -641,6 +647,12 @@ def test_setup_warnings_as_torch(results):
                            ("hook_bucket_annotation", "_hook_bad_bucket"), ("hook_return_annotation", "_hook_bad_return")):
             assert ours[case][0] == theirs[case][0] != "ok", (case, ours[case], theirs[case])
             assert theirs[case][1].split(".")[0] in ours[case][1] and name in ours[case][1], (case, ours[case], theirs[case])
+        # A module on the meta device (deferred initialisation, not materialised): torch fails in its start-up
+        # broadcast with "Tensor.item() cannot be called on meta tensors" (2.4: a NotImplementedError); lockstep names
+        # the parameter and the fix (accepted, it trained unequal replicas with gradients never averaged).
+        assert ours["meta"][0] == "RuntimeError" and theirs["meta"][0] in ("RuntimeError", "NotImplementedError"), (
+            ours["meta"], theirs["meta"])
+        assert "parameter '0.weight' is on the meta device" in ours["meta"][1] and "to_empty" in ours["meta"][1]
         # Deliberate difference: postponed (string) annotations and a bucket parameter of another name are accepted
         # (torch's check raises KeyError: 'bucket' on the name, and refuses the strings)
         assert ours["hook_string_annotations"] == ("ok", None) and theirs["hook_string_annotations"][0] != "ok"

@@ -56,10 +56,15 @@ def warn_like_torch(check_reduction: bool, static_graph: bool, find_unused_param
         warnings.warn(STATIC_WITH_FIND_UNUSED, UserWarning, stacklevel=3)
 
 
-def reject_module(module: Any, device: Any) -> None:
+def reject_module(module: Any, device: Any, ignored: Any = ()) -> None:
     """torch's DDP's checks of the module itself, with the offending parameter's or layer's name: no parameter
     left uninitialized (a lazy module before its first forward), and no SyncBatchNorm in a CPU module (refused at
-    construction, not at the first forward where SyncBatchNorm itself would raise on the CPU input)."""
+    construction, not at the first forward where SyncBatchNorm itself would raise on the CPU input).
+
+    Also no parameter or buffer on the ``meta`` device (a module built under ``torch.device("meta")`` for
+    deferred initialisation and not materialised yet): torch's DDP fails there with "Tensor.item() cannot be
+    called on meta tensors"; accepted, it would train replicas that were never made equal, with gradients that
+    are never averaged. ``ignored``: the names DDP leaves alone (``_ddp_params_and_buffers_to_ignore``)."""
     import torch
 
     for name, param in module.named_parameters():
@@ -68,6 +73,14 @@ def reject_module(module: Any, device: Any) -> None:
                 "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. Run a dummy "
                 f"forward pass to correctly initialize the modules (parameter {name!r} is uninitialized: a lazy module)."
             )
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, tensor in named:
+            if tensor.is_meta and name not in ignored:
+                raise RuntimeError(
+                    f"DistributedDataParallel: {kind} {name!r} is on the meta device (it has no data yet): materialise "
+                    "the module before wrapping it (module.to_empty(device=...) and initialise it, or load a "
+                    "checkpoint into it), so that rank 0's values can be broadcast and the gradients averaged."
+                )
     if device.type != "cpu":
         return
     for name, layer in module.named_modules():

@@ -173,7 +173,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
                     f"[device] for a single-GPU module; got device_ids={device_ids} for a module on {sorted(map(str, devices))}"
                 )
             self.device = torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
-        reject_module(module, self.device)
+        reject_module(module, self.device, ignored_names(module))
         self.module = module
         self.device_ids = device_ids
         self.output_device = output_device
