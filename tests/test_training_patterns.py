@@ -9,6 +9,7 @@ replaced head under find_unused_parameters, which neither DDP averages, is warne
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import warnings
 
@@ -61,6 +62,48 @@ def _wgan_gp(critic, batches):
         (sum(losses) / len(losses)).backward()
         opt.step()
     return _params(critic)
+
+
+def _r1_penalty(critic):
+    """StyleGAN's R1: the penalty's autograd.grad runs through the *same* forward's output, then one backward
+    takes both terms. Before lockstep told autograd.grad from backward, that grad call ended DDP's step, so the
+    backward after it was not averaged (the replicas drifted apart, silently)."""
+    gen, opt = torch.Generator().manual_seed(dist.get_rank()), torch.optim.SGD(critic.parameters(), lr=1e-2)
+    for _ in range(3):
+        x = torch.randn(4, 6, generator=gen).requires_grad_(True)
+        out = critic(x)
+        (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        loss = torch.nn.functional.softplus(-out).mean() + 5 * grad_x.pow(2).sum(1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return _params(critic)
+
+
+class _WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.unused = nn.Linear(6, 16), nn.Linear(16, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _adversarial(ddp, attack=True):
+    """FGSM adversarial training: the attack's autograd.grad goes through the wrapper, then a step on x_adv.
+    Returns the parameters and how many collectives the reducer launched (the attack must launch none)."""
+    gen, opt = torch.Generator().manual_seed(dist.get_rank()), torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for _ in range(3):
+        x, y = torch.randn(4, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)
+        x_adv = x.clone().requires_grad_(True)
+        if attack:
+            (grad_x,) = torch.autograd.grad(nn.functional.cross_entropy(ddp(x_adv), y), x_adv)
+            x_adv = (x + 0.1 * grad_x.sign()).detach()
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x_adv), y).backward()
+        opt.step()
+    return _params(ddp), getattr(getattr(ddp, "reducer", None), "launch_seq", None)
 
 
 def _gan_batches(ranks):
@@ -170,6 +213,63 @@ def _checkpointed(impl, kw, reentrant, segments):
     return _params(ddp)
 
 
+class _AllCheckpointed(nn.Module):
+    """Every parameter behind reentrant checkpoints, and one unused: the outer backward runs no AccumulateGrad
+    node itself (the nested ones do), so the unused parameter is marked at the first hook, not at backward start."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c, self.unused = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3), nn.Linear(2, 2)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(lambda t: torch.tanh(self.b(torch.tanh(self.a(t)))), x, use_reentrant=True)
+        return checkpoint(self.c, h, use_reentrant=True)
+
+
+def _all_checkpointed(impl):
+    ddp = _ddp_class(impl)(_AllCheckpointed(), static_graph=True)
+    gen, opt = torch.Generator().manual_seed(dist.get_rank()), torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for _ in range(4):
+        opt.zero_grad()
+        ddp(torch.randn(4, 6, generator=gen).requires_grad_(True)).sum().backward()
+        opt.step()
+    return _params(ddp)
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    aux: torch.Tensor
+    note: str = "a field that is no tensor"
+
+
+class _DataclassOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.unused = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(2, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return _Output(self.b(h), h.mean())
+
+
+def _dataclass_output(impl, kw):
+    """A forward that returns a dataclass: torch's DDP finds its tensors (_find_tensors); lockstep's graph walk
+    did not, so under find_unused_parameters every parameter was marked unused and its gradient then raised."""
+    ddp = _ddp_class(impl)(_DataclassOut(), **kw)
+    gen, opt = torch.Generator().manual_seed(dist.get_rank()), torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for _ in range(3):
+        out = ddp(torch.randn(4, 6, generator=gen))
+        opt.zero_grad()
+        (out.logits.sum() + out.aux).backward()
+        opt.step()
+    return _params(ddp)
+
+
 def _averaged_model(impl, kw):
     """torch.optim.swa_utils.AveragedModel of the wrapper (it deep-copies it), then update_bn through it."""
     from torch.optim.swa_utils import AveragedModel, update_bn
@@ -224,10 +324,18 @@ def _all_cases(rank, world_size):
             out[impl, mode, "pruned"] = _pruned(impl, kw)
             out[impl, mode, "rewrap"] = _rewrap_after_unfreezing(impl, kw)
             out[impl, mode, "averaged_model"] = _averaged_model(impl, kw)
+            out[impl, mode, "r1"] = _r1_penalty(DDP(_net(), **kw))
+            if mode in ("find_unused", "static"):
+                out[impl, mode, "adversarial"] = _capture(lambda: _adversarial(DDP(_WithUnused(), **kw)))
+                if impl == "lockstep":
+                    out[impl, mode, "adversarial", "no attack"] = _adversarial(DDP(_WithUnused(), **kw), attack=False)
             for reentrant in (False, True):
                 for segments in (1, 2):
                     out[impl, mode, "checkpoint", reentrant, segments] = _capture(
                         lambda: _checkpointed(impl, kw, reentrant, segments))
+        out[impl, "static", "all_checkpointed"] = _all_checkpointed(impl)
+        for mode in ("find_unused", "static"):
+            out[impl, mode, "dataclass"] = _capture(lambda: _dataclass_output(impl, MODES[mode]))
         for change in ("replace", "freeze"):
             for mode in ("default", "find_unused"):
                 out[impl, mode, change] = _changed_after_wrapping(impl, change, MODES[mode])
@@ -329,3 +437,51 @@ def test_activation_checkpointing(results, mode):
                     assert "pass static_graph=True instead of find_unused_parameters=True" in ours[1]
                 else:
                     assert "received its gradient twice in one backward" in ours[1] and "pass static_graph=True" in ours[1]
+
+
+def test_every_parameter_behind_reentrant_checkpoints_under_static_graph(results):
+    for r in results:
+        assert _exact(r["lockstep", "static", "all_checkpointed"], r["torch", "static", "all_checkpointed"])
+    assert _exact(results[0]["lockstep", "static", "all_checkpointed"], results[1]["lockstep", "static", "all_checkpointed"])
+
+
+def test_gradient_penalty_through_the_same_forward(results):
+    """R1 (autograd.grad on the forward's output, then backward): averaged, so the replicas stay identical, and
+    equal to torch's DDP in every mode but static_graph, where torch's is the one that differs (its replicas
+    drift apart); lockstep's static_graph equals the other modes."""
+    for r in results:
+        reference = r["torch", "default", "r1"]
+        for mode in MODES:
+            assert _exact(r["lockstep", mode, "r1"], reference), mode
+            if mode != "static":
+                assert _exact(r["torch", mode, "r1"], reference), mode
+    for mode in MODES:
+        assert _exact(results[0]["lockstep", mode, "r1"], results[1]["lockstep", mode, "r1"]), mode  # failed before
+
+
+def test_adversarial_attack_through_the_wrapper_launches_nothing(results):
+    """FGSM: the attack's autograd.grad through the wrapper neither ends DDP's step nor launches collectives
+    (before: a whole round of all-reduces under find_unused_parameters, an error under static_graph); the
+    parameters equal torch's find_unused_parameters run (torch's static_graph differs: it is wrong here)."""
+    for r in results:
+        status, (reference, _) = r["torch", "find_unused", "adversarial"]
+        assert status == "ok"
+        for mode in ("find_unused", "static"):
+            status, got = r["lockstep", mode, "adversarial"]
+            assert status == "ok", got
+            params, launches = got
+            assert _exact(params, reference), mode
+            assert launches == r["lockstep", mode, "adversarial", "no attack"][1], (mode, launches)
+
+
+def test_dataclass_outputs(results):
+    """find_unused_parameters finds the tensors of a dataclass output, as torch's; under static_graph lockstep
+    gives the same parameters (torch's static_graph differs there, here by ~0.2: it is the one that is wrong)."""
+    for r in results:
+        status, reference = r["torch", "find_unused", "dataclass"]
+        assert status == "ok", reference
+        for mode in ("find_unused", "static"):
+            status, got = r["lockstep", mode, "dataclass"]
+            assert status == "ok", got  # find_unused raised "received its gradient ... after ... marked it unused"
+            assert _exact(got, reference), mode
+    assert _exact(results[0]["lockstep", "static", "dataclass"][1], results[1]["lockstep", "static", "dataclass"][1])

@@ -25,13 +25,15 @@ class EndOfBackward:
     def _finalize_backward(self) -> None:
         self._callback_queued = False
         self._fast = None
-        self.expect_hooks = False
         hooks_fired, self._hooks_fired = self._hooks_fired, False
         if not hooks_fired and not any(any(b.seen) for b in self.buckets):
-            # No parameter of this model got a gradient and nothing was launched (the loss did not depend
-            # on the model, torch.func.functional_call with other tensors): nothing to reduce, as in torch.
+            # No parameter of this model got a gradient and nothing was launched: a torch.autograd.grad through
+            # the outputs (a gradient penalty, an adversarial attack), a loss that did not depend on the model
+            # (torch.func.functional_call with other tensors). Nothing to reduce, as in torch, and, as torch's
+            # reducer, still expecting this forward's backward: R1's loss.backward() after its autograd.grad.
             self._reset()
             return
+        self.expect_hooks = False
         try:
             if self.usage.in_static_first_iteration():
                 # Static graph, iteration 1: nothing was launched during backward; now every count is known.

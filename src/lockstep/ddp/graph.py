@@ -7,10 +7,19 @@ memory, PyTorch #74115). ``on_backward_start`` puts a pre-hook on the outputs'
 is queued there, so it fires after the whole backward even when activation
 checkpointing (``use_reentrant=True``) runs nested backwards, whose own graph tasks
 would otherwise end first. Unlike torch's ``_DDPSink`` nothing wraps the outputs.
+
+That pre-hook also runs in a ``torch.autograd.grad`` call through the outputs (a gradient penalty: WGAN-GP,
+StyleGAN's R1; an adversarial attack), which accumulates into no parameter's ``.grad``. As torch's reducer,
+which acts only when a parameter's hook fires, lockstep's must then neither end the step (the end callback
+finds no gradient and leaves the reducer expecting this forward's backward) nor launch anything: the unused
+parameters (find_unused_parameters, static_graph) are marked at backward start only where
+``backward_accumulates`` says this graph task will run some parameter's AccumulateGrad node, else at the first
+hook, if one fires.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -25,10 +34,29 @@ def _output_tensors(obj: Any, out: list[torch.Tensor]) -> None:
     elif isinstance(obj, dict):
         for o in obj.values():
             _output_tensors(o, out)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # as torch's _find_tensors
+        for field in dataclasses.fields(obj):
+            _output_tensors(getattr(obj, field.name), out)
+
+
+def grad_accumulators(params: list[torch.Tensor]) -> list[Any]:
+    """Each parameter's AccumulateGrad node (kept alive here, so autograd reuses the same node in every graph)."""
+    with torch.enable_grad():
+        return [p.expand_as(p).grad_fn.next_functions[0][0] for p in params]
+
+
+def backward_accumulates(accumulators: list[Any]) -> bool:
+    """Inside a backward: will this graph task accumulate into at least one of these parameters' ``.grad``?
+
+    False for ``torch.autograd.grad`` (and ``backward(inputs=...)`` naming none of them). One autograd query on
+    the common path (the last parameter, usually the first to get its gradient: ~2 us), all of them otherwise.
+    """
+    will_run = torch._C._will_engine_execute_node
+    return will_run(accumulators[-1]) or any(will_run(node) for node in accumulators)
 
 
 def output_tensors(outputs: Any) -> list[torch.Tensor]:
-    """Every tensor in a forward's output (tensor, tuple, list, dict, nested)."""
+    """Every tensor in a forward's output (tensor, tuple, list, dict, dataclass, nested)."""
     found: list[torch.Tensor] = []
     _output_tensors(outputs, found)
     return found

@@ -34,6 +34,7 @@ from lockstep.ddp.copy_in import VIEW, GradIntake, grad_mode
 from lockstep.ddp.end_of_backward import EndOfBackward
 from lockstep.ddp.fused_compress import FusedCompression, HookPaths
 from lockstep.ddp.grad_bucket import GradBucket
+from lockstep.ddp.graph import backward_accumulates, grad_accumulators
 from lockstep.ddp.grad_hook import fast_table, make_hook
 from lockstep.ddp.layout import Layout
 from lockstep.ddp.lifetime import register_for_exit, remove_handles
@@ -131,6 +132,7 @@ class Reducer(Layout, EndOfBackward, GradIntake, HookPaths, ReducerSurface):
         self.rounds = 0  # synchronised backwards completed, a joined rank's shadows included: the same on every rank
         self.tuner = BucketTuner(auto_buckets) if auto_buckets is not None else None
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
+        self._accumulators = grad_accumulators(self.params)  # tells autograd.grad from backward (``graph``)
         self._fast: list | None = None  # this backward's common-path table (``grad_hook``); None: every hook goes slow
         self._fast_cache: tuple | None = None
         self.layout_version = 0
@@ -181,6 +183,13 @@ class Reducer(Layout, EndOfBackward, GradIntake, HookPaths, ReducerSurface):
         self._fast = fast_table(self)
         if self.observer is not None:
             self.observer.backward_start()
+        if self._unused_at_start and (self._hooks_fired or backward_accumulates(self._accumulators)):
+            self._mark_unused()
+        # Else this graph task runs no parameter's AccumulateGrad node (yet): a ``torch.autograd.grad`` through
+        # the outputs (a gradient penalty, an adversarial attack), which must launch nothing, or a model wholly
+        # behind reentrant checkpoints, whose nested backwards do: the first hook marks them (``_on_grad``).
+
+    def _mark_unused(self) -> None:
         unused, self._unused_at_start = self._unused_at_start, []
         self._marked_unused = unused
         for i in unused:
@@ -191,6 +200,8 @@ class Reducer(Layout, EndOfBackward, GradIntake, HookPaths, ReducerSurface):
         self._hooks_fired = True
         if not self._callback_queued:  # usually queued already by the outputs' grad_fn pre-hook
             self.on_backward_start()
+        elif self._unused_at_start:
+            self._mark_unused()  # left by on_backward_start: no AccumulateGrad node was to run in its graph task
         grad = param.grad  # read once: a property into C++, per parameter per step
         # A hook can fire with no gradient (an undefined gradient flowed back): not a use of the parameter.
         if self.usage.active and not self.usage.gradient_complete(index, self.names, grad is not None):
