@@ -211,8 +211,40 @@ def _observer_names(observer) -> list[str]:
     return sorted(type(o).__name__ for o in parts if o is not None)
 
 
+def _first_forward(rank, world_size):
+    """Parameters changed on one rank between construction and the first forward (a checkpoint loaded on rank 0
+    only after wrapping): lockstep raises at that forward on every rank; torch's DDP trains the ranks apart."""
+    from torch import nn
+
+    out = {}
+    changed = lambda m: m.load_state_dict({k: v + 1 for k, v in m.state_dict().items()}) if rank == 0 else None
+    for name, cls, kw in (("lockstep", DDP, {}), ("torch", nn.parallel.DistributedDataParallel, {}),
+                          ("init_sync_off", DDP, {"init_sync": False})):
+        ddp = cls(_mlp(), **kw)
+        changed(ddp.module)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        out[name] = _error(lambda: _train(ddp, opt, 2, rank))
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, [p.detach() for p in ddp.parameters()])
+        out[name + "_replicas_equal"] = all(torch.equal(a, b) for a, b in zip(*gathered))
+    # A parameter DDP ignores (_ddp_params_and_buffers_to_ignore) may differ per rank: not a mismatch.
+    module = _mlp()
+    DDP._set_params_and_buffers_to_ignore_for_model(module, ["0.bias"])
+    ddp = DDP(module)
+    with torch.no_grad():
+        module[0].bias.add_(rank)
+    out["ignored"] = _error(lambda: _train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), 2, rank))
+    # A later change is the periodic check's business (check_replicas_every), not this one's: checked once.
+    ddp = DDP(_mlp())
+    _train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), 1, rank)
+    changed(ddp.module)
+    out["later"] = _error(lambda: _train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), 1, rank))
+    return out
+
+
 def _all(rank, world_size):
-    return {"replicas": _replicas(rank, world_size), "nonfinite": _nonfinite(rank, world_size),
+    return {"replicas": _replicas(rank, world_size), "first_forward": _first_forward(rank, world_size),
+            "nonfinite": _nonfinite(rank, world_size),
             "parity": _parity(rank, world_size), "profiler": _profiler(rank, world_size)}
 
 
@@ -238,6 +270,21 @@ def test_optimizer_skipping_a_step_is_caught_at_the_next_forward(results):
     # Every parameter moved on rank 0 only: the first in registration order is named.
     assert "parameter '0.weight' on rank(s) [1]" in r0["skip"] and "after 3 synchronised steps" in r0["skip"]
     assert "3 more parameter(s) differ: '0.bias', '3.weight', '3.bias'" in r0["skip"]
+
+
+def test_parameters_changed_on_one_rank_before_the_first_forward(results):
+    r0, r1 = (r["first_forward"] for r in results)
+    assert r0["lockstep"] == r1["lockstep"] and r0["lockstep"] is not None  # the same error on every rank
+    text = r0["lockstep"]
+    assert text.startswith("ReplicaMismatchError: replicas differ at the first synchronised forward: parameter "
+                           "'0.weight' on rank(s) [1] differs from rank 0 (largest absolute difference 1, on rank 1)")
+    assert "a checkpoint loaded, or weights initialised, on some ranks only after wrapping?" in text
+    # Deliberate difference: torch's DDP trains on with replicas that never become equal again.
+    assert r0["torch"] is None and not r0["torch_replicas_equal"]
+    # init_sync=False: the user vouches for equal replicas, so no check (and no start-up broadcast either).
+    assert r0["init_sync_off"] is None and r1["init_sync_off"] is None
+    assert r0["ignored"] is None and r1["ignored"] is None
+    assert r0["later"] is None and r1["later"] is None
 
 
 def test_dropout_seeded_differently_is_not_a_mismatch(results):

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lockstep.ddp.observe import attach, detach
 from lockstep.diagnostics.checks import PeriodicReplicaCheck
@@ -25,8 +26,11 @@ def setup(ddp: Any, check_replicas_every: int | None, detect_nonfinite: bool, tr
           trace_steps: tuple[int, int] | None) -> None:
     """Called once at construction (and after unpickling, without the trace)."""
     ddp.check_replicas_every, ddp.detect_nonfinite = check_replicas_every, bool(detect_nonfinite)
-    ddp._replica_check = None if check_replicas_every is None else PeriodicReplicaCheck(
-        check_replicas_every, ddp.module, ddp.process_group)
+    # The one check at the first synchronised forward (``checks.FIRST_FORWARD_HINT``) is on wherever the
+    # construction made the replicas equal; off with init_sync=False, as at world size 1.
+    first = getattr(ddp, "_init_sync", True) and dist.get_world_size(ddp.process_group) > 1
+    ddp._replica_check = None if check_replicas_every is None and not first else PeriodicReplicaCheck(
+        check_replicas_every, ddp.module, ddp.process_group, first=first, ignored=ddp.parameters_to_ignore)
     attach_nonfinite(ddp)
     ddp._profiler_ranges, ddp._profiling = None, False
     ddp.trace = None

@@ -108,7 +108,9 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
     at the end of backward (naming the parameter and the rank) instead of hanging or failing only
     on the next iteration, and says which of them were replaced or frozen after construction; trainable
     parameters assigned to the module after construction (a new head), which neither DDP averages, are
-    warned about at the next forward (``module_changes``); the outputs are returned as the module
+    warned about at the next forward (``module_changes``); parameters that differ between ranks at the first
+    synchronised forward (changed on some ranks after wrapping: a checkpoint loaded on rank 0 only) raise
+    ``ReplicaMismatchError`` on every rank, once (off with init_sync=False); the outputs are returned as the module
     made them (torch's ``_DDPSink`` clones them under static_graph / find_unused_parameters). With ``gradient_as_bucket_view=None``
     (opt-in) ``param.grad`` aliases the bucket buffer after a synchronised backward, as with torch's
     ``gradient_as_bucket_view=True``: a reference to ``.grad`` kept across steps sees the next step's
@@ -191,6 +193,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         self._divide_by_initial_world_size = True
         self.parameters_to_ignore = ignored_names(module)
         self.hang_timeout_s = resolve_hang_timeout(hang_timeout_s)
+        self._init_sync = init_sync  # off: no replica check at the first forward either (``diagnose``)
         if not any(p.requires_grad for n, p in module.named_parameters() if n not in self.parameters_to_ignore):
             raise RuntimeError(
                 "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a "

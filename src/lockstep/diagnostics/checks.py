@@ -23,10 +23,10 @@ class ReplicaMismatchError(RuntimeError):
     """Raised on every rank when the ranks' parameters differ."""
 
 
-def _named_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def _named_parameters(model: nn.Module, ignored: Sequence[str] = ()) -> list[tuple[str, torch.Tensor]]:
     inner = getattr(model, "module", None)  # a DDP wrapper: the user's names, without "module."
     module = inner if isinstance(inner, nn.Module) and hasattr(model, "reducer") else model
-    return list(module.named_parameters())
+    return [(n, p) for n, p in module.named_parameters() if n not in ignored]  # ignored: DDP leaves them per rank
 
 
 _SAME_SIZE_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -54,7 +54,8 @@ def fingerprints(params: Sequence[torch.Tensor]) -> torch.Tensor:
     return table.cpu() if table.device.type != "cpu" else table
 
 
-def check_replicas(model: nn.Module, group: dist.ProcessGroup | None = None, *, where: str = "") -> None:
+def check_replicas(model: nn.Module, group: dist.ProcessGroup | None = None, *, where: str = "",
+                   ignored: Sequence[str] = (), hint: str = "") -> None:
     """Raise ``ReplicaMismatchError`` on every rank of ``group`` if the ranks' parameters differ.
 
     Every rank of the group must call it at the same point (it issues collectives on the group).
@@ -63,12 +64,14 @@ def check_replicas(model: nn.Module, group: dist.ProcessGroup | None = None, *, 
         model: a module or a DistributedDataParallel wrapper (its ``.module`` is checked).
         group: the process group (default: the wrapper's, else the default group).
         where: added to the error (e.g. "before step 12").
+        ignored: parameter names not to check (a wrapper's ``parameters_to_ignore``: DDP never syncs them).
+        hint: appended to the error (what likely changed the parameters at this point).
 
     Costs two passes over the parameters and one all-gather of ``16 * num_params`` bytes per rank;
     on CUDA one host copy of the fingerprints (a sync), so every N steps rather than every step.
     """
     group = group if group is not None else getattr(model, "process_group", None)
-    named = _named_parameters(model)
+    named = _named_parameters(model, ignored)
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return
@@ -93,7 +96,7 @@ def check_replicas(model: nn.Module, group: dist.ProcessGroup | None = None, *, 
         f"(largest absolute difference {largest[worst]:.6g}, on rank {worst}){others}. The ranks no longer train "
         "the same model: something changed parameters on some ranks only (an in-place edit, an optimizer step "
         "skipped or taken twice, state loaded on one rank). Replicas stay equal only when every rank applies the "
-        "same averaged gradients with the same optimizer."
+        "same averaged gradients with the same optimizer." + (" " + hint if hint else "")
     )
 
 
@@ -109,8 +112,21 @@ def _largest_difference(param: torch.Tensor, group, world_size: int, device: tor
     return [float(t.item()) for t in out]
 
 
+FIRST_FORWARD_HINT = (
+    "DistributedDataParallel broadcast rank 0's parameters when it was built, so they were changed on some ranks "
+    "after that: a checkpoint loaded, or weights initialised, on some ranks only after wrapping? Load or initialise "
+    "on every rank, or before wrapping. (lockstep checks this once, at the first synchronised forward, where torch's "
+    "DDP would train the ranks apart silently; init_sync=False skips the check.)"
+)
+
+
 class PeriodicReplicaCheck:
     """``DDP(check_replicas_every=N)``: run ``check_replicas`` at the start of every N-th synchronised forward.
+
+    And, by default (``first``: the wrapper was built with init_sync at a world size > 1), once at the first
+    synchronised forward: the parameters were made equal at construction, so a difference there means they
+    were changed on some ranks between construction and training (``FIRST_FORWARD_HINT``). Not in torch's
+    DDP; costs the check once (two passes over the parameters, one all-gather of 16 bytes per parameter).
 
     The wrapper calls ``maybe_check(num_syncs)`` at the start of each synchronised forward, after the
     reducer's own start-of-forward collectives and before the buffer broadcast, so every rank issues the
@@ -119,16 +135,26 @@ class PeriodicReplicaCheck:
     joined runs no forward and would leave the others waiting in the check.
     """
 
-    def __init__(self, every: int, model: nn.Module, group: dist.ProcessGroup):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    def __init__(self, every: int | None, model: nn.Module, group: dist.ProcessGroup, first: bool = False,
+                 ignored: Sequence[str] = ()):
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"DistributedDataParallel: check_replicas_every must be an int >= 1 or None, got {every!r}")
         self.every = every
         self.model = model
         self.group = group
+        self.first = first
+        self.ignored = tuple(ignored)
         self._last_checked = 0
 
     def maybe_check(self, num_syncs: int) -> None:
-        if num_syncs == 0 or num_syncs % self.every or num_syncs == self._last_checked:
+        if self.first:
+            self.first = False
+            if num_syncs == 0:
+                check_replicas(self.model, self.group, where="at the first synchronised forward", ignored=self.ignored,
+                               hint=FIRST_FORWARD_HINT)
+                return
+        if self.every is None or num_syncs == 0 or num_syncs % self.every or num_syncs == self._last_checked:
             return
         self._last_checked = num_syncs
-        check_replicas(self.model, self.group, where=f"after {num_syncs} synchronised steps (checked at the next forward)")
+        check_replicas(self.model, self.group, where=f"after {num_syncs} synchronised steps (checked at the next forward)",
+                       ignored=self.ignored)
