@@ -101,6 +101,7 @@ def _loop(launcher: str, ending: str, runs: int) -> list[str]:
         ("torchrun", "none"),
         ("torchrun", "quick-destroy"),
         ("torchrun", "quick-none"),
+        ("torchrun", "gather-destroy"),
         ("lockstep-launch", "none"),
         ("spawn", "destroy"),
         ("spawn", "none"),

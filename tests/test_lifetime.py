@@ -100,3 +100,54 @@ def test_a_dropped_reducer_hands_its_works_to_the_graveyard():
     assert fake.buckets[0].work is work  # not unset: finalisation may still be reading the reducer
     Reducer.release_works(fake, keep=False)  # a new backward's start: dropped and unset
     assert fake.buckets[0].work is None and fake.usage.last_work is None
+
+
+def test_settling_waits_for_runnable_gloo_workers_then_two_quiet_polls():
+    from lockstep.ddp.lifetime import settle_gloo_workers
+
+    polls = iter([{7: "R", 8: "S"}, {7: "R", 8: "S"}, {7: "S", 8: "S"}, {7: "S", 8: "S"}, {7: "R"}])
+    events = []
+    now = [0.0]
+
+    def sleep(s):
+        events.append("sleep")
+        now[0] += s
+
+    def states():
+        events.append("poll")
+        return next(polls)
+
+    assert settle_gloo_workers(timeout_s=1.0, poll_s=0.01, states=states, clock=lambda: now[0], sleep=sleep)
+    assert events == ["poll", "sleep"] * 3 + ["poll"]  # quiet twice in a row, a sleep between: settled
+    # never quiet: gives up at the timeout instead of holding the exit
+    now[0], events[:] = 0.0, []
+    assert not settle_gloo_workers(timeout_s=0.05, poll_s=0.01, states=lambda: {7: "R"}, clock=lambda: now[0], sleep=sleep)
+    assert 4 <= events.count("sleep") <= 6
+    # no named worker (no /proc, torch 2.4, no gloo group): returns at once
+    assert settle_gloo_workers(states=dict, sleep=sleep, clock=lambda: now[0]) and events.count("sleep") <= 6
+
+
+def test_settling_returns_only_once_gloo_has_let_go_of_a_running_collective(tmp_path):
+    import torch.distributed as dist
+
+    from lockstep.ddp.lifetime import gloo_worker_states, settle_gloo_workers
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        if not gloo_worker_states():
+            pytest.skip(f"torch {torch.__version__} does not name gloo's worker threads")
+        big = torch.ones(2**25)  # 128 MB: gloo's worker copies it for ~0.1 s
+        out = [torch.empty_like(big)]
+        seen = []
+
+        def states():
+            seen.append(gloo_worker_states())
+            return seen[-1]
+
+        work = dist.all_gather(out, big, async_op=True)
+        assert settle_gloo_workers(timeout_s=10.0, states=states)
+        assert any("R" in s.values() for s in seen)  # it saw the worker at work, and waited
+        assert work.is_completed() and torch.equal(out[0][:5], big[:5])
+        assert all(v != "R" for v in seen[-1].values())
+    finally:
+        dist.destroy_process_group()

@@ -5,7 +5,8 @@
 IMPL: lockstep | torch. ENDING: destroy (a plain ``destroy_process_group()``, as torch's
 tutorials end), none (no teardown at all), shutdown (``lockstep.shutdown()``), or
 quick-destroy / quick-none (the same, ending straight after a backward, when the last
-buckets' works are freshest). With ``spawn`` the script starts its own two ranks with
+buckets' works are freshest), or gather-destroy (a few all_gathers of fresh tensors, then ``barrier()`` and
+``destroy_process_group()``, as Transformers' Trainer and the library scripts end). With ``spawn`` the script starts its own two ranks with
 ``torch.multiprocessing.spawn`` instead of being started by torchrun / lockstep launch.
 """
 
@@ -39,6 +40,11 @@ def train(rank: int, impl: str, ending: str) -> None:
         optimizer.step()
     else:
         print(f"rank {rank} trained", flush=True)
+    if ending.startswith("gather"):
+        for _ in range(3):  # a logged loss gathered from every rank: its tensors are dropped at once
+            gathered = [torch.empty(1) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, loss.detach().reshape(1))
+        dist.barrier()
     if ending.endswith("destroy"):
         dist.destroy_process_group()
     elif ending == "shutdown":

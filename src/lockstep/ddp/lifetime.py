@@ -19,6 +19,16 @@ all of it given back by ``malloc_trim``), where torch's DDP holds none.
 
 The hooks hold the reducer weakly, so a dropped DDP object takes its reducer, buffers and
 process-group reference with it.
+
+Not only the reducer's works: any collective's work holds its tensors, and a tensor whose Python object
+was dropped while the work still held it owns that object, so freeing it takes the GIL too. gloo's
+worker lets go of a work a few microseconds after waking the waiter, unless the scheduler takes the
+core from it there; if the script then runs to interpreter exit first (a ``barrier()`` and
+``destroy_process_group()`` right after a library's ``all_gather``), the worker frees it inside
+``Py_FinalizeEx`` and the process aborts (a core from Transformers' Trainer under lockstep, 1 run in
+100: ``runLoop`` -> ``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``).
+``settle_gloo_workers``, run at exit, waits (GIL released) until no gloo worker is on a core or waiting
+for one, so they have let go before finalisation starts.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import os
 import time
 import weakref
 from typing import Any, Iterable
@@ -96,3 +107,53 @@ def _release_at_exit() -> None:
     for reducer in list(_LIVE_REDUCERS):
         reducer.release_works()
         reducer.remove_hooks()
+    settle_gloo_workers()
+
+
+GLOO_WORKER_NAME = "pt_gloo_runloop"  # what torch >= 2.5 names ProcessGroupGloo's worker threads (2.4: unnamed)
+_TASKS = "/proc/self/task"
+
+
+def gloo_worker_states(tasks: str = _TASKS) -> dict[int, str]:
+    """Thread id -> scheduler state ("R": on a core or waiting for one, "S": asleep, ...) of this process's
+    gloo worker threads, read from /proc (Linux). Empty where there is no /proc or the threads are unnamed."""
+    states: dict[int, str] = {}
+    try:
+        tids = os.listdir(tasks)
+    except OSError:
+        return states
+    for tid in tids:
+        try:
+            with open(f"{tasks}/{tid}/comm") as f:
+                if f.read().strip() != GLOO_WORKER_NAME:
+                    continue
+            with open(f"{tasks}/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        states[int(tid)] = stat[stat.rindex(")") + 2]  # the field after the name, which may hold spaces and ")"
+    return states
+
+
+def settle_gloo_workers(timeout_s: float = 0.25, poll_s: float = 0.001, states: Any = gloo_worker_states,
+                        clock: Any = time.monotonic, sleep: Any = time.sleep) -> bool:
+    """Wait until no gloo worker thread is runnable in two polls in a row, ``poll_s`` apart, at most ``timeout_s``.
+
+    A worker that has just finished a collective is runnable ("R") until it has let go of the work and is
+    back waiting for the next (asleep); a worker waiting for the GIL is asleep, but gets it during the sleep
+    between the polls (``time.sleep`` releases it). A worker inside a collective that waits for a peer is
+    asleep too: the poll does not wait for it (that work may never complete). True when settled (also when
+    there are no named workers), False on the timeout. Costs two /proc reads per worker and ~``poll_s`` at exit.
+    """
+    deadline = clock() + timeout_s
+    quiet = 0
+    while True:
+        found = states()
+        if not found:
+            return True
+        quiet = quiet + 1 if "R" not in found.values() else 0
+        if quiet >= 2:
+            return True
+        if clock() >= deadline:
+            return False
+        sleep(poll_s)
