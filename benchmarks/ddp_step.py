@@ -175,15 +175,15 @@ def _allreduce_alone(numel: int, reps: int) -> dict[str, float]:
     return {k: statistics.median(v) * 1e3 for k, v in out.items()}
 
 
-def _summarise(times: dict[str, list[float]], blocks: int) -> dict:
-    """Median of per-block medians per contender; per-block paired ratios (median, min, max)."""
+def _summarise(times: dict[str, list[float]], blocks: int, ratios_of=RATIOS) -> dict:
+    """Median of per-block medians per contender; per-block paired ratios (median, min, max) of ``ratios_of``'s pairs."""
     per_block = {}
     for name, t in times.items():
         size = len(t) // blocks
         per_block[name] = [statistics.median(t[b * size : (b + 1) * size]) for b in range(blocks)]
     medians = {name: statistics.median(v) * 1e3 for name, v in per_block.items()}
     ratios = {}
-    for num, den in RATIOS:
+    for num, den in ratios_of:
         if num in per_block and den in per_block:
             r = [a / b for a, b in zip(per_block[num], per_block[den])]
             ratios[f"{num}/{den}"] = {"median": statistics.median(r), "min": min(r), "max": max(r)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from lockstep.perf.bench import cli_main, parse_size, sizes_between, summarise
 from lockstep.perf.costmodel import Link, allreduce_time_s
@@ -93,3 +94,40 @@ def test_ddp_step_benchmark_runs_and_reports_every_contender(tmp_path):
     assert {"lockstep_25/torch", "floor/torch", "lockstep_25/floor", "torch/compute"} <= set(result["ratios"])
     md = json_path.with_suffix(".md").read_text()
     assert "| cnn |" in md and "floor/torch" in md
+
+
+def test_gpu_step_benchmark_runs_on_cpu_tiny(tmp_path):
+    """``benchmarks/gpu_step.py`` (the GPU sessions' benchmark, issue #13) at tiny shapes on CPU: every contender timed,
+    the paired ratios written, and the full-size models are the shapes the issue names (GPT >= 100M parameters in
+    >= 100 tensors, ResNet-50)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    proc = subprocess.run(
+        [sys.executable, str(bench / "gpu_step.py"), "--device", "cpu", "--tiny", "--contenders",
+         "compute,torch,torch_view,lockstep,lockstep_view,lockstep_alias", "--blocks", "1", "--block-steps", "2",
+         "--warmup", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    (json_path,) = tmp_path.glob("gpu_step_*_cpu_n1_tiny.json")
+    results = json.loads(json_path.read_text())["results"]
+    assert set(results) == {"gpt", "resnet50"}
+    for r in results.values():
+        assert set(r["median_ms"]) == {"compute", "torch", "torch_view", "lockstep", "lockstep_view", "lockstep_alias"}
+        assert {"lockstep/torch", "lockstep_view/torch_view", "torch/compute"} <= set(r["ratios"])
+    assert "lockstep_view/torch_view" in json_path.with_suffix(".md").read_text()
+    sys.path.insert(0, str(bench))
+    try:
+        from gpu_step import GPT, resnet50
+    finally:
+        sys.path.remove(str(bench))
+    with torch.device("meta"):  # shapes only
+        gpt, resnet = GPT(), resnet50()
+    for model, (numel, tensors) in ((gpt, (124_475_904, 148)), (resnet, (25_557_032, 161))):
+        params = list(model.parameters())
+        assert (sum(p.numel() for p in params), len(params)) == (numel, tensors)
+    bad = subprocess.run([sys.executable, str(bench / "gpu_step.py"), "--models", "vgg", "--out", ""],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown model 'vgg'" in bad.stderr
