@@ -36,6 +36,7 @@ import argparse
 import datetime
 import json
 import os
+import queue as queue_mod
 import sys
 import time
 
@@ -283,7 +284,17 @@ def main(argv=None) -> int:
     procs = [ctx.Process(target=_worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
     for p in procs:
         p.start()
-    report = queue.get(timeout=3600)
+    report = None
+    while report is None:  # a rank that dies (out of memory, a CUDA error) ends the run at once, not at a timeout
+        try:
+            report = queue.get(timeout=2)
+        except queue_mod.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                print(f"gpu_step: rank(s) {dead} (rank, exit code) died; see their output above", file=sys.stderr)
+                return 1
     for p in procs:
         p.join()
     text = _markdown(report, args, device_name)

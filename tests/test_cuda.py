@@ -62,7 +62,10 @@ def _batches(kind: str, world_size: int, device):
 
 def _train(model, kind, rank, world_size, device, stream=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    ctx = contextlib.nullcontext()
+    if stream is not None:  # the side stream starts after the model's set-up (made on the current stream)
+        stream.wait_stream(torch.cuda.current_stream())
+        ctx = torch.cuda.stream(stream)
     with ctx:
         for x, y in _batches(kind, world_size, device):
             lo, hi = rank * PER_RANK, (rank + 1) * PER_RANK
