@@ -4,7 +4,8 @@ Two groups where a GPU is: world size 1 on NCCL, and 2 ranks sharing the one GPU
 all-reduce stages through the host; NCCL will not put two ranks on one device). Each runs ``_cases``:
 
 - parity: lockstep's DDP against torch's, bit for bit, under bf16 autocast, with gradients copied
-  (the default), as bucket views, aliased (``None``, lockstep's) and with the fp16 hook; at 2 ranks
+  (the default), as bucket views, aliased (``None``, lockstep's), with ``bucket_cap_mb="auto"``'s trials
+  and with the fp16 hook; at 2 ranks
   also against one process averaging the two half-batches' gradients (a/2 + b/2, exact in fp32);
 - a BatchNorm model (buffers broadcast at every forward at 2 ranks);
 - the missing-gradient error, which on CUDA comes one backward late (``MissingFlag``: no ``.item()`` on
@@ -103,6 +104,7 @@ def _wrap(cls, module, device, **kwargs):
 
 def _parity(rank, world_size, device) -> dict:
     import lockstep
+    from lockstep.ddp.autotune import AutoBucketCap
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     torch_ddp = nn.parallel.DistributedDataParallel
@@ -114,6 +116,11 @@ def _parity(rank, world_size, device) -> dict:
         for name, view in (("copy", False), ("view", True), ("alias", None)):
             model = _wrap(lockstep.DistributedDataParallel, _model(kind, seed, device), device, gradient_as_bucket_view=view)
             out[f"{kind}/{name}"] = _train(model, kind, rank, world_size, device)
+        # bucket_cap_mb="auto"'s trials (on a GPU each trial step waits for the device) and its broadcast decision
+        auto = _wrap(lockstep.DistributedDataParallel, _model(kind, seed, device), device,
+                     bucket_cap_mb=AutoBucketCap(caps_mb=(0.01, None), warmup_steps=1, timed_steps=1))
+        out[f"{kind}/auto"] = _train(auto, kind, rank, world_size, device)
+        out[f"{kind}/auto_result"] = auto.reducer.tuner.result
         torch_fp16 = _wrap(torch_ddp, _model(kind, seed, device), device)
         torch_fp16.register_comm_hook(None, default_hooks.fp16_compress_hook)
         mine_fp16 = _wrap(lockstep.DistributedDataParallel, _model(kind, seed, device), device)
@@ -238,7 +245,7 @@ def _check_parity(results, world_size):
     for rank, res in enumerate(results):
         p = res["parity"]
         for kind in ("transformer", "bn"):
-            for name in ("copy", "view", "alias"):
+            for name in ("copy", "view", "alias", "auto"):
                 diff = (p[f"{kind}/{name}"] - p[f"{kind}/torch"]).abs().max().item()
                 assert diff == 0.0, f"rank {rank} {kind} {name}: max diff {diff} to torch's DDP"
             diff = (p[f"{kind}/fp16"] - p[f"{kind}/torch_fp16"]).abs().max().item()
@@ -246,7 +253,9 @@ def _check_parity(results, world_size):
             if rank == 0 and world_size == 2:
                 diff = (p[f"{kind}/copy"] - p[f"{kind}/half_batches"]).abs().max().item()
                 assert diff == 0.0, f"{kind}: max diff {diff} to one process averaging the half-batch gradients"
-    for kind in ("transformer", "bn"):  # the replicas agree
+    for kind in ("transformer", "bn"):  # the replicas agree, and on the tuned layout (decided at the 6th forward)
+        assert results[0]["parity"][f"{kind}/auto_result"]["chosen_mb"] in (0.01, None)
+        assert all(r["parity"][f"{kind}/auto_result"] == results[0]["parity"][f"{kind}/auto_result"] for r in results)
         assert all(torch.equal(r["parity"][f"{kind}/copy"], results[0]["parity"][f"{kind}/copy"]) for r in results)
 
 

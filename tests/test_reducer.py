@@ -137,6 +137,8 @@ def _auto(rank, world_size):
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for k, m in models.items()}
     gen = torch.Generator().manual_seed(rank)
     layouts = []
+    drains = []  # the steps done when the tuner waited for the device (on a GPU: torch.cuda.synchronize)
+    models["auto"].reducer.tuner.drain = lambda: drains.append(len(layouts))
     for _ in range(AUTO_STEPS):
         x, y = torch.randn(8, 256, generator=gen), torch.randint(0, 10, (8,), generator=gen)
         for name, model in models.items():
@@ -169,7 +171,7 @@ def _auto(rank, world_size):
     return {
         "params": {k: [p.detach().clone() for p in m.parameters()] for k, m in models.items()},
         "layouts": layouts, "final": models["auto"].reducer.bucket_layout(),
-        "result": models["auto"].reducer.tuner.result, "joined": joined, "logs": [r.getMessage() for r in records], "errors": errors,
+        "result": models["auto"].reducer.tuner.result, "drains": drains, "joined": joined, "logs": [r.getMessage() for r in records], "errors": errors,
     }
 
 
@@ -393,6 +395,8 @@ def test_auto_bucket_cap_tries_each_cap_then_keeps_rank_0s_fastest(results):
     # (``ddp.copy_in``), which closes the bucket before it.
     assert trial_layouts[4] == trial_layouts[5] == [order[:order.index(2)], [2], order[order.index(2) + 1:]]
     assert r0["layouts"][7:] == [r0["final"]] * 3
+    # The device is waited for at each trial step's boundary (forwards 0-7; the 8th decides), never after.
+    assert r0["drains"] == r1["drains"] == list(range(8))
     # The kept layout is the chosen cap's, over the observed order.
     cap = 1 << 62 if result["chosen_mb"] is None else int(result["chosen_mb"] * MIB)
     params = [p for p in r0["params"]["auto"]]

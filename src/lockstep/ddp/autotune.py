@@ -92,8 +92,9 @@ class BucketTuner:
     ``comm_hook``, ``process_group``, ``buckets``, ``first_bucket_bytes`` and ``relayout(caps_bytes)``.
     """
 
-    def __init__(self, config: AutoBucketCap):
+    def __init__(self, config: AutoBucketCap, drain: Any = None):
         self.config = config
+        self.drain = drain  # None: wait for the buckets' GPU (``_drain``); tests pass their own
         self.step_s: list[list[float]] = [[] for _ in config.caps_mb]
         self.candidate = -1  # index into caps_mb of the layout in use; -1: the initial (fixed 25 MB) layout
         self.rounds_at_switch = 0
@@ -104,6 +105,7 @@ class BucketTuner:
     def between_steps(self, reducer: Any, hook_known: bool) -> None:
         """At a synchronised forward (or a joined rank's round): time the last step, switch or decide."""
         rounds = reducer.rounds
+        self._drain(reducer)
         now = time.perf_counter()
         mark, self._last_mark = self._last_mark, (rounds, now)
         if rounds == 0:
@@ -125,6 +127,22 @@ class BucketTuner:
             self._switch(reducer, self.candidate + 1, rounds)
         else:
             self._decide(reducer)
+
+    def _drain(self, reducer: Any) -> None:
+        """Wait for the device to finish the step, during the trials only.
+
+        On a GPU the host runs ahead: between two forwards it has only launched the step's kernels,
+        so a step timed on the host alone measures launches, not the step, and would favour whichever
+        layout launches least. Each trial step boundary therefore waits for the buckets' device (one
+        host sync per trial step, ~20 in all; none once the cap is chosen), and every candidate is timed
+        the same way. On CPU the step is done when the forward starts: nothing to wait for.
+        """
+        if self.drain is not None:
+            self.drain()
+            return
+        device = reducer.buckets[0].buffer.device if reducer.buckets else None
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def _switch(self, reducer: Any, candidate: int, rounds: int) -> None:
         self.candidate, self.rounds_at_switch = candidate, rounds
