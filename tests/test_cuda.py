@@ -11,6 +11,7 @@ all-reduce stages through the host; NCCL will not put two ranks on one device). 
 - the missing-gradient error, which on CUDA comes one backward late (``MissingFlag``: no ``.item()`` on
   the step's path) and names the parameters on every rank;
 - a forward, backward and step on a side stream (torch's test_DistributedDataParallel_non_default_stream);
+- the Trainer's crash and exact resume (dropout on the device: the checkpoint carries the CUDA RNG state);
 - NCCL only: no host sync in steady-state steps, checked with ``torch.cuda.set_sync_debug_mode("error")``
   (a sync raises), for copies, bucket views and the fp16 hook, torch's DDP measured the same way beside.
 
@@ -214,7 +215,23 @@ def _host_syncs(rank, world_size, device) -> dict:
     return out
 
 
-def _cases(rank, world_size, device_type):
+def _trainer_resume(rank, world_size, device, root) -> dict:
+    """test_trainer's crash-and-resume on this device: dropout draws from the CUDA generator there, so an exact
+    resume needs the checkpoint to carry and restore the CUDA RNG state (``train/checkpoint``)."""
+    import os
+
+    from test_trainer import _params, _train
+
+    root = os.path.join(root, f"{device.type}_{world_size}")
+    reference, _ = _train(os.path.join(root, "a"), device=device)
+    crashed, summary = _train(os.path.join(root, "b"), crash_at=7, device=device)
+    resumed, _ = _train(os.path.join(root, "b"), init_seed=99, resume=True, device=device)
+    return {"device": str(next(resumed.model.parameters()).device), "crashed": summary is None,
+            "reference": [p.cpu() for p in _params(reference.model)], "resumed": [p.cpu() for p in _params(resumed.model)],
+            "from": os.path.basename(str(resumed.resumed_from))}
+
+
+def _cases(rank, world_size, device_type, root):
     if device_type == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -223,22 +240,26 @@ def _cases(rank, world_size, device_type):
     else:
         device = torch.device("cpu")
     return {"parity": _parity(rank, world_size, device), "missing": _missing_late(rank, world_size, device),
-            "stream": _side_stream(rank, world_size, device), "syncs": _host_syncs(rank, world_size, device)}
+            "stream": _side_stream(rank, world_size, device), "syncs": _host_syncs(rank, world_size, device),
+            "trainer": _trainer_resume(rank, world_size, device, root)}
 
 
 @pytest.fixture(scope="module")
-def nccl_1():
-    return run_ranks(_cases, world_size=1, backend="nccl", args=("cuda",), env=DETERMINISTIC_ENV, timeout_s=600)
+def nccl_1(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("nccl_1"))
+    return run_ranks(_cases, world_size=1, backend="nccl", args=("cuda", root), env=DETERMINISTIC_ENV, timeout_s=600)
 
 
 @pytest.fixture(scope="module")
-def gloo_2_cuda():
-    return run_ranks(_cases, world_size=2, backend="gloo", args=("cuda",), env=DETERMINISTIC_ENV, timeout_s=600)
+def gloo_2_cuda(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("gloo_2_cuda"))
+    return run_ranks(_cases, world_size=2, backend="gloo", args=("cuda", root), env=DETERMINISTIC_ENV, timeout_s=600)
 
 
 @pytest.fixture(scope="module")
-def gloo_2_cpu():
-    return run_ranks(_cases, world_size=2, backend="gloo", args=("cpu",), timeout_s=300)
+def gloo_2_cpu(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("gloo_2_cpu"))
+    return run_ranks(_cases, world_size=2, backend="gloo", args=("cpu", root), timeout_s=300)
 
 
 def _check_parity(results, world_size):
@@ -259,6 +280,13 @@ def _check_parity(results, world_size):
         assert all(torch.equal(r["parity"][f"{kind}/copy"], results[0]["parity"][f"{kind}/copy"]) for r in results)
 
 
+def _check_trainer(results, device_type):
+    for rank, res in enumerate(results):
+        t = res["trainer"]
+        assert t["device"].startswith(device_type) and t["crashed"] and t["from"] == "ckpt-000000006.pt", (rank, t["device"])
+        assert all(torch.equal(a, b) for a, b in zip(t["reference"], t["resumed"])), f"rank {rank}: the resume diverged"
+
+
 def _check_missing(results, deferred):
     for rank, res in enumerate(results):
         events = res["missing"]["events"]
@@ -274,6 +302,7 @@ def _check_missing(results, deferred):
 def test_nccl_world_size_1(nccl_1):
     _check_parity(nccl_1, 1)
     _check_missing(nccl_1, deferred=True)
+    _check_trainer(nccl_1, "cuda")
     stream = nccl_1[0]["stream"]
     assert torch.equal(stream["lockstep"], stream["torch"])
     syncs = nccl_1[0]["syncs"]
@@ -287,6 +316,7 @@ def test_nccl_world_size_1(nccl_1):
 def test_two_ranks_on_one_gpu_gloo(gloo_2_cuda):
     _check_parity(gloo_2_cuda, 2)
     _check_missing(gloo_2_cuda, deferred=True)
+    _check_trainer(gloo_2_cuda, "cuda")
     for res in gloo_2_cuda:
         assert torch.equal(res["stream"]["lockstep"], res["stream"]["torch"])
 
@@ -296,5 +326,6 @@ def test_cases_on_cpu(gloo_2_cpu):
     say they were skipped."""
     _check_parity(gloo_2_cpu, 2)
     _check_missing(gloo_2_cpu, deferred=False)
+    _check_trainer(gloo_2_cpu, "cpu")
     for res in gloo_2_cpu:
         assert "skipped" in res["stream"] and "skipped" in res["syncs"]

@@ -50,7 +50,7 @@ def _crash_at(step: int):
     return hook
 
 
-def _train(directory, init_seed=1, crash_at=None, resume=False, on_step_end=None, **overrides):
+def _train(directory, init_seed=1, crash_at=None, resume=False, on_step_end=None, device=None, **overrides):
     """Train the standard setup; returns (trainer, summary or None if it crashed)."""
     model = _model(init_seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -59,7 +59,8 @@ def _train(directory, init_seed=1, crash_at=None, resume=False, on_step_end=None
                     metrics_path=os.path.join(directory, "metrics.jsonl"), log_every_steps=1, resume=resume)
     settings.update(overrides)
     trainer = Trainer(model, optimizer, nn.functional.cross_entropy, _data(N_TRAIN, 0), _data(N_EVAL, 1),
-                      TrainerConfig(**settings), on_step_end=_crash_at(crash_at) if crash_at else on_step_end)
+                      TrainerConfig(**settings), on_step_end=_crash_at(crash_at) if crash_at else on_step_end,
+                      device=device)
     try:
         return trainer, trainer.fit()
     except Crash:
