@@ -42,6 +42,7 @@ import argparse
 import datetime
 import json
 import os
+import queue as queue_mod
 import statistics
 import sys
 import time
@@ -283,6 +284,52 @@ def _markdown(report: dict, args, load: tuple[float, ...]) -> str:
     return "\n".join(lines)
 
 
+def split_choices(parser, args, models, contenders) -> None:
+    """``--models`` and ``--contenders`` from comma lists to lists, each name checked (exit 2 naming it)."""
+    args.models, args.contenders = args.models.split(","), args.contenders.split(",")
+    for flag, names, known in (("--models", args.models, list(models)), ("--contenders", args.contenders, list(contenders))):
+        for name in names:
+            if name not in known:
+                parser.error(f"{flag}: unknown {flag[2:-1]} {name!r}; choose from {known}")
+
+
+def run_ranks(worker, world_size: int, args) -> dict | None:
+    """Spawn ``worker(rank, world_size, port, args, queue)`` on each rank; rank 0's report, or None (said on
+    stderr) as soon as a rank dies (out of memory, a CUDA error) instead of waiting out the queue."""
+    from lockstep.process_group import free_port
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world_size, port, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    report = None
+    while report is None:
+        try:
+            report = queue.get(timeout=2)
+        except queue_mod.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                print(f"{os.path.basename(sys.argv[0])}: rank(s) {dead} (rank, exit code) died; see their output above",
+                      file=sys.stderr)
+                return None
+    for p in procs:
+        p.join()
+    return report
+
+
+def write_results(out_dir: str, stem: str, text: str, record: dict) -> None:
+    """``<out_dir>/<stem>.md`` (the tables) and ``.json`` (everything measured)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, stem + ".md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(out_dir, stem + ".json"), "w") as f:
+        json.dump(record, f, indent=2)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp,cnn,transformer")
@@ -297,41 +344,22 @@ def main(argv=None) -> int:
                         help="torch.compile every module with this backend (inductor, aot_eager) before wrapping")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="'' to write nothing")
     args = parser.parse_args(argv)
-    args.models = args.models.split(",")
-    args.contenders = args.contenders.split(",")
-    for kind in args.models:
-        if kind not in MODELS:
-            parser.error(f"--models: unknown model {kind!r}; choose from {sorted(MODELS)}")
-    for name in args.contenders:
-        if name not in CONTENDERS:
-            parser.error(f"--contenders: unknown contender {name!r}; choose from {list(CONTENDERS)}")
+    split_choices(parser, args, MODELS, CONTENDERS)
     if args.threads < 1 or args.world_size < 2 or args.blocks < 1 or args.block_steps < 1:
         parser.error("--threads and --blocks and --block-steps must be >= 1, --world-size >= 2")
     if args.blocks * args.block_steps < 20:
         print("note: fewer than 20 timed steps per contender; medians will be noisy", file=sys.stderr)
-    from lockstep.process_group import free_port
-
     load = os.getloadavg()
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    report = queue.get(timeout=3600)
-    for p in procs:
-        p.join()
+    report = run_ranks(_worker, args.world_size, args)
+    if report is None:
+        return 1
     text = _markdown(report, args, load)
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         stem = f"ddp_step_{datetime.datetime.now():%Y-%m-%d_%H%M%S}_n{args.world_size}_t{args.threads}"
         stem += f"_compile-{args.compile}" if args.compile else ""
-        with open(os.path.join(args.out, stem + ".md"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, stem + ".json"), "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "out"}, "torch": torch.__version__,
-                       "load_average_1_5_15": load, "results": report}, f, indent=2)
+        write_results(args.out, stem, text, {"args": {k: v for k, v in vars(args).items() if k != "out"},
+                                             "torch": torch.__version__, "load_average_1_5_15": load, "results": report})
     return 0
 
 

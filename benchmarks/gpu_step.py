@@ -34,20 +34,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import queue as queue_mod
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ddp_step import _summarise  # noqa: E402  (the same block medians and paired ratios)
+from ddp_step import _summarise, run_ranks, split_choices, write_results  # noqa: E402  (block medians, paired ratios, spawning)
 
 
 class _Block(nn.Module):
@@ -260,14 +257,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="'' to write nothing")
     args = parser.parse_args(argv)
-    args.models, args.contenders = args.models.split(","), args.contenders.split(",")
-    known = _models(True)
-    for kind in args.models:
-        if kind not in known:
-            parser.error(f"--models: unknown model {kind!r}; choose from {sorted(known)}")
-    for name in args.contenders:
-        if name not in CONTENDERS:
-            parser.error(f"--contenders: unknown contender {name!r}; choose from {list(CONTENDERS)}")
+    split_choices(parser, args, _models(True), CONTENDERS)
     if args.world_size < 1 or args.blocks < 1 or args.block_steps < 1 or args.threads < 1:
         parser.error("--world-size, --threads, --blocks and --block-steps must be >= 1")
     if args.device == "cuda":
@@ -276,38 +266,16 @@ def main(argv=None) -> int:
         if args.world_size > torch.cuda.device_count():
             parser.error(f"--world-size {args.world_size}: one GPU per rank, and {torch.cuda.device_count()} are here")
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
-    from lockstep.process_group import free_port
-
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    report = None
-    while report is None:  # a rank that dies (out of memory, a CUDA error) ends the run at once, not at a timeout
-        try:
-            report = queue.get(timeout=2)
-        except queue_mod.Empty:
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.kill()
-                print(f"gpu_step: rank(s) {dead} (rank, exit code) died; see their output above", file=sys.stderr)
-                return 1
-    for p in procs:
-        p.join()
+    report = run_ranks(_worker, args.world_size, args)
+    if report is None:
+        return 1
     text = _markdown(report, args, device_name)
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         tag = "".join(c if c.isalnum() else "-" for c in device_name.replace("NVIDIA ", "")).strip("-").lower()
         stem = f"gpu_step_{datetime.datetime.now():%Y-%m-%d_%H%M%S}_{tag}_n{args.world_size}" + ("_tiny" if args.tiny else "")
-        with open(os.path.join(args.out, stem + ".md"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, stem + ".json"), "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "out"}, "torch": torch.__version__,
-                       "device": device_name, "results": report}, f, indent=2)
+        write_results(args.out, stem, text, {"args": {k: v for k, v in vars(args).items() if k != "out"},
+                                             "torch": torch.__version__, "device": device_name, "results": report})
     return 0
 
 
