@@ -6,7 +6,7 @@ frozen afterwards (``requires_grad_(False)``) then breaks the step in one of two
 
 * without ``find_unused_parameters``, the old parameters get no gradient: torch raises "Expected to have
   finished reduction ..." at the next forward, which names indices, not the cause. lockstep's
-  missing-gradient error (``reducer_state.raise_missing_gradients``) adds, per rank, what became of each
+  missing-gradient error (``errors.raise_missing_gradients``) adds, per rank, what became of each
   missing parameter: replaced, removed, or frozen since the wrapper was built, and the remedy.
 * with ``find_unused_parameters`` or ``static_graph``, the old parameters count as unused and the new
   ones are trained on each rank's own gradient, never averaged: the replicas drift apart silently (in
