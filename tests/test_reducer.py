@@ -470,10 +470,14 @@ def test_mismatched_models_raise_on_every_rank(results):
         assert kind == "RuntimeError"
         assert "parameter '0.weight' has shape (4, 8) dtype torch.float32 on rank 0 but shape (5, 8)" in text
         assert "on rank 1" in text
+        # torch's phrases too (torch 2.4's DDP tests match them: test_torch_ddp_suite on that torch)
+        assert "appears not to match sizes of the same param in process 0" in text
         kind, text = errors["count"]
         assert "rank 0 has 2 parameters and rank 1 has 4" in text and "'1.weight' on rank 1" in text
+        assert "DDP expects same model across all ranks" in text
         kind, text = errors["dtype"]
         assert "'0.weight'" in text and "torch.float64 on rank 1" in text
+        assert "appears not to match dtype of the same param in process 0" in text
 
 
 def test_bad_arguments(results):

@@ -23,7 +23,11 @@ def _describe(shape: tuple, dtype: str) -> str:
 def verify_params_across_ranks(named_params: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup) -> None:
     """Raise the same RuntimeError on every rank if the ranks' parameters differ in count, name, shape or dtype.
 
-    Costs one all_gather_object (a pickle per rank) at construction only.
+    The text names the parameter and both ranks, and carries torch's own phrases ("DDP expects same model
+    across all ranks" for a count, "appears not to match sizes of the same param in process 0" for a shape),
+    which torch 2.4's DDP tests and scripts written against its error match. Unlike torch's check, every
+    rank raises the same error (torch raises on the mismatching ranks). Costs one all_gather_object (a
+    pickle per rank) at construction only.
     """
     mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in named_params]
     world_size = dist.get_world_size(group)
@@ -37,16 +41,19 @@ def verify_params_across_ranks(named_params: Sequence[tuple[str, torch.Tensor]],
                 extra_rank, extra = (rank, theirs) if i >= len(reference) else (0, reference)
                 name = extra[i][0]
                 raise RuntimeError(
-                    "DistributedDataParallel: the model differs across ranks: rank 0 has "
+                    "DistributedDataParallel: the model differs across ranks (DDP expects same model across all "
+                    "ranks): rank 0 has "
                     f"{len(reference)} parameters and rank {rank} has {len(theirs)}; the first unmatched one is "
                     f"{name!r} on rank {extra_rank}. Every rank must construct the same model."
                 )
             (name0, shape0, dtype0), (name_r, shape_r, dtype_r) = reference[i], theirs[i]
             if (name0, shape0, dtype0) != (name_r, shape_r, dtype_r):
                 where = f"parameter {name0!r}" if name0 == name_r else f"parameter #{i} ({name0!r} on rank 0, {name_r!r} on rank {rank})"
+                what = "sizes" if shape0 != shape_r else "dtype" if dtype0 != dtype_r else "name"
                 raise RuntimeError(
                     f"DistributedDataParallel: the model differs across ranks: {where} has "
-                    f"{_describe(shape0, dtype0)} on rank 0 but {_describe(shape_r, dtype_r)} on rank {rank}. "
+                    f"{_describe(shape0, dtype0)} on rank 0 but {_describe(shape_r, dtype_r)} on rank {rank} "
+                    f"(rank {rank}'s params[{i}] appears not to match {what} of the same param in process 0). "
                     "Every rank must construct the same model."
                 )
 
