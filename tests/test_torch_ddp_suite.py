@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -211,3 +212,41 @@ def test_summary(suite, capsys):
     ran = [n for n in SKIPPED_BY_TORCH if tests.get(n, {}).get("outcome") not in (None, "skipped")]
     failing = [f"{n}: {tests[n]['detail'][:200]}" for n in ran if tests[n]["outcome"] != "passed"]
     assert not failing, f"run by torch {suite['torch']}:\n" + "\n".join(failing)
+
+
+# torch's DDP under distributed autograd (RPC): ddp_under_dist_autograd_test.py, 8 tests, each spawning its
+# ranks (~60 s). dist_autograd.backward leaves gradients in the RPC context, not in .grad; before
+# lockstep.ddp.dist_autograd, 7 of the 8 failed with lockstep's class (gradients left un-averaged, silently).
+RPC_RUNNER = REPO / "tests" / "torch_suite" / "run_torch_rpc_ddp_tests.py"
+RPC_TESTS = {
+    "test_ddp_comparison", "test_ddp_comparison_uneven_inputs", "test_ddp_dist_autograd_local_vs_remote",
+    "test_ddp_dist_autograd_sparse_grads", "test_backward_ddp_inside", "test_backward_ddp_outside",
+    "test_backward_ddp_outside_uneven_inputs", "test_backward_no_ddp",
+}
+
+
+# torch's own race in DdpUnderDistAutogradTest: the master's RPC reaches a trainer (Trainer.__init__ calls
+# dist.new_group) before that trainer's init_process_group has returned; seen once on torch 2.4 under load,
+# before any DDP exists. A test that failed that way is run again, once.
+_TORCH_START_RACE = "Default process group has not been initialized"
+
+
+def _run_rpc_suite(names: list[str], log_path) -> tuple[dict[str, str], str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCKSTEP_SUITE_")}
+    env.update(LOCKSTEP_SUITE_IMPL="lockstep", OMP_NUM_THREADS="1")
+    with open(log_path, "w") as err:
+        proc = subprocess.run([sys.executable, str(RPC_RUNNER.relative_to(REPO)), *names], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=err, text=True, timeout=SUITE_TIMEOUT_S)
+    return dict(re.findall(r"^(test_\w+) \(.*\) \.\.\. (.*)$", proc.stdout, re.M)), proc.stdout
+
+
+def test_ddp_under_distributed_autograd(tmp_path):
+    outcomes, out = _run_rpc_suite([], tmp_path / "rpc.log")
+    assert set(outcomes) == RPC_TESTS, f"ran {sorted(outcomes)}\n{out[-3000:]}"
+    failed = sorted(n for n, o in outcomes.items() if o != "ok")
+    if failed and _TORCH_START_RACE in out:
+        print(f"torch's start-up race ({_TORCH_START_RACE!r}) in {failed}: run again, once", file=sys.stderr)
+        again, out = _run_rpc_suite(failed, tmp_path / "rpc_again.log")
+        outcomes.update({n: o for n, o in again.items() if n in failed})
+    failed = {n: o for n, o in outcomes.items() if o != "ok"}
+    assert not failed, f"{failed}\n{out[-3000:]}\n(ranks' log: {tmp_path})"

@@ -92,6 +92,7 @@ class EndOfBackward:
             self.logged_error = error_for_log(error)
             raise
         finally:
+            self.dist_autograd.at_end_of_backward(self)  # under distributed autograd: averages into the context
             self._reset()
 
     def _reset(self) -> None:

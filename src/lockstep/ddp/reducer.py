@@ -31,6 +31,7 @@ from lockstep.collectives.clean import all_reduce_sum_clean, launch_clean
 from lockstep.ddp.autotune import AutoBucketCap, BucketTuner
 from lockstep.ddp.compiled import refuse_compiled_autograd
 from lockstep.ddp.copy_in import VIEW, GradIntake, grad_mode
+from lockstep.ddp.dist_autograd import DistAutogradBridge
 from lockstep.ddp.end_of_backward import EndOfBackward
 from lockstep.ddp.fused_compress import FusedCompression, HookPaths
 from lockstep.ddp.grad_bucket import GradBucket
@@ -133,6 +134,7 @@ class Reducer(Layout, EndOfBackward, GradIntake, HookPaths, ReducerSurface):
         self.tuner = BucketTuner(auto_buckets) if auto_buckets is not None else None
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         self._accumulators = grad_accumulators(self.params)  # tells autograd.grad from backward (``graph``)
+        self.dist_autograd = DistAutogradBridge(self)  # backwards whose gradients land in an RPC context
         self._fast: list | None = None  # this backward's common-path table (``grad_hook``); None: every hook goes slow
         self._fast_cache: tuple | None = None
         self.layout_version = 0
@@ -167,6 +169,7 @@ class Reducer(Layout, EndOfBackward, GradIntake, HookPaths, ReducerSurface):
         marked unused up front; with find_unused_parameters a parameter left without gradient is unused.
         """
         self.expect_hooks = True
+        self.dist_autograd.at_forward(self)
         # Marked ready only once backward starts: a forward with no backward (a validation pass
         # with grad enabled) must not launch a bucket that the other ranks may never launch.
         self._unused_at_start = [] if outputs is None else self.usage.unused_before_backward(outputs, self._index_of)
@@ -275,6 +278,7 @@ class Reducer(Layout, EndOfBackward, GradIntake, HookPaths, ReducerSurface):
 
     def remove_hooks(self) -> None:
         remove_handles(self._handles)
+        self.dist_autograd.remove()
 
     def release_works(self, keep: bool = True) -> None:
         """Let go of the last backward's works: ``keep`` (at exit) hands them to the graveyard; otherwise (the
