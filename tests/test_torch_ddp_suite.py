@@ -237,16 +237,16 @@ def _run_rpc_suite(names: list[str], log_path) -> tuple[dict[str, str], str]:
     with open(log_path, "w") as err:
         proc = subprocess.run([sys.executable, str(RPC_RUNNER.relative_to(REPO)), *names], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=err, text=True, timeout=SUITE_TIMEOUT_S)
-    return dict(re.findall(r"^(test_\w+) \(.*\) \.\.\. (.*)$", proc.stdout, re.M)), proc.stdout
+    return dict(re.findall(r"^RESULT (test_\w+) (\w+)$", proc.stdout, re.M)), proc.stdout
 
 
 def test_ddp_under_distributed_autograd(tmp_path):
     outcomes, out = _run_rpc_suite([], tmp_path / "rpc.log")
     assert set(outcomes) == RPC_TESTS, f"ran {sorted(outcomes)}\n{out[-3000:]}"
-    failed = sorted(n for n, o in outcomes.items() if o != "ok")
+    failed = sorted(n for n, o in outcomes.items() if o != "passed")
     if failed and _TORCH_START_RACE in out:
         print(f"torch's start-up race ({_TORCH_START_RACE!r}) in {failed}: run again, once", file=sys.stderr)
         again, out = _run_rpc_suite(failed, tmp_path / "rpc_again.log")
         outcomes.update({n: o for n, o in again.items() if n in failed})
-    failed = {n: o for n, o in outcomes.items() if o != "ok"}
+    failed = {n: o for n, o in outcomes.items() if o != "passed"}
     assert not failed, f"{failed}\n{out[-3000:]}\n(ranks' log: {tmp_path})"

@@ -10,8 +10,8 @@ RPC + DDP model trains as one process would.
   LOCKSTEP_SUITE_IMPL=torch|lockstep   which DDP (default lockstep)
   names on the command line            run only the tests whose name contains one of them
 
-Prints one ``name ... ok|FAIL|ERROR|skipped`` line per test (unittest's verbose runner) and exits 0 when every
-test passed. About 60 s on 2 cores (each test spawns its ranks, which import torch).
+Prints unittest's verbose report, then one ``RESULT <name> passed|failed|skipped`` line per test, and exits 0
+when every test passed. About 60 s on 2 cores (each test spawns its ranks, which import torch).
 """
 
 from __future__ import annotations
@@ -56,9 +56,15 @@ def main(argv: list[str]) -> int:
         for name in unittest.TestLoader().getTestCaseNames(cls):
             if not wanted or any(w in name for w in wanted):
                 suite.addTest(cls(name))
+    names = [t._testMethodName for t in suite]  # before run(): a suite lets go of its tests as they finish
     ddp = ddp_rpc.DistributedDataParallel
     print(f"impl={IMPL} ddp={ddp.__module__}.{ddp.__qualname__} tests={suite.countTestCases()}", flush=True)
     result = unittest.TextTestRunner(verbosity=2, stream=sys.stdout).run(suite)
+    # One machine-readable line per test at the end (the ranks may print between a test's name and its outcome).
+    outcome = {t._testMethodName: "failed" for t, _ in result.failures + result.errors}
+    outcome.update({t._testMethodName: "skipped" for t, _ in result.skipped})
+    for name in names:
+        print(f"RESULT {name} {outcome.get(name, 'passed')}", flush=True)
     return 0 if result.wasSuccessful() and not result.skipped else 1
 
 
