@@ -43,7 +43,7 @@ from lockstep.ddp.lifetime import release_works as release_reducer_works
 from lockstep.ddp.observe import StepObserver
 from lockstep.ddp.errors import twice_message
 from lockstep.ddp.reducer_state import Bucket, UsageTracker
-from lockstep.ddp.torch_surface import ReducerSurface
+from lockstep.ddp.torch_surface import ReducerSurface, error_for_log
 
 # Where one all-reduce's fixed cost (~0.5 ms at 2 ranks on gloo) is below what the copies in and out
 # of a bucket cost a gradient this large (~0.15 ms per MB each way, measured on the 10.5M MLP).
@@ -207,8 +207,12 @@ class Reducer(Layout, EndOfBackward, GradIntake, HookPaths, ReducerSurface):
             self._mark_unused()  # left by on_backward_start: no AccumulateGrad node was to run in its graph task
         grad = param.grad  # read once: a property into C++, per parameter per step
         # A hook can fire with no gradient (an undefined gradient flowed back): not a use of the parameter.
-        if self.usage.active and not self.usage.gradient_complete(index, self.names, grad is not None):
-            return  # static graph: more pieces of this gradient are still to come
+        try:
+            if self.usage.active and not self.usage.gradient_complete(index, self.names, grad is not None):
+                return  # static graph: more pieces of this gradient are still to come
+        except RuntimeError as error:  # static_graph's changed graph: in the logging data too, as torch's
+            self.logged_error = error_for_log(error)
+            raise
         if self._observed_order is not None:
             self._observed_order.append(index)
         self._mark_ready(index, grad, True)

@@ -83,8 +83,21 @@ class WrapperSurface:
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: torch.nn.Module, params_and_buffers_to_ignore: Any) -> None:
-        """As torch's: name parameters and buffers that DDP must neither synchronise nor reduce."""
+        """As torch's: name parameters and buffers that DDP must neither synchronise nor reduce; each named tensor
+        is also marked ``_ddp_ignored`` (what torch.compile's DDP optimizer and ``_get_data_parallel_params`` read)."""
         module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+        names = set(params_and_buffers_to_ignore)
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if name in names:
+                tensor._ddp_ignored = True
+
+    @staticmethod
+    def _get_data_parallel_params(module: torch.nn.Module, named_params: bool = False) -> Any:
+        """As torch's: a generator of ``module``'s parameters (``(name, parameter)`` with ``named_params``) that DDP
+        manages, i.e. those not marked ``_ddp_ignored`` by ``_set_params_and_buffers_to_ignore_for_model``."""
+        for item in module.named_parameters() if named_params else module.parameters():
+            if not hasattr(item[1] if named_params else item, "_ddp_ignored"):
+                yield item
 
     @property
     def modules_buffers(self) -> list[torch.Tensor]:
@@ -112,7 +125,10 @@ class WrapperSurface:
         if self.static_graph:
             warnings.warn("static_graph is already True for this DistributedDataParallel: nothing to set again.", stacklevel=2)
             return
-        self.reducer._set_static_graph()
+        try:
+            self.reducer._set_static_graph()
+        except RuntimeError as error:
+            self._log_and_throw(error)
         self.static_graph = True
         if self.find_unused_parameters:
             warnings.warn(STATIC_WITH_FIND_UNUSED, UserWarning, stacklevel=2)
@@ -243,7 +259,11 @@ class ReducerSurface:
 
     def _set_static_graph(self) -> None:
         if self.num_syncs > 0 or self.expect_hooks:
-            raise RuntimeError("_set_static_graph must be called before the first forward/backward")
+            raise RuntimeError(
+                "DistributedDataParallel._set_static_graph should be called before training loop starts: this model "
+                "already ran a forward/backward. Pass static_graph=True to the constructor, or call it before the "
+                "first forward."
+            )
         self.usage = type(self.usage)(len(self.params), self.usage.find_unused, True)
 
     def _check_reducer_finalized(self) -> None:
