@@ -158,15 +158,19 @@ def _selected_names(request) -> list[str] | None:
     return [item.callspec.params["name"] for item in mine if hasattr(item, "callspec")]
 
 
+def _runner_env(**switches: str) -> dict[str, str]:
+    """The environment of a torch-suite runner: lockstep's class, this test's switches, none of the caller's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCKSTEP_SUITE_")}
+    return {**env, "LOCKSTEP_SUITE_IMPL": "lockstep", **switches}
+
+
 @pytest.fixture(scope="module")
 def suite(request, tmp_path_factory):
     """Run the runner once (only the selected tests when test_summary is deselected, e.g. ``-k uneven``)."""
     names = _selected_names(request)
     tmp = tmp_path_factory.mktemp("torch_suite")
     out, log = tmp / "lockstep.json", tmp / "lockstep.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCKSTEP_SUITE_")}
-    env.update(
-        LOCKSTEP_SUITE_IMPL="lockstep",
+    env = _runner_env(
         LOCKSTEP_SUITE_CPU_MAP="1",
         LOCKSTEP_SUITE_START="fork",
         LOCKSTEP_SUITE_EXTRA="^test_DistributedSampler_padding$",
@@ -252,8 +256,7 @@ _TORCH_START_RACE = "Default process group has not been initialized"
 
 
 def _run_rpc_suite(names: list[str], log_path) -> tuple[dict[str, str], str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCKSTEP_SUITE_")}
-    env.update(LOCKSTEP_SUITE_IMPL="lockstep", OMP_NUM_THREADS="1")
+    env = _runner_env(OMP_NUM_THREADS="1")
     with open(log_path, "w") as err:
         proc = subprocess.run([sys.executable, str(RPC_RUNNER.relative_to(REPO)), *names], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=err, text=True, timeout=SUITE_TIMEOUT_S)
