@@ -193,3 +193,12 @@ def test_shown_output_is_real(block, tmp_path_factory):
             missing.append(shown)
     assert not missing, ("lines shown that the run did not print:\n" + "\n".join(missing)
                          + f"\n--- the run's output\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+
+
+def test_site_builds_strict(tmp_path):
+    # What CI runs first (.ci/run): a broken link or anchor, or a page missing from mkdocs.yml's nav, fails.
+    pytest.importorskip("mkdocs", reason="mkdocs comes with the dev extra: pip install -e '.[dev]'")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "site" / "architecture" / "index.html").exists()
