@@ -70,8 +70,8 @@ def collect(environ: dict[str, str] | None = None) -> dict:
     import torch
     import torch.distributed as dist
 
-    import lockstep
-
+    # The package itself (always loaded before any of its modules; no import: diagnostics sit below it).
+    lockstep = sys.modules["lockstep"]
     environ = dict(os.environ if environ is None else environ)
     info: dict = {
         "lockstep": f"{lockstep.__version__} ({os.path.dirname(lockstep.__file__)})",
