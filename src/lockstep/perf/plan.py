@@ -230,10 +230,11 @@ def recommend(plan: Plan) -> str:
     if not plan.fits:
         for stage, need in plan.sharded_memory_gb.items():
             if need <= c.device_memory_gb:
-                before = "" if c.activation_gb is not None else " before activations"
+                before = "" if c.activation_gb is not None else \
+                    "\n  (that is before activations, which are not counted: pass --activation-gb)"
                 return (f"Does not fit: {mem['total']:.1f} GB per replica > {c.device_memory_gb:g} GB. "
-                        f"Use {STAGE_NAMES[stage]}: {need:.1f} GB per rank{before} at N={c.world_size}. "
-                        f"How: {HOW[stage]}.")
+                        f"Use {STAGE_NAMES[stage]}: {need:.1f} GB per rank at N={c.world_size}.{before}"
+                        f"\n  how: {HOW[stage]}")
         whole = mem["total"] - mem["activations"]
         free = c.device_memory_gb - mem["activations"]
         need_n = math.ceil(whole / free) if free > 0 else None
@@ -261,15 +262,15 @@ def format_plan(plan: Plan) -> str:
            f"(alpha {c.link.alpha_s * 1e6:g} us, {c.link.bandwidth_gb_s:g} GB/s)", "", "memory per replica (GB):"]
     unknown = c.activation_gb is None
     for k, v in plan.memory_gb.items():
-        per_param = f"   {v * GB / c.params:5.1f} B/param"
-        if k == "activations":
-            per_param = "   not counted: unknown (pass --activation-gb)" if unknown else ""
+        per_param = "" if k == "activations" else f"   {v * GB / c.params:5.1f} B/param"
         out.append(f"  {k:<16}{v:10.2f}{per_param}")
     verdict = "yes" if plan.fits else "NO"
-    if unknown:  # never a bare "yes": activations often outweigh the rest (batch x sequence x layers)
-        verdict += f", before activations ({c.device_memory_gb - plan.memory_gb['total']:.2f} GB left for them)" \
-            if plan.fits else ", even before activations"
+    if unknown and plan.fits:  # never a bare "yes": activations often outweigh the rest (batch x sequence x layers)
+        verdict += f", before activations ({c.device_memory_gb - plan.memory_gb['total']:.2f} GB left for them)"
     out.append(f"  fits in {c.device_memory_gb:g} GB: {verdict}")
+    if unknown:
+        out.append("  activations are not counted: unknown (pass --activation-gb; torch.cuda.max_memory_allocated() "
+                   "after one step, less the rest, measures them)")
     out.append("  sharded, per rank: " + ", ".join(f"{k} {v:.2f}" for k, v in plan.sharded_memory_gb.items()))
     out.append(f"  ZeRO-1 with lockstep: {HOW['zero1']}")
     out.append(f"  ZeRO-2/3: {HOW['zero3_fsdp']}")
