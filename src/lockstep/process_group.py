@@ -14,8 +14,8 @@ import gc
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
