@@ -75,7 +75,7 @@ def collect(environ: dict[str, str] | None = None) -> dict:
     environ = dict(os.environ if environ is None else environ)
     usable_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?"
     info: dict = {
-        "lockstep": f"{lockstep.__version__} ({os.path.dirname(lockstep.__file__)})",
+        "lockstep": f"{lockstep.__version__} ({lockstep.__path__[0]})",  # the package folder
         "torch": f"{torch.__version__} ({os.path.dirname(torch.__file__)})",
         "torch CUDA build": torch.version.cuda,
         "Python": f"{platform.python_version()} ({sys.executable})",
