@@ -111,7 +111,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def test_resume_at_half_the_ranks_is_deterministic_and_keeps_the_global_batch(runs):
-    _, first, then, _ = runs
+    _, _, then, _ = runs
     s1, s2 = then[0]["S1"], then[0]["S2"]
     assert sorted(s1) == list(range(K + 1, STEPS_PER_EPOCH * EPOCHS + 1))
     assert _same(s1, s2)  # bit for bit, from the same checkpoint

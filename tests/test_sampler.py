@@ -231,7 +231,7 @@ def _interleave(shards):
 
 def _resize_case(n, old, new, seed, drop_last, pad, rng):
     data = Indexed(n)
-    kw = dict(shuffle=True, seed=seed, drop_last=drop_last, pad=pad)
+    kw = {"shuffle": True, "seed": seed, "drop_last": drop_last, "pad": pad}
     before = [DistributedSampler(data, old, r, **kw) for r in range(old)]
     for s in before:
         s.set_epoch(3)
