@@ -54,7 +54,9 @@ class Trainer:
 
     Resume is exact (same parameters, bit for bit, on CPU) at the same world size, as long
     as the dataset draws no randomness of its own inside DataLoader workers: after a
-    resume the remaining batches are dealt to the workers from worker 0 again.
+    resume the remaining batches are dealt to the workers from worker 0 again. At another
+    world size (a node lost or back, docs/preemptible.md) it continues with the same global
+    batch and the same samples; only the summation order differs (train/resize.py).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
@@ -135,6 +137,10 @@ class Trainer:
         self._fit = next_fit()  # names this fit's departure keys in the store (departures.py)
         if cfg.resume:
             self.load_latest()
+        # under lockstep launch: the launcher's membership line names the step the workers resumed from
+        from lockstep.launch.elastic import report_resume  # lazy: lockstep.launch imports torch's elastic agent
+
+        report_resume(self.step if self.resumed_from else None, self.world_size, self.resized_from)
         watch = PreemptionWatch(self.group, self.device) if cfg.checkpoint_dir and cfg.preempt_on_sigterm else None
         self._watch = watch
         try:
