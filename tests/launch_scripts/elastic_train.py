@@ -3,6 +3,8 @@
 Arguments: CHECKPOINT_DIR [--max-steps N] [--pause-at STEP] [--step-sleep S]
 ``--pause-at``: after checkpoint STEP, global rank 2 (the first rank of node 1 when nodes run 2 each)
 writes CHECKPOINT_DIR/paused and sleeps, so a test can kill node 1 at an exact step.
+``--hold-at-world W``: the first step finished at world size W is held (up to 120 s) until the agent stops
+the workers (SIGTERM: a node joined), so a test can grow the job before it ends.
 Every rank appends "time step world_size" to CHECKPOINT_DIR/progress-<rank>.txt after each step.
 """
 
@@ -33,6 +35,7 @@ def main():
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--pause-at", type=int, default=None)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--hold-at-world", type=int, default=None)
     args = p.parse_args()
     env = lockstep.init()
     try:
@@ -44,12 +47,19 @@ def main():
                             resume=True, max_steps=args.max_steps,
                             sample_log_path=os.path.join(args.directory, "samples-{rank}.jsonl"))
 
+        held = []
+
         def on_step_end(trainer):
             with open(os.path.join(args.directory, f"progress-{env.rank}.txt"), "a") as f:
                 f.write(f"{time.time():.3f} {trainer.step} {trainer.world_size}\n")
             if args.pause_at == trainer.step and env.rank == 2:
                 open(os.path.join(args.directory, "paused"), "w").close()
                 time.sleep(3600)  # until the test kills this node
+            if args.hold_at_world == trainer.world_size and not held:
+                held.append(trainer.step)
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline and not (trainer._watch is not None and trainer._watch.requested):
+                    time.sleep(0.2)  # the checkpoint of this step is written: the SIGTERM may come
             time.sleep(args.step_sleep)
 
         trainer = Trainer(model, optimizer, nn.functional.cross_entropy, data(), None, cfg, on_step_end=on_step_end)
