@@ -45,7 +45,7 @@ K = random.Random(os.environ.get("LOCKSTEP_KILL_SEED", "2")).randint(2, 6)
 def _argv(node_rank: int, port: int, directory: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "lockstep", "launch", "--nnodes", "1:2", "--nproc-per-node", "2",
             "--node-rank", str(node_rank), "--master-addr", netns.ADDRS[0], "--master-port", str(port),
-            "--max-restarts", "3", *(["--log-dir", os.environ["ELASTIC_LOG_DIR"] + str(node_rank)] if os.environ.get("ELASTIC_LOG_DIR") else []), SCRIPT, directory, *extra]
+            "--max-restarts", "3", *os.environ.get("ELASTIC_EXTRA", "").split(), *(["--log-dir", os.environ["ELASTIC_LOG_DIR"] + str(node_rank)] if os.environ.get("ELASTIC_LOG_DIR") else []), SCRIPT, directory, *extra]
 
 
 def _tree(pid: int) -> list[int]:

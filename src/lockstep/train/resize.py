@@ -76,3 +76,35 @@ def batches_done_at(position: int, batches_done: int, batch_size: int, world_siz
         raise ValueError(f"checkpoint {path}: data position {position} is not a whole number of micro-batches "
                          f"({batch_size} x {world_size} ranks); it cannot be resumed at world size {world_size}")
     return position // per_round
+
+
+# -- the same for a script's own loop (docs/preemptible.md) ------------------------------------------
+def accumulation_steps(global_batch: int, batch_size: int, group=None) -> int:
+    """Micro-batches per optimizer step that make ``global_batch`` at this world size.
+
+    Args:
+        global_batch: samples per optimizer step over all ranks; keep it fixed across resizes.
+        batch_size: samples per micro-batch on each rank (the DataLoader's batch_size).
+        group: the process group (default: the default group).
+
+    Raises ValueError naming the value when ``batch_size * world_size`` does not divide it.
+    """
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size(group)
+    return accum_steps_for(global_batch, batch_size, world_size, "lockstep.accumulation_steps")
+
+
+def resume(sampler, state: dict, step: int | None = None) -> int:
+    """Continue an epoch from a ``DistributedSampler.state_dict()`` saved at any world size.
+
+    The sampler's next iteration yields this rank's share of what is left of the epoch's global
+    order; under ``lockstep launch`` the launcher's membership line names ``step``. Returns the
+    global data position (samples of the epoch already consumed by all ranks together).
+    """
+    from lockstep.launch.elastic import report_resume
+
+    sampler.load_state_dict(state)
+    saved = state.get("num_replicas")
+    report_resume(step, sampler.num_replicas, saved if saved != sampler.num_replicas else None)
+    return int(state.get("position", state["consumed"] * (saved or sampler.num_replicas)))
