@@ -33,6 +33,7 @@ from lockstep.train.metrics import comm_report, comm_wait_share
 from lockstep.train.preempt import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch, leave_marker
 from lockstep.train.progress import progress_bar, step_postfix
 from lockstep.train.resize import accum_steps_for
+from lockstep.train.run_identity import claim_checkpoint_dir
 
 __all__ = ["Trainer", "TrainerConfig"]
 
@@ -109,6 +110,7 @@ class Trainer:
         self.history: list[dict] = []
         self.last_checkpoint, self._saved_step, self.resumed_from = None, None, None
         self.resized_from: int | None = None  # the world size of a checkpoint resumed at another size
+        self.run_id: str | None = None  # set by open_writer_files (rank 0's, on every rank); a resume adopts the checkpoint's
         self.metrics = ckpt.open_writer_files(self)  # rank 0's files checked on every rank alike
         self.save_errors: list[str] = []  # checkpoints that failed under on_save_error="continue"
         self.preempted, self._watch = False, None
@@ -137,6 +139,12 @@ class Trainer:
         self._fit = next_fit()  # names this fit's departure keys in the store (departures.py)
         if cfg.resume:
             self.load_latest()
+        if cfg.checkpoint_dir:  # a new run stops here if the folder holds another run's checkpoints
+            claim_checkpoint_dir(cfg.checkpoint_dir, self.run_id, self.resumed_from is not None, cfg.overwrite,
+                                 self.is_writer, self.group)
+        self.metrics.run_id = self.run_id
+        self.metrics.write({"event": "start", "step": self.step,
+                            "resumed_from": str(self.resumed_from) if self.resumed_from else None})
         # under lockstep launch: the launcher's membership line names the step the workers resumed from
         from lockstep.launch.elastic import report_resume  # lazy: lockstep.launch imports torch's elastic agent
 
