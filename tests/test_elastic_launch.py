@@ -31,10 +31,11 @@ from test_multinode import Launch, clean_env
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "launch_scripts", "elastic_train.py")
 N, GLOBAL_BATCH, STEPS = 96, 16, 12  # as in elastic_train.py: 6 steps per epoch, 2 epochs
-# Recovery after a node is killed: its TCP connections close, so the survivors' gloo calls fail at once;
-# the agent stops its workers, the next round waits for the 5 s last call (launch/elastic.py), and the
-# new workers import torch and load the checkpoint (~5-15 s here). Measured on the loaded 2-core
-# machine: see docs/preemptible.md. The bound asserted is generous: never a hang, never gloo's 30 min.
+# Recovery after a node is killed: its TCP connections close, so the survivors' gloo calls fail within
+# seconds; the agent stops its workers (a worker blocked in a collective only at --shutdown-timeout, 15 s),
+# the next round waits for the 5 s last call (launch/elastic.py), and the new workers import torch, load
+# the checkpoint and step (~10-25 s here). Measured 35-42 s on the loaded 2-core machine
+# (docs/preemptible.md). The bound asserted is generous: never a hang, never gloo's 30 min.
 RECOVER_BOUND_S = 90
 FULL = os.environ.get("LOCKSTEP_MULTINODE_FULL") == "1"
 needs_netns = pytest.mark.skipif(netns.unavailable_reason() is not None, reason=str(netns.unavailable_reason()))
@@ -45,7 +46,7 @@ K = random.Random(os.environ.get("LOCKSTEP_KILL_SEED", "2")).randint(2, 6)
 def _argv(node_rank: int, port: int, directory: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "lockstep", "launch", "--nnodes", "1:2", "--nproc-per-node", "2",
             "--node-rank", str(node_rank), "--master-addr", netns.ADDRS[0], "--master-port", str(port),
-            "--max-restarts", "3", *os.environ.get("ELASTIC_EXTRA", "").split(), *(["--log-dir", os.environ["ELASTIC_LOG_DIR"] + str(node_rank)] if os.environ.get("ELASTIC_LOG_DIR") else []), SCRIPT, directory, *extra]
+            "--max-restarts", "3", SCRIPT, directory, *extra]
 
 
 def _tree(pid: int) -> list[int]:
