@@ -95,6 +95,17 @@ def _progress(directory: str) -> list[tuple[float, int, int]]:
     return sorted(rows)
 
 
+def _first_step_at(directory: str, world_size: int, after: float, timeout_s: float, launch: Launch) -> float:
+    """When the first step at ``world_size`` finished (after ``after``), waiting for it up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = [t for t, _, w in _progress(directory) if w == world_size and t > after]
+        if done:
+            return done[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no step at world size {world_size} within {timeout_s} s:\n" + launch.text()[-3000:])
+
+
 def _check_samples(directory: str) -> None:
     """Each step's global batch, whichever world size ran it (and however often, after a restart), is one
     set of GLOBAL_BATCH ids; the steps of an epoch together hold every sample exactly once."""
@@ -132,18 +143,16 @@ def _node_loss(directory: str, grow: bool) -> dict:
             _wait_file(os.path.join(directory, "paused"), 240, launches)
             killed_at = _kill_node(node_b)
             node_a.wait_for(r"node 1 \(10\.201\.0\.2\) left: world size 4 -> 2; resumed from step %d" % K, RECOVER_BOUND_S)
-            resumed = [t for t, s, w in _progress(directory) if w == 2]
-            assert resumed, node_a.text()[-3000:]
-            measured["recover_s"] = resumed[0] - killed_at  # the kill to the first step finished at world size 2
+            # from the kill to the first step finished at world size 2
+            measured["recover_s"] = _first_step_at(directory, 2, killed_at, RECOVER_BOUND_S, node_a) - killed_at
             if grow:
                 os.remove(os.path.join(directory, "paused"))
                 restarted_at = time.time()
                 node_b = Launch(b.command(_argv(1, port, directory)), clean_env())
                 launches.append(node_b)
                 node_a.wait_for(r"node 1 \(10\.201\.0\.2\) joined: world size 2 -> 4; resumed from step \d+", 180)
-                grown = [t for t, s, w in _progress(directory) if w == 4 and t > restarted_at]
-                assert grown, node_a.text()[-3000:]
-                measured["grow_s"] = grown[0] - restarted_at  # agent started to the first step at world size 4
+                # from starting node 1's agent to the first step finished at world size 4
+                measured["grow_s"] = _first_step_at(directory, 4, restarted_at, 180, node_a) - restarted_at
                 assert node_b.finish(240) == 0, node_b.text()[-4000:]
             assert node_a.finish(240) == 0, node_a.text()[-4000:]
         finally:
@@ -160,6 +169,7 @@ def test_lose_a_node_continue_alone_then_grow_back(tmp_path):
     print(f"kill step K={K} (LOCKSTEP_KILL_SEED reproduces it)")
     measured = _node_loss(str(tmp_path), grow=True)
     print(f"recovery after the node loss: {measured['recover_s']:.1f} s; grow back: {measured['grow_s']:.1f} s")
+    print("\n".join(line for line in measured["text"].splitlines() if line.startswith("lockstep launch: node 1")))
     assert measured["recover_s"] < RECOVER_BOUND_S
     _check_samples(str(tmp_path))
     final = _final(str(tmp_path))
