@@ -225,3 +225,14 @@ def test_min_max_reaches_torchs_launch_config():
     assert config.rdzv_configs["last_call_timeout"] == 5
     fixed, _, _ = parse_launch_args(["--nnodes", "2", "--master-addr", "10.0.0.9", "--master-port", "29999", SCRIPT])
     assert fixed.min_nodes is None and _launch_config(fixed, RankLogsSpecs("/tmp", log_rank=None, max_restarts=0)).min_nodes == 2
+
+
+def test_membership_line_names_who_left_or_joined_and_the_sizes():
+    from lockstep.launch.elastic import describe_change
+
+    a, b, c = ({"node_rank": r, "addr": f"10.0.0.{r + 1}", "host": "h"} for r in range(3))
+    assert describe_change(None, [a, b], 2) is None  # the first round: nothing to say
+    assert describe_change([a, b, c], [a, c], 4) == "node 1 (10.0.0.2) left: world size 12 -> 8"
+    assert describe_change([a], [a, b, c], 2) == "node 1 (10.0.0.2), node 2 (10.0.0.3) joined: world size 2 -> 6"
+    assert describe_change([a, b], [a, c], 1) == "node 1 (10.0.0.2) left; node 2 (10.0.0.3) joined: world size 2 -> 2"
+    assert describe_change([a, b], [a, b], 2) == "the same 2 node(s) restarted: world size 4 -> 4"
