@@ -16,8 +16,7 @@ import contextlib
 import os
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 

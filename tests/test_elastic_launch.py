@@ -142,7 +142,7 @@ def _node_loss(directory: str, grow: bool) -> dict:
         try:
             _wait_file(os.path.join(directory, "paused"), 240, launches)
             killed_at = _kill_node(node_b)
-            node_a.wait_for(r"node 1 \(10\.201\.0\.2\) left: world size 4 -> 2; resumed from step %d" % K, RECOVER_BOUND_S)
+            node_a.wait_for(rf"node 1 \(10\.201\.0\.2\) left: world size 4 -> 2; resumed from step {K}$", RECOVER_BOUND_S)
             # from the kill to the first step finished at world size 2
             measured["recover_s"] = _first_step_at(directory, 2, killed_at, RECOVER_BOUND_S, node_a) - killed_at
             if grow:
@@ -188,7 +188,7 @@ def test_kill_equals_a_clean_stop_and_resume(tmp_path):
     # the clean run: 4 ranks stopped at step K, then 2 ranks resume (one node each time)
     for extra in (["--nproc-per-node", "4", SCRIPT, clean, "--max-steps", str(K)], ["--nproc-per-node", "2", SCRIPT, clean]):
         done = subprocess.run([sys.executable, "-m", "lockstep", "launch", *extra], env=clean_env(), cwd=HERE,
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=300, check=False)
         assert done.returncode == 0, done.stderr[-4000:]
     got, want = _final(killed), _final(clean)
     assert got["world_size"] == want["world_size"] == 2
