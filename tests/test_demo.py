@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from lockstep.train.checkpoint import list_checkpoints, load_checkpoint
+from lockstep.train.checkpoint import list_checkpoints, load_checkpoint, verify
 from lockstep.train.demo import cli_main
 from lockstep.train.metrics import read_metrics
 
@@ -75,3 +78,67 @@ def test_a_second_run_into_the_same_folder_stops_before_training(demo_run):
     assert f"ckpt-{before[-1][0]:09d}.pt" in line
     assert "--resume" in line and "a new --out" in line and "--overwrite" in line
     assert [(step, path.read_bytes()) for step, path in list_checkpoints(out)] == before  # untouched
+
+
+def _demo(*args, env=None, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "lockstep", "demo", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, **kwargs)
+
+
+def test_ctrl_c_is_one_line_exit_130_the_checkpoint_intact_and_resume_continues_without_matplotlib(tmp_path):
+    # issue 28, item 6: Ctrl-C printed SignalException / KeyboardInterrupt tracebacks; matplotlib missing
+    # crashed in plot_curves after training, with no accuracy line
+    out = tmp_path / "run"
+    # Ctrl-C reaches the whole foreground process group: the demo, its agent and the ranks
+    proc = _demo("--epochs", 40, "--out", out, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list_checkpoints(out) or verify(list_checkpoints(out)[-1][1]) is not None:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stdout + stderr
+    for noise in ("Traceback", "KeyboardInterrupt", "SignalException", "death signal", "Closing process"):
+        assert noise not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("lockstep demo: stopped by SIGINT; the last checkpoint ") and "--resume" in last, last
+    (step, path), = list_checkpoints(out)
+    assert f"ckpt-{step:09d}.pt is intact" in last and verify(path) is None
+    interrupted = load_checkpoint(path)["run_id"]
+    # resume it with matplotlib unimportable: a note up front, training, the accuracy line last, no plot
+    blocked = tmp_path / "no_matplotlib" / "matplotlib"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError(\"No module named 'matplotlib' (blocked by the test)\")\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocked.parent), os.environ.get("PYTHONPATH", "")]))
+    epochs = step // 23 + 1  # one more epoch than the checkpoint holds
+    resumed = _demo("--epochs", epochs, "--out", out, "--resume", env=env)
+    stdout, stderr = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, stdout + stderr
+    assert "matplotlib is not installed, so no curves.png" in stderr and "Traceback" not in stderr
+    assert re.fullmatch(r"test accuracy \d\.\d\d", stdout.strip().splitlines()[-1])
+    assert not (out / "curves.png").exists()
+    (new_step, new_path), = list_checkpoints(out)
+    assert new_step == step + 23 and load_checkpoint(new_path)["run_id"] == interrupted  # the same run, continued
+    runs = {r.get("run") for r in read_metrics(out / "metrics.jsonl")}
+    assert runs == {interrupted}
+
+
+def test_read_only_out_is_one_line_before_any_rank_starts(tmp_path):
+    # issue 28, item 6: an OSError traceback from mkdir
+    target = tmp_path / "ro"
+    target.mkdir()
+    if os.geteuid() == 0:
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(target)]).returncode != 0:
+            pytest.skip("root without mount: no way to make a folder read-only")
+    else:
+        target.chmod(0o555)
+    try:
+        proc = _demo("--out", target / "run")
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", str(target)])
+    assert proc.returncode == 2, stdout + stderr
+    assert stderr.strip().splitlines() == [f"lockstep demo: --out {target / 'run'} is not writable: "
+                                           + ("Read-only file system" if os.geteuid() == 0 else "Permission denied")]
+    assert stdout == ""
