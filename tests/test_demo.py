@@ -38,6 +38,16 @@ def test_demo_trains_and_reports(demo_run):
     losses = [float(re.search(r"train loss (\S+)", line).group(1)) for line in epoch_lines]
     assert losses[-1] < losses[0]
     assert re.search(r"share of step time spent in communication: \d+\.\d%", proc.stdout)
+    # issue 28, item 8: the bar and the summary in one stream, in order, epochs counted alike from 1, and
+    # the bar's last line carrying the summary's numbers (the epoch's all-rank loss, this epoch's samples/s)
+    assert not re.search(r"epoch \d+: \d+/\d+ steps", proc.stderr), proc.stderr
+    for k, summary in enumerate(epoch_lines, start=1):
+        at = lines.index(summary)
+        bars = [line for line in lines[:at] if re.search(rf"epoch {k}: 23/23 steps", line)]
+        assert bars, f"no bar line for epoch {k} before its summary {summary!r}"
+        assert re.search(r"train_loss=(\S+?),", bars[-1]).group(1) == re.search(r"train loss (\S+)", summary).group(1)
+        assert re.search(r"samples_per_s=(\d+)", bars[-1]).group(1) == re.search(r"samples/s (\d+)", summary).group(1)
+    assert not any(re.search(r"epoch 0\b", line) for line in lines)
     assert re.search(r"\d+ samples/s", proc.stdout)
 
 
@@ -46,7 +56,7 @@ def test_demo_writes_metrics_checkpoint_and_plot(demo_run):
     assert proc.returncode == 0, proc.stderr
     records = read_metrics(out / "metrics.jsonl")
     epochs = [r for r in records if r["event"] == "epoch"]
-    assert [r["epoch"] for r in epochs] == list(range(EPOCHS))
+    assert [r["epoch"] for r in epochs] == list(range(1, EPOCHS + 1))  # 1-based, as printed
     assert all(r["eval_samples"] == 359 for r in epochs)  # the whole test split, each image once
     train = [r for r in records if r["event"] == "train"]
     assert train and all(0.0 <= r["comm_share"] <= 1.0 for r in train)  # from ddp.comm_stats(), every logged step

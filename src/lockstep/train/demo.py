@@ -40,7 +40,7 @@ class DigitsCNN(nn.Module):
 
 def _end_epoch(trainer, record: dict) -> None:
     if trainer.is_writer:
-        print(f"epoch {record['epoch'] + 1:>2}  train loss {record['train_loss']:.4f}  "
+        print(f"epoch {record['epoch']:>2}  train loss {record['train_loss']:.4f}  "
               f"test loss {record['eval_loss']:.4f}  test accuracy {record['eval_accuracy']:.4f}  "
               f"samples/s {record['samples_per_s']:.0f}", flush=True)
     # a checkpoint per epoch (keep_last=1: one file): Ctrl-C loses at most the epoch under way
@@ -95,7 +95,7 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
 
     # this run's records only (an older run in the same file is another curve); a resumed epoch: last wins
     epochs = {r["epoch"]: r for r in select_run(read_metrics(metrics_path)) if r.get("event") == "epoch"}
-    xs = [e + 1 for e in sorted(epochs)]
+    xs = sorted(epochs)  # 1-based, as printed
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.5))
     ax_loss.plot(xs, [epochs[e]["train_loss"] for e in sorted(epochs)], marker="o", label="train")
     ax_loss.plot(xs, [epochs[e]["eval_loss"] for e in sorted(epochs)], marker="o", label="test")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from lockstep.ddp.wrapper import DistributedDataParallel
+from lockstep.diagnostics.nonfinite import NonfiniteGradientError
 from lockstep.diagnostics.progress import set_phase
 from lockstep.sampler import DistributedSampler
 from lockstep.train import checkpoint as ckpt
@@ -29,8 +30,9 @@ from lockstep.train.config import _AUTOCAST_DTYPES, TrainerConfig
 from lockstep.train.departures import explain_departure, next_fit
 from lockstep.train.evaluate import evaluate
 from lockstep.train.faults import install_kill_hooks, kill_point_from_env
-from lockstep.train.metrics import comm_report, comm_wait_share
+from lockstep.train.metrics import comm_report
 from lockstep.train.preempt import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch, leave_marker
+from lockstep.train.epoch_meter import EpochMeter
 from lockstep.train.progress import progress_bar, step_postfix
 from lockstep.train.run_identity import claim_checkpoint_dir
 
@@ -106,6 +108,7 @@ class Trainer:
         self.save_errors: list[str] = []  # checkpoints that failed under on_save_error="continue"
         self.preempted, self._watch = False, None
         self._sample_log = None  # opened by fit() when sample_log_path is set
+        self.meter, self._bar = EpochMeter(), None  # this epoch's account (epoch_meter.py) and rank 0's bar
         self._kill = kill_point_from_env(dist.get_rank())  # test-only fault hook (faults.py); None normally
         if self._kill is not None:
             install_kill_hooks(self, self._kill)
@@ -185,24 +188,31 @@ class Trainer:
         loader = self._loader(self.train_data, self.sampler, cfg.batch_size, self.epoch)
         n_batches = self.batches_done + len(loader)
         self.ddp.train()
-        bar = self._progress_bar(n_batches)
+        self._bar = bar = self._progress_bar(n_batches)
+        self.meter = meter = EpochMeter(comm_wait_at_start_s=self._comm_wait_total_s() or 0.0)
         t_group, group_samples = time.perf_counter(), 0
         t_data = t_group
         set_phase("data")  # for a hang report: the Trainer knows its phases, DDP only forward/backward
         step_ids: list[int] | None = [] if self._sample_log is not None else None
         for i, (inputs, targets) in enumerate(loader, start=self.batches_done):
             tracer = self.ddp.trace  # the timeline's data and optimizer phases (None unless tracing)
+            t_batch = time.perf_counter()
+            meter.data_s += t_batch - t_data
             if tracer is not None:
-                tracer.mark("data", t_data, time.perf_counter())
+                tracer.mark("data", t_data, t_batch)
             group_start = i - i % accum  # resumed positions are always at a group boundary
             group_size = min(accum, n_batches - group_start)  # a short last group is averaged over its size
             sync = i + 1 == group_start + group_size
             inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
             # forward too must run under no_sync: DDP decides at forward time whether backward syncs
-            with contextlib.nullcontext() if sync else self.ddp.no_sync():
-                with self._autocast():
-                    loss = self.loss_fn(self.ddp(inputs), targets)
-                (loss / group_size).backward()
+            try:
+                with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                    with self._autocast():
+                        loss = self.loss_fn(self.ddp(inputs), targets)
+                    (loss / group_size).backward()
+            except NonfiniteGradientError as e:  # DDP knows the rank and parameter; the Trainer adds when
+                raise NonfiniteGradientError(f"at optimizer step {self.step + 1} (epoch {self.epoch + 1}, batch "
+                                             f"{i + 1} of {n_batches}): {e}") from None
             loss_value = loss.item()  # one host sync per micro-batch (free on CPU) for the bar and the epoch mean
             self._loss_sum += loss_value * len(targets)
             self._loss_count += len(targets)
@@ -230,9 +240,11 @@ class Trainer:
             step_s, t_group = now - t_group, now
             self._train_time_s += step_s
             self._samples_seen += group_samples * self.world_size  # every rank steps through equal shards
+            meter.add_step(step_s, group_samples * self.world_size)
+            meter.update_comm(self._comm_wait_total_s())
             group_samples = 0
             if step_ids is not None:
-                self._sample_log.write(json.dumps({"step": self.step, "epoch": self.epoch, "ids": step_ids}) + "\n")
+                self._sample_log.write(json.dumps({"step": self.step, "epoch": self.epoch + 1, "ids": step_ids}) + "\n")
                 step_ids = []
             self._after_step(loss_value, bar, step_s)
             t_group = t_data = time.perf_counter()  # logging and checkpoints are not step time
@@ -244,20 +256,23 @@ class Trainer:
             if self._stopped() and self.batches_done < n_batches:
                 bar.close()
                 return False
-        bar.close()
-        return True
+        return True  # the bar stays open: _end_epoch shows the epoch's all-rank loss on its last line
+
+    def _comm_wait_total_s(self) -> float | None:
+        stats = getattr(self.ddp, "comm_stats", None)
+        return float(stats()["comm_wait_s"]) if callable(stats) else None
 
     def _after_step(self, loss_value: float, bar, step_s: float) -> None:
-        cfg = self.config
-        samples_per_s = self._samples_seen / self._train_time_s if self._train_time_s else 0.0
-        share = comm_wait_share(self.ddp, self._train_time_s)
-        bar.set_postfix(step_postfix(loss_value, samples_per_s, step_s, share), refresh=False)
+        cfg, meter = self.config, self.meter
+        share = meter.comm_share if self._comm_wait_total_s() is not None else None
+        # the bar: this rank's mean loss so far this epoch (the last line: every rank's, as the summary's)
+        running_loss = self._loss_sum / self._loss_count if self._loss_count else loss_value
+        bar.set_postfix(step_postfix(running_loss, meter.samples_per_s, step_s, share), refresh=False)
         bar.update(1)
         if self.step % cfg.log_every_steps == 0:
             lr = self.optimizer.param_groups[0]["lr"]
-            self.metrics.write({"event": "train", "step": self.step, "epoch": self.epoch, "loss": loss_value,
-                                "lr": lr, "samples_per_s": samples_per_s,
-                                "comm_share": share})
+            self.metrics.write({"event": "train", "step": self.step, "epoch": self.epoch + 1, "loss": loss_value,
+                                "lr": lr, "samples_per_s": meter.samples_per_s, "comm_share": share})
         if cfg.save_every_steps and self.step % cfg.save_every_steps == 0:
             self.save_checkpoint()
         if self.on_step_end is not None:
@@ -265,7 +280,7 @@ class Trainer:
 
     def _progress_bar(self, n_batches: int):
         accum = self.config.grad_accum_steps
-        return progress_bar(math.ceil(n_batches / accum), self.batches_done // accum, f"epoch {self.epoch}",
+        return progress_bar(math.ceil(n_batches / accum), self.batches_done // accum, f"epoch {self.epoch + 1}",
                             enabled=self.is_writer and self.config.progress)
 
     def _end_epoch(self) -> None:
@@ -273,9 +288,17 @@ class Trainer:
         set_phase("eval")
         totals = torch.tensor([self._loss_sum, float(self._loss_count)], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, group=self.group)  # one collective per epoch
-        record = {"event": "epoch", "epoch": self.epoch, "step": self.step,
+        meter = self.meter
+        # epochs count from 1 in everything shown (bar, summary, metrics, curves); self.epoch counts done ones
+        record = {"event": "epoch", "epoch": self.epoch + 1, "step": self.step,
                   "train_loss": (totals[0] / totals[1]).item() if totals[1] else float("nan"),
-                  "samples_per_s": self._samples_seen / self._train_time_s if self._train_time_s else 0.0}
+                  "samples_per_s": meter.samples_per_s}  # this epoch's, as the bar's
+        share = meter.comm_share if self._comm_wait_total_s() is not None else None
+        if share is not None:
+            record["comm_share"] = share
+        self._bar.set_postfix(step_postfix(record["train_loss"], meter.samples_per_s, meter.last_step_s, share),
+                              refresh=False)
+        self._bar.close()
         if self.eval_data is not None:
             record.update(self.evaluate())
         self.history.append(record)
@@ -310,6 +333,7 @@ class Trainer:
 
     def summary(self) -> dict:
         last = self.history[-1] if self.history else {}
-        return {"steps": self.step, "epochs": self.epoch, "history": self.history,
+        # the last epoch's record first: its samples_per_s is that epoch's, the summary's is the whole run's
+        return {**last, "steps": self.step, "epochs": self.epoch, "history": self.history,
                 "samples_per_s": self._samples_seen / self._train_time_s if self._train_time_s else 0.0,
-                "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None, **last}
+                "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None}
