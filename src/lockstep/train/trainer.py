@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from typing import Callable
 
 import torch
@@ -26,13 +27,15 @@ from lockstep.diagnostics.nonfinite import NonfiniteGradientError
 from lockstep.diagnostics.progress import set_phase
 from lockstep.sampler import DistributedSampler
 from lockstep.train import checkpoint as ckpt
-from lockstep.train.config import _AUTOCAST_DTYPES, TrainerConfig
+from lockstep.train.config import TrainerConfig
 from lockstep.train.departures import explain_departure, next_fit
 from lockstep.train.evaluate import evaluate
 from lockstep.train.faults import install_kill_hooks, kill_point_from_env
+from lockstep.train.loggers import open_run_loggers
 from lockstep.train.metrics import comm_report
 from lockstep.train.preempt import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch, leave_marker
 from lockstep.train.epoch_meter import EpochMeter
+from lockstep.train.precision import Precision
 from lockstep.train.progress import progress_bar, step_postfix
 from lockstep.train.run_identity import claim_checkpoint_dir
 
@@ -53,6 +56,11 @@ class Trainer:
         on_step_end: called with the Trainer after every optimizer step (and any checkpoint).
         on_epoch_end: called with the Trainer and the epoch's record (train loss, eval metrics)
             on every rank after each epoch's evaluation.
+        scaler: the ``torch.amp.GradScaler`` for TrainerConfig.autocast_dtype="float16" (default: one with
+            torch's defaults); its state is checkpointed.
+        metric_fn: ``metric_fn(outputs, targets)`` -> a float or a dict of floats, each a mean over the
+            batch's samples (MAE, top-5 accuracy...); evaluation weights it by batch size, so the record's
+            ``eval_<name>`` is the mean over the whole eval set, each sample counted once.
 
     Resume is exact (same parameters, bit for bit, on CPU) at the same world size, as long
     as the dataset draws no randomness of its own inside DataLoader workers: after a
@@ -63,7 +71,8 @@ class Trainer:
                  train_data: Dataset, eval_data: Dataset | None = None, config: TrainerConfig | None = None, *,
                  scheduler=None, group: dist.ProcessGroup | None = None, device: torch.device | None = None,
                  on_step_end: Callable[["Trainer"], None] | None = None,
-                 on_epoch_end: Callable[["Trainer", dict], None] | None = None):
+                 on_epoch_end: Callable[["Trainer", dict], None] | None = None,
+                 scaler: torch.amp.GradScaler | None = None, metric_fn: Callable | None = None):
         if not dist.is_initialized():
             raise RuntimeError("Trainer needs an initialised process group: call lockstep.init() first")
         self.config = cfg = config if config is not None else TrainerConfig()
@@ -76,14 +85,15 @@ class Trainer:
             device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.device = torch.device(device)
         model.to(self.device)
+        self.precision = Precision(cfg.autocast_dtype, self.device, scaler)  # autocast, and fp16's GradScaler
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         hang = {} if cfg.hang_timeout_s is None else {"hang_timeout_s": cfg.hang_timeout_s}
         self.ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group,
-                                           detect_nonfinite=cfg.detect_nonfinite, check_replicas_every=cfg.check_replicas_every,
+                                           detect_nonfinite=cfg.detect_nonfinite and self.precision.scaler is None, check_replicas_every=cfg.check_replicas_every,
                                            trace_dir=cfg.trace_dir, trace_steps=tuple(cfg.trace_steps) if cfg.trace_dir else None,
                                            **hang)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.on_step_end, self.on_epoch_end = on_step_end, on_epoch_end
+        self.on_step_end, self.on_epoch_end, self.metric_fn = on_step_end, on_epoch_end, metric_fn
         self.train_data, self.eval_data = train_data, eval_data
         if len(train_data) < self.world_size:  # every rank computes this alike: all raise, no collective needed
             raise ValueError(f"Trainer: train_data has {len(train_data)} samples, fewer than the {self.world_size} "
@@ -122,9 +132,7 @@ class Trainer:
                           generator=generator, pin_memory=self.device.type == "cuda")
 
     def _autocast(self):
-        if self.config.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=_AUTOCAST_DTYPES[self.config.autocast_dtype])
+        return self.precision.autocast()
 
     # -- training --------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -137,6 +145,11 @@ class Trainer:
             claim_checkpoint_dir(cfg.checkpoint_dir, self.run_id, self.resumed_from is not None, cfg.overwrite,
                                  self.is_writer, self.group)
         self.metrics.run_id = self.run_id
+        if self.is_writer and not self.metrics.sinks and (log_dir := cfg.resolved_log_dir()):
+            try:  # rank 0 alone: a failure here must not end rank 0 and leave the others waiting
+                self.metrics.sinks = open_run_loggers(log_dir, self.run_id, cfg.tensorboard)  # closed with metrics
+            except OSError as e:
+                warnings.warn(f"lockstep: no CSV/TensorBoard logs: {log_dir} cannot be written ({e})", stacklevel=2)
         self.metrics.write({"event": "start", "step": self.step,
                             "resumed_from": str(self.resumed_from) if self.resumed_from else None})
         watch = PreemptionWatch(self.group, self.device) if cfg.checkpoint_dir and cfg.preempt_on_sigterm else None
@@ -209,7 +222,7 @@ class Trainer:
                 with contextlib.nullcontext() if sync else self.ddp.no_sync():
                     with self._autocast():
                         loss = self.loss_fn(self.ddp(inputs), targets)
-                    (loss / group_size).backward()
+                    self.precision.backward(loss / group_size)  # scaled first with fp16
             except NonfiniteGradientError as e:  # DDP knows the rank and parameter; the Trainer adds when
                 raise NonfiniteGradientError(f"at optimizer step {self.step + 1} (epoch {self.epoch + 1}, batch "
                                              f"{i + 1} of {n_batches}): {e}") from None
@@ -227,9 +240,7 @@ class Trainer:
                 set_phase("data")
                 continue
             set_phase("optimizer")
-            if cfg.grad_clip_norm is not None:  # the gradient is already averaged: every rank clips alike
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip_norm)
-            self.optimizer.step()
+            self.precision.step(self.optimizer, self._clip)  # fp16: unscaled, then skipped on an Inf/NaN
             self.optimizer.zero_grad(set_to_none=True)
             if self.scheduler is not None:
                 self.scheduler.step()
@@ -257,6 +268,10 @@ class Trainer:
                 bar.close()
                 return False
         return True  # the bar stays open: _end_epoch shows the epoch's all-rank loss on its last line
+
+    def _clip(self) -> None:
+        if self.config.grad_clip_norm is not None:  # the gradient is already averaged: every rank clips alike
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip_norm)
 
     def _comm_wait_total_s(self) -> float | None:
         stats = getattr(self.ddp, "comm_stats", None)
@@ -313,7 +328,8 @@ class Trainer:
     def evaluate(self) -> dict:
         """Loss (and accuracy for class-index targets) over the eval set, each sample counted once."""
         return evaluate(self.model, self.loss_fn, self.eval_data, self._loader, self.world_size, self.rank,
-                        self.config.eval_batch_size or self.config.batch_size, self.device, self._autocast, self.group)
+                        self.config.eval_batch_size or self.config.batch_size, self.device, self._autocast, self.group,
+                        metric_fn=self.metric_fn)
 
     # -- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, on_error: str | None = None):
