@@ -4,8 +4,11 @@ a CSV log always and TensorBoard's when installed. One spawned group runs every 
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import os
+import time
 
 import pytest
 import torch
@@ -110,6 +113,29 @@ def _scenarios(rank, world_size, root):
         t.fit()
         return {"run_id": t.run_id}
     attempt("logs", logs)
+
+    # 5. rank 1 sleeps 10 ms per sample in its data loading: the epoch's straggler line names it and the cause
+    def straggler():
+        class SlowOnRank1(torch.utils.data.Dataset):
+            def __init__(self, data):
+                self.data = data
+
+            def __len__(self):
+                return len(self.data)
+
+            def __getitem__(self, i):
+                if rank == 1:
+                    time.sleep(0.01)
+                return self.data[i]
+
+        model = _model(14, dropout=0.0)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):  # the bar and the straggler line go to stdout (rank 0)
+            t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
+                        SlowOnRank1(_data(64, 2)), None, TrainerConfig(epochs=1, batch_size=8, progress=True))
+            record = t.fit()["history"][-1]
+        return {"record": record, "printed": printed.getvalue()}
+    attempt("straggler", straggler)
     return out
 
 
@@ -152,6 +178,20 @@ def test_metric_function_is_averaged_exactly_over_the_eval_set(results):
         assert r["record"]["eval_top2"] == pytest.approx(r["ref"]["top2"], rel=1e-6)  # float32 batch means
         assert r["record"]["eval_confidence"] == pytest.approx(r["ref"]["confidence"], rel=1e-6)
         assert r["record"]["eval_samples"] == N_EVAL
+
+
+def test_straggler_line_names_the_rank_that_sleeps_in_its_data_loading(results):
+    # issue 28, item 9: `comm` was rank 0's view only, and nothing named the slow rank
+    _, out = results
+    for rank in range(2):
+        r = out[rank]["straggler"]
+        assert not isinstance(r, str), r
+        found = r["record"]["straggler"]
+        assert found["rank"] == 1 and found["cause"] == "data loading" and found["wait_share"] > 0.1, found
+    lines = [line for line in out[0]["straggler"]["printed"].splitlines() if "straggler" in line]
+    assert len(lines) == 1 and lines[0].startswith("epoch 1: straggler rank 1 made the others wait "), lines
+    assert "its time went to data loading" in lines[0]
+    assert out[1]["straggler"]["printed"] == ""  # rank 0 alone prints
 
 
 def test_csv_log_always_and_tensorboard_when_installed(results):

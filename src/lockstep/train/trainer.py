@@ -38,6 +38,7 @@ from lockstep.train.epoch_meter import EpochMeter
 from lockstep.train.precision import Precision
 from lockstep.train.progress import progress_bar, step_postfix
 from lockstep.train.run_identity import claim_checkpoint_dir
+from lockstep.train.stragglers import find_straggler, gather_epoch, straggler_line
 
 __all__ = ["Trainer", "TrainerConfig"]
 
@@ -299,14 +300,15 @@ class Trainer:
                             enabled=self.is_writer and self.config.progress)
 
     def _end_epoch(self) -> None:
-        # On the training device: NCCL reduces CUDA tensors only.
         set_phase("eval")
-        totals = torch.tensor([self._loss_sum, float(self._loss_count)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(totals, group=self.group)  # one collective per epoch
         meter = self.meter
+        meter.update_comm(self._comm_wait_total_s())
+        # one collective per epoch: every rank's loss totals and phases (stragglers.py)
+        ranks = gather_epoch(self._loss_sum, self._loss_count, meter.phases(), self.device, self.group)
+        totals = [sum(r["loss_sum"] for r in ranks), sum(r["loss_count"] for r in ranks)]
         # epochs count from 1 in everything shown (bar, summary, metrics, curves); self.epoch counts done ones
         record = {"event": "epoch", "epoch": self.epoch + 1, "step": self.step,
-                  "train_loss": (totals[0] / totals[1]).item() if totals[1] else float("nan"),
+                  "train_loss": totals[0] / totals[1] if totals[1] else float("nan"),
                   "samples_per_s": meter.samples_per_s}  # this epoch's, as the bar's
         share = meter.comm_share if self._comm_wait_total_s() is not None else None
         if share is not None:
@@ -314,6 +316,11 @@ class Trainer:
         self._bar.set_postfix(step_postfix(record["train_loss"], meter.samples_per_s, meter.last_step_s, share),
                               refresh=False)
         self._bar.close()
+        straggler = find_straggler(ranks)  # the same on every rank: computed from the same gathered numbers
+        if straggler is not None:
+            record["straggler"] = {k: straggler[k] for k in ("rank", "cause", "wait_share")}
+            if self.is_writer and self.config.progress:
+                print(straggler_line(self.epoch + 1, straggler), flush=True)  # stdout: the bar's stream
         if self.eval_data is not None:
             record.update(self.evaluate())
         self.history.append(record)
