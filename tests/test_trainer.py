@@ -393,7 +393,11 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match=r"TrainerConfig.grad_clip_norm must be a number > 0"):
         TrainerConfig(grad_clip_norm=0.0)
     with pytest.raises(ValueError, match=r"TrainerConfig.autocast_dtype must be None or one of"):
-        TrainerConfig(autocast_dtype="float16")
+        TrainerConfig(autocast_dtype="float8")  # float16 is accepted now, with a GradScaler
+    with pytest.raises(ValueError, match=r"TrainerConfig.overwrite needs TrainerConfig.checkpoint_dir"):
+        TrainerConfig(overwrite=True)
+    with pytest.raises(ValueError, match=r"TrainerConfig.resume and TrainerConfig.overwrite exclude each other"):
+        TrainerConfig(resume=True, overwrite=True, checkpoint_dir="x")
     with pytest.raises(ValueError, match=r"TrainerConfig.resume needs TrainerConfig.checkpoint_dir"):
         TrainerConfig(resume=True)
     with pytest.raises(ValueError, match=r"TrainerConfig.save_every_steps needs TrainerConfig.checkpoint_dir"):

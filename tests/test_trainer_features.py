@@ -12,10 +12,9 @@ import time
 
 import pytest
 import torch
-from torch import nn
-
 from dist_utils import run_ranks
 from test_trainer import N_EVAL, Crash, _data, _equal, _model, _params
+from torch import nn
 
 INF_AT_STEP = 5  # rank 1's loss is Inf in this optimizer step: every rank's averaged gradient is then Inf
 

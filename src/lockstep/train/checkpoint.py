@@ -32,8 +32,8 @@ from lockstep.train.checkpoint_files import (  # noqa: F401  (re-exported: the p
     meta_path,
     newest_good_checkpoint,
     probe_writable,
-    remove_stale_temporaries,
     prune_checkpoints,
+    remove_stale_temporaries,
     save_atomic,
     verify,
 )

@@ -29,13 +29,18 @@ from lockstep.sampler import DistributedSampler
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.config import TrainerConfig
 from lockstep.train.departures import explain_departure, next_fit
+from lockstep.train.epoch_meter import EpochMeter
 from lockstep.train.evaluate import evaluate
 from lockstep.train.faults import install_kill_hooks, kill_point_from_env
 from lockstep.train.loggers import open_run_loggers
 from lockstep.train.metrics import comm_report
-from lockstep.train.preempt import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch, leave_marker
-from lockstep.train.epoch_meter import EpochMeter
 from lockstep.train.precision import Precision
+from lockstep.train.preempt import (
+    REQUEUE_EXIT_CODE,
+    Preempted,
+    PreemptionWatch,
+    leave_marker,
+)
 from lockstep.train.progress import progress_bar, step_postfix
 from lockstep.train.run_identity import claim_checkpoint_dir
 from lockstep.train.stragglers import find_straggler, gather_epoch, straggler_line
