@@ -57,7 +57,13 @@ def find_straggler(ranks: list[dict[str, float]], threshold: float = 0.1) -> dic
 def straggler_line(epoch: int, found: dict) -> str:
     """One line for the progress output, e.g. "epoch 3: straggler rank 1 made the others wait 48 ms per step
     (41% of the step): its time went to data loading (52 ms per step; the others 1 ms)"."""
-    key = {"data loading": "data", "compute": "compute", "communication": "comm"}[found["cause"]]
-    return (f"epoch {epoch}: straggler rank {found['rank']} made the others wait {found['made_wait_ms']:.0f} ms per "
-            f"step ({found['wait_share']:.0%} of the step): its time went to {found['cause']} "
-            f"({found['own_ms'][key]:.0f} ms per step; the others {found['others_ms'][key]:.0f} ms)")
+    head = (f"epoch {epoch}: straggler rank {found['rank']} made the others wait {found['made_wait_ms']:.0f} ms per "
+            f"step ({found['wait_share']:.0%} of the step): ")
+    own, others = found["own_ms"], found["others_ms"]
+    if found["cause"] == "communication":  # its own phases do not explain the wait: say so with their numbers
+        return head + (f"its time went to communication or between steps, not to data loading or compute "
+                       f"({own['data']:.0f} and {own['compute']:.0f} ms per step; the others "
+                       f"{others['data']:.0f} and {others['compute']:.0f} ms)")
+    key = "data" if found["cause"] == "data loading" else "compute"
+    return head + (f"its time went to {found['cause']} ({own[key]:.0f} ms per step; "
+                   f"the others {others[key]:.0f} ms)")
