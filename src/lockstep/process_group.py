@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -117,10 +118,13 @@ def detect_launch_env(env: dict | None = None) -> LaunchEnv:
                 "environment variable MASTER_ADDR is missing; OpenMPI does not set it: pass "
                 "`-x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=<port>` to mpirun"
             )
-        port = _int_var(env, "MASTER_PORT", "the user (`mpirun -x MASTER_PORT=...`)") if env.get("MASTER_PORT") else _DEFAULT_PORT
+        port = _DEFAULT_PORT
+        if env.get("MASTER_PORT"):
+            port = _int_var(env, "MASTER_PORT", "the user (`mpirun -x MASTER_PORT=...`)")
         launcher = "openmpi"
     else:
-        return LaunchEnv("single", 0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", _DEFAULT_PORT)))
+        addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", _DEFAULT_PORT))
+        return LaunchEnv("single", 0, 1, 0, addr, port)
 
     if world_size < 1:
         raise RuntimeError(f"world size must be >= 1, got {world_size} (from the {launcher} environment)")
@@ -140,7 +144,8 @@ def _gloo_interface(master_addr: str) -> str:
     """Point gloo at the interface that reaches the master unless the user did; the log line says which."""
     picked_by_launch = os.environ.get("LOCKSTEP_GLOO_IFNAME_PICKED")
     if picked_by_launch and os.environ.get("GLOO_SOCKET_IFNAME") == picked_by_launch:
-        return f"gloo uses interface {picked_by_launch}, the one that reaches the master {master_addr} (chosen by lockstep launch)"
+        return (f"gloo uses interface {picked_by_launch}, the one that reaches the master {master_addr} "
+                "(chosen by lockstep launch)")
     return ensure_gloo_interface(master_addr)
 
 
@@ -212,13 +217,27 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, env: dict | None
     return DistEnv(dist.get_rank(), launch.local_rank, dist.get_world_size(), device, backend)
 
 
+# Called by shutdown() before the group goes, in registration order: the diagnostics register here
+# (the trace writes a window the run never closed) so this module needs to know none of them.
+_BEFORE_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def on_shutdown(callback: Callable[[], None]) -> None:
+    """Have ``shutdown()`` call ``callback`` (which must not raise) before it tears the group down."""
+    if callback not in _BEFORE_SHUTDOWN:
+        _BEFORE_SHUTDOWN.append(callback)
+
+
 def shutdown() -> None:
     """Tear the default group down; safe to call when none exists (use it in ``finally``).
 
     Collects garbage first and after: a DDP model lives in a reference cycle (its hooks point back
     at the reducer), and a process group freed only during interpreter teardown has been seen to
-    abort the process at exit ("terminate called without an active exception").
+    abort the process at exit ("terminate called without an active exception"). The callbacks of
+    ``on_shutdown`` run first, while the DDP objects they may hold weakly are still alive.
     """
+    for callback in list(_BEFORE_SHUTDOWN):
+        callback()
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()

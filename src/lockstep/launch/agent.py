@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from lockstep.launch import rendezvous
+from lockstep.launch import elastic, rendezvous
 from lockstep.launch.output import RANK_PREFIX_TEMPLATE, LaunchError, RankLogsSpecs, failure_report
 from lockstep.network import pick_gloo_interface, route_source_addr
 from lockstep.slurm import PREEMPT_DIR_ENV, REQUEUE_EXIT_CODE
@@ -46,7 +46,7 @@ class LaunchOptions:
     """Where and how many workers this node's agent starts; validated on construction."""
 
     nproc_per_node: int
-    nnodes: int = 1
+    nnodes: int = 1  # the most nodes (torchrun's MAX in --nnodes MIN:MAX)
     node_rank: int = 0  # which node hosts the rendezvous store (node 0); worker ranks are assigned by the rendezvous
     master_addr: str = LOOPBACK_ADDR
     master_port: int = 0  # 0: the OS picks a free port (single node only)
@@ -61,6 +61,9 @@ class LaunchOptions:
     hang_timeout_s: float | None = None  # the workers' DDP hang_timeout_s (LOCKSTEP_HANG_TIMEOUT_S); None: DDP's default
     # After a SIGTERM (preemption) the workers get this long to finish their step and checkpoint before SIGKILL.
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    # --nnodes MIN:MAX: the job runs on MIN to nnodes nodes and re-forms when one leaves or joins
+    # (launch/elastic.py); None: exactly nnodes
+    min_nodes: int | None = None
 
     def __post_init__(self) -> None:
         if self.hang_timeout_s is not None and not self.hang_timeout_s >= 0:
@@ -69,6 +72,8 @@ class LaunchOptions:
             raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
         if self.nnodes < 1:
             raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nnodes:
+            raise ValueError(f"--nnodes {self.min_nodes}:{self.nnodes}: MIN must be in [1, MAX]")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}")
         if not 0 <= self.master_port < 65536:
@@ -124,8 +129,10 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
         # Every node must name the same rendezvous: derive it from what they share. One node can be unique.
         run_id = f"lockstep-{uuid.uuid4().hex[:12]}" if single else f"lockstep-{options.master_addr}-{options.master_port}"
     kwargs: dict[str, Any] = dict(
-        min_nodes=options.nnodes,
-        max_nodes=options.nnodes,  # fixed size: the rendezvous closes as soon as every node joined
+        # fixed size (min_nodes None): the rendezvous closes as soon as every node joined; MIN:MAX: once MIN
+        # joined and the last call passed (launch/elastic.py)
+        min_nodes=options.min_nodes or options.nnodes,
+        max_nodes=options.nnodes,
         nproc_per_node=options.nproc_per_node,
         run_id=run_id,
         # torch's c10d rendezvous wrapped by lockstep's (launch/rendezvous.py): nodes numbered by --node-rank,
@@ -144,6 +151,7 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
             "lockstep_master_addr": options.master_addr,
             "lockstep_port": options.master_port,
             "lockstep_node_timeout": options.node_timeout_s,
+            **({"last_call_timeout": int(elastic.DEFAULT_LAST_CALL_S)} if options.min_nodes not in (None, options.nnodes) else {}),
         },
         max_restarts=options.max_restarts,
         monitor_interval=0.1,  # how often the agent polls its workers: bounds failure-detection latency
@@ -261,7 +269,8 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
     # Preempted workers leave a file here (train/preempt.py): after a SIGTERM the agent keeps no exit codes
     preempt_dir = tempfile.mkdtemp(prefix="preempted-", dir=log_dir)
     try:
-        with _agent_environment(options, log_dir, {PREEMPT_DIR_ENV: preempt_dir}), _quiet_agent_failure_log():
+        with _agent_environment(options, log_dir, {PREEMPT_DIR_ENV: preempt_dir, elastic.REPORT_ENV: "1"}), \
+                _quiet_agent_failure_log():
             results = elastic_launch(config, entrypoint)(*args)
     except SignalException as e:
         done = sorted(os.listdir(preempt_dir))

@@ -25,6 +25,7 @@ from lockstep.launch.agent import (
     WorkersPreempted,
     run_agent,
 )
+from lockstep.launch.elastic import parse_nnodes
 from lockstep.launch.output import LaunchError
 from lockstep.network import ensure_gloo_interface
 from lockstep.slurm import REQUEUE_EXIT_CODE, sbatch_script, slurm_launch_env
@@ -68,7 +69,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=_parse_nproc, default="auto",
                    help="workers on this node: an integer, or 'auto' = one per GPU, else 2 (default: auto)")
-    p.add_argument("--nnodes", type=int, default=None, help="number of nodes (default: 1, or SLURM's)")
+    p.add_argument("--nnodes", type=parse_nnodes, default=None, metavar="N|MIN:MAX",
+                   help="number of nodes, or MIN:MAX for an elastic job that goes on with the nodes still there "
+                   "and grows back when one joins (torchrun's syntax; docs/preemptible.md) (default: 1, or SLURM's)")
     p.add_argument("--node-rank", "--node_rank", type=int, default=None,
                    help="this node's index; node 0 hosts the rendezvous (default: 0, or SLURM_NODEID)")
     p.add_argument("--master-addr", "--master_addr", default=None,
@@ -118,7 +121,7 @@ def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None)
 
     slurm = slurm_launch_env(env)
     layout_flags = (ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port)
-    if slurm is not None and slurm.nnodes > 1 and ns.nnodes in (None, slurm.nnodes):
+    if slurm is not None and slurm.nnodes > 1 and ns.nnodes in (None, (slurm.nnodes, slurm.nnodes)):
         options = LaunchOptions(
             nproc_per_node=nproc,
             nnodes=slurm.nnodes,
@@ -138,7 +141,7 @@ def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None)
         )
     else:
         # One node (also a one-node SLURM job): loopback and a free port unless told otherwise.
-        nnodes = 1 if ns.nnodes is None else ns.nnodes
+        min_nodes, nnodes = (1, 1) if ns.nnodes is None else ns.nnodes
         multi = nnodes > 1
         default_port = _MULTI_NODE_DEFAULT_PORT if multi else 0
         options = LaunchOptions(
@@ -157,6 +160,7 @@ def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None)
             node_timeout_s=ns.node_timeout,
             hang_timeout_s=ns.hang_timeout,
             shutdown_timeout_s=ns.shutdown_timeout,
+            min_nodes=min_nodes if min_nodes != nnodes else None,
         )
     if options.nnodes > 1 and options.master_addr == LOOPBACK_ADDR:
         raise ValueError("--master-addr is required with --nnodes > 1 (the address of node 0; not 127.0.0.1)")
@@ -223,8 +227,9 @@ def cli_main(argv: Sequence[str]) -> int:
         print(f"lockstep launch: error: {e}", file=sys.stderr)
         return 2
     if options.nnodes > 1:
+        nodes = f"{options.min_nodes}:{options.nnodes}" if options.min_nodes else f"{options.nnodes}"
         print(
-            f"lockstep launch: node {options.node_rank} of {options.nnodes} ({options.source}), "
+            f"lockstep launch: node {options.node_rank} of {nodes} ({options.source}), "
             f"{options.nproc_per_node} workers here; rendezvous at {options.master_addr}:{options.master_port}",
             file=sys.stderr,
             flush=True,
