@@ -35,8 +35,9 @@ import os
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -49,7 +50,7 @@ GATHER_TIMEOUT_S = 120.0
 # events: rank 0 writes what it has after this long rather than hold the failure's exit back.
 FAILURE_GATHER_TIMEOUT_S = 10.0
 # Recorders whose window is not written yet, by creation order (every rank closes them in the same order).
-_OPEN: "weakref.WeakValueDictionary[int, TraceRecorder]" = weakref.WeakValueDictionary()
+_OPEN: weakref.WeakValueDictionary[int, TraceRecorder] = weakref.WeakValueDictionary()
 _hooks_installed = False
 
 

@@ -26,9 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-from lockstep.perf.spawn import DEFAULT_OUT, OUT_HELP, report_to_parent, results_dir, spawn_and_collect
 from lockstep.perf.costmodel import LINKS
 from lockstep.perf.plan import PlanConfig, make_plan
+from lockstep.perf.spawn import DEFAULT_OUT, OUT_HELP, report_to_parent, results_dir, spawn_and_collect
 
 MODES = ("strong", "weak")
 

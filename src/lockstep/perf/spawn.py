@@ -6,8 +6,9 @@ import argparse
 import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 DEFAULT_OUT = "benchmarks/results"
 OUT_HELP = (f"directory for the JSON, markdown and PNG (default: {DEFAULT_OUT} under the current directory; "
