@@ -93,9 +93,9 @@ def summarise(per_rank: list[dict], world_size: int, link_name: str) -> dict:
         ranks.append(row)
         for e in r["events"]:
             if e["cat"] == "comm":
-                b = buckets.setdefault(e["args"]["bucket"], {"bucket": e["args"]["bucket"],
-                                                             "nbytes": e["args"]["nbytes"], "times": []})
-                b["times"].append(e["end"] - e["start"])
+                entry = buckets.setdefault(e["args"]["bucket"], {"bucket": e["args"]["bucket"],
+                                                                 "nbytes": e["args"]["nbytes"], "times": []})
+                entry["times"].append(e["end"] - e["start"])
     bucket_rows = []
     for b in sorted(buckets):
         info = buckets[b]
