@@ -22,7 +22,8 @@ SUBCOMMANDS = {
     "demo": ("lockstep.train.demo", "cli_main", "train a small CNN on digits with DDP on 2 CPU processes"),
     "bench": ("lockstep.perf.bench", "cli_main", "benchmarks: `lockstep bench allreduce`, `lockstep bench scaling`"),
     "plan": ("lockstep.perf.plan", "cli_main", "memory and communication cost model"),
-    "env": ("lockstep.diagnostics.environment", "cli_main", "versions, backends, GPUs, network and env vars for a bug report"),
+    "env": ("lockstep.diagnostics.environment", "cli_main",
+            "versions, backends, GPUs, network and env vars for a bug report"),
 }
 
 

@@ -28,7 +28,7 @@ either, the yielded count is used, which is exact only for ``num_workers=0``.
 
 from __future__ import annotations
 
-from typing import Iterator, Sized
+from collections.abc import Iterator, Sized
 
 import torch
 import torch.distributed as dist

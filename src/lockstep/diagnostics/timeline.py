@@ -16,7 +16,8 @@ from pathlib import Path
 
 from lockstep.perf.costmodel import LINKS, allreduce_time_s, bus_bandwidth_gb_s
 
-_COLOURS = {"forward": "#4e79a7", "backward": "#59a14f", "wait": "#e15759", "host": "#bab0ac", "comm": ("#f28e2b", "#b07aa1")}
+_COLOURS = {"forward": "#4e79a7", "backward": "#59a14f", "wait": "#e15759", "host": "#bab0ac",
+            "comm": ("#f28e2b", "#b07aa1")}
 
 
 def chrome_trace(per_rank: list[dict]) -> dict:
@@ -55,6 +56,11 @@ def _union_s(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def _duration_s(events: list[dict], cat: str, name: str | None = None) -> float:
+    """Summed seconds of the events of category ``cat`` (and ``name``, if given)."""
+    return sum(e["end"] - e["start"] for e in events if e["cat"] == cat and (name is None or e["name"] == name))
+
+
 def step_breakdown(events: list[dict]) -> dict[int, dict]:
     """Per step: step, compute, forward, backward, communication, exposed, host times in seconds."""
     steps = sorted({e["step"] for e in events})
@@ -63,12 +69,11 @@ def step_breakdown(events: list[dict]) -> dict[int, dict]:
     for i, s in enumerate(steps):
         mine = [e for e in events if e["step"] == s]
         end = starts[steps[i + 1]] if i + 1 < len(steps) else max(e["end"] for e in mine)
-        dur = lambda cat, name=None: sum(e["end"] - e["start"] for e in mine if e["cat"] == cat and (name is None or e["name"] == name))
         comm = _union_s([(e["start"], e["end"]) for e in mine if e["cat"] == "comm"])
-        exposed = dur("wait", "end-of-backward wait")
-        fwd, bwd = dur("compute", "forward"), dur("compute", "backward")
+        exposed = _duration_s(mine, "wait", "end-of-backward wait")
+        fwd, bwd = _duration_s(mine, "compute", "forward"), _duration_s(mine, "compute", "backward")
         out[s] = {"step_s": end - starts[s], "forward_s": fwd, "backward_s": bwd, "compute_s": fwd + bwd,
-                  "comm_s": comm, "exposed_comm_s": exposed, "host_s": dur("host"),
+                  "comm_s": comm, "exposed_comm_s": exposed, "host_s": _duration_s(mine, "host"),
                   "overlap_share": (1.0 - exposed / comm) if comm > 0 else None}
     return out
 
@@ -76,7 +81,8 @@ def step_breakdown(events: list[dict]) -> dict[int, dict]:
 def summarise(per_rank: list[dict], world_size: int, link_name: str) -> dict:
     """Medians over the window, per rank and overall, and per bucket measured vs predicted all-reduce time."""
     link = LINKS[link_name]
-    ranks, buckets = [], {}
+    ranks: list[dict] = []
+    buckets: dict[int, dict] = {}  # bucket index -> its size and measured all-reduce times
     keys = ("step_s", "forward_s", "backward_s", "compute_s", "comm_s", "exposed_comm_s", "host_s")
     for r in per_rank:
         steps = step_breakdown(r["events"])
@@ -87,8 +93,9 @@ def summarise(per_rank: list[dict], world_size: int, link_name: str) -> dict:
         ranks.append(row)
         for e in r["events"]:
             if e["cat"] == "comm":
-                b = buckets.setdefault(e["args"]["bucket"], {"bucket": e["args"]["bucket"], "nbytes": e["args"]["nbytes"], "times": []})
-                b["times"].append(e["end"] - e["start"])
+                entry = buckets.setdefault(e["args"]["bucket"], {"bucket": e["args"]["bucket"],
+                                                                 "nbytes": e["args"]["nbytes"], "times": []})
+                entry["times"].append(e["end"] - e["start"])
     bucket_rows = []
     for b in sorted(buckets):
         info = buckets[b]
@@ -96,20 +103,27 @@ def summarise(per_rank: list[dict], world_size: int, link_name: str) -> dict:
         predicted = allreduce_time_s(info["nbytes"], world_size, link, "ring")
         bucket_rows.append({"bucket": b, "nbytes": info["nbytes"], "allreduce_s": t, "samples": len(info["times"]),
                             "algbw_gb_s": info["nbytes"] / t / 1e9 if t > 0 else None,
-                            "busbw_gb_s": bus_bandwidth_gb_s(info["nbytes"], world_size, t) if t > 0 and world_size > 1 else None,
+                            "busbw_gb_s": (bus_bandwidth_gb_s(info["nbytes"], world_size, t)
+                                           if t > 0 and world_size > 1 else None),
                             "predicted_s": predicted})
     overall = {k: statistics.mean(r[k] for r in ranks) for k in keys}
     overall["overlap_share"] = (1.0 - overall["exposed_comm_s"] / overall["comm_s"]) if overall["comm_s"] > 0 else None
-    return {"world_size": world_size, "link": {"name": link.name, "alpha_s": link.alpha_s, "bandwidth_gb_s": link.bandwidth_gb_s},
+    return {"world_size": world_size,
+            "link": {"name": link.name, "alpha_s": link.alpha_s, "bandwidth_gb_s": link.bandwidth_gb_s},
             "overall": overall, "ranks": ranks, "buckets": bucket_rows}
 
 
 def format_summary(summary: dict) -> str:
-    ms = lambda v: f"{v * 1e3:9.2f}"
-    pct = lambda v: "      n/a" if v is None else f"{v:9.0%}"
+    def ms(v: float) -> str:
+        return f"{v * 1e3:9.2f}"
+
+    def pct(v: float | None) -> str:
+        return "      n/a" if v is None else f"{v:9.0%}"
+
     lines = ["rank   step ms compute ms   comm ms exposed ms  overlap  host ms (optimizer, data)"]
     for r in summary["ranks"] + [dict(summary["overall"], rank="all")]:
-        lines.append(f"{r['rank']!s:>4} {ms(r['step_s'])} {ms(r['compute_s'])}  {ms(r['comm_s'])}  {ms(r['exposed_comm_s'])}"
+        lines.append(f"{r['rank']!s:>4} {ms(r['step_s'])} {ms(r['compute_s'])}  {ms(r['comm_s'])}  "
+                     f"{ms(r['exposed_comm_s'])}"
                      f" {pct(r['overlap_share'])} {ms(r['host_s'])}")
     link = summary["link"]
     lines += ["", f"bucket      bytes  all-reduce ms   algbw GB/s  predicted ms ({link['name']} ring: alpha "
@@ -167,7 +181,8 @@ def write_outputs(per_rank: list[dict], trace_dir: Path, world_size: int, link_n
     ``window``: the steps asked for and recorded, what closed it, and any ranks missing (kept in the summary).
     """
     trace_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"trace": trace_dir / "trace.json", "summary": trace_dir / "summary.json", "png": trace_dir / "timeline.png"}
+    paths = {"trace": trace_dir / "trace.json", "summary": trace_dir / "summary.json",
+             "png": trace_dir / "timeline.png"}
     paths["trace"].write_text(json.dumps(chrome_trace(per_rank)))
     summary = summarise(per_rank, world_size, link_name)
     if window is not None:

@@ -35,8 +35,9 @@ import os
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -49,7 +50,7 @@ GATHER_TIMEOUT_S = 120.0
 # events: rank 0 writes what it has after this long rather than hold the failure's exit back.
 FAILURE_GATHER_TIMEOUT_S = 10.0
 # Recorders whose window is not written yet, by creation order (every rank closes them in the same order).
-_OPEN: "weakref.WeakValueDictionary[int, TraceRecorder]" = weakref.WeakValueDictionary()
+_OPEN: weakref.WeakValueDictionary[int, TraceRecorder] = weakref.WeakValueDictionary()
 _hooks_installed = False
 
 
@@ -76,8 +77,9 @@ class TraceRecorder(ProfilerRanges):
         link: the cost-model link the summary prices the all-reduces with (default: loopback on CPU, nvlink on CUDA).
     """
 
-    def __init__(self, reducer: Any, group: dist.ProcessGroup, trace_dir: str | os.PathLike, steps: tuple[int, int] = (5, 10),
-                 on_finish: Callable[[], None] | None = None, link: str | None = None, quiet: bool = False):
+    def __init__(self, reducer: Any, group: dist.ProcessGroup, trace_dir: str | os.PathLike,
+                 steps: tuple[int, int] = (5, 10), on_finish: Callable[[], None] | None = None,
+                 link: str | None = None, quiet: bool = False):
         first, last = steps
         if not (isinstance(first, int) and isinstance(last, int) and 1 <= first <= last):
             raise ValueError(f"trace steps must be integers with 1 <= first <= last, got {steps!r}")
@@ -124,7 +126,8 @@ class TraceRecorder(ProfilerRanges):
             return
         after = self._t.pop("backward_end", None)
         if after is not None and not self._marks_since_backward and self.first <= step - 1 <= self.last:
-            self.events.append({"name": "optimizer + data", "cat": "host", "step": step - 1, "start": after, "end": now, "args": {}})
+            self.events.append({"name": "optimizer + data", "cat": "host", "step": step - 1, "start": after, "end": now,
+                                "args": {}})
         if step > self.last:
             self.recording = False
             self.write()
@@ -157,7 +160,10 @@ class TraceRecorder(ProfilerRanges):
             # The bytes on the wire: a compress hook the reducer runs itself (``ddp.fused_compress``) sends
             # half; a called hook's are its own business, counted at the bucket's size.
             fused = self.reducer._fused_now()
-            itemsize = fused.dtype.itemsize if fused is not None else self.reducer.buckets[bucket_index].flat.element_size()
+            if fused is not None:
+                itemsize = fused.dtype.itemsize
+            else:
+                itemsize = self.reducer.buckets[bucket_index].flat.element_size()
             nbytes = numel * itemsize
             self._inflight[bucket_index] = [now, numel, nbytes, None, seq]
             self.range_start(f"bucket{bucket_index}", f"lockstep/bucket{bucket_index} launch ({nbytes} bytes)")
@@ -202,7 +208,8 @@ class TraceRecorder(ProfilerRanges):
         self._marks_since_backward = False
 
     def _finish_bucket(self, b: int, now: float) -> None:
-        """After its wait returned: the callback's stamp (``now`` if it has not run yet: then the wait just ended it)."""
+        """After its wait returned: the callback's stamp (``now`` if it has not run yet: then the wait just ended
+        it)."""
         entry = self._inflight.pop(b, None)
         if entry is not None:
             launch, numel, nbytes, done, seq = entry
@@ -228,7 +235,8 @@ class TraceRecorder(ProfilerRanges):
         self.close_ranges()
         steps_run = self.reducer.num_syncs
         mine = {"rank": self.global_rank, "group_rank": self.rank, "offset_s": self.offset_s, "rtt_s": self.rtt_s,
-                "events": [dict(e, start=e["start"] + self.offset_s, end=e["end"] + self.offset_s) for e in self.events]}
+                "events": [dict(e, start=e["start"] + self.offset_s, end=e["end"] + self.offset_s)
+                           for e in self.events]}
         try:
             if self.rank != 0:
                 self.store.set(f"{self.prefix}/events/{self.rank}", json.dumps(mine))
@@ -246,7 +254,8 @@ class TraceRecorder(ProfilerRanges):
                 recorded = sorted({e["step"] for e in self.events})
                 window = {"requested": [self.first, self.last], "recorded": [recorded[0], recorded[-1]],
                           "missing_ranks": missing,
-                          "closed_by": closed_by or ("the first forward after it" if recorded[-1] >= self.last else "write()")}
+                          "closed_by": closed_by or ("the first forward after it" if recorded[-1] >= self.last
+                                                     else "write()")}
                 from lockstep.diagnostics.timeline import write_outputs
 
                 self.paths, self.summary = write_outputs(per_rank, self.trace_dir, self.world_size, self._link_name(),
@@ -271,15 +280,17 @@ class TraceRecorder(ProfilerRanges):
                 self.store.wait(list(keys.values()), _timedelta(timeout_s))
             except Exception:  # DistStoreError on timeout: write the ranks that did hand theirs in
                 pass
-        per_rank, missing = [mine], []
+        per_rank: list[dict] = [mine]
+        missing: list[int] = []
         for r, key in keys.items():
             try:
-                per_rank.append(json.loads(self.store.get(key)) if self.store.check([key]) else None)
+                got = json.loads(self.store.get(key)) if self.store.check([key]) else None
             except Exception:
-                per_rank.append(None)
-            if per_rank[-1] is None:
-                per_rank.pop()
+                got = None
+            if got is None:
                 missing.append(r)
+            else:
+                per_rank.append(got)
         return per_rank, missing
 
     def _link_name(self) -> str:

@@ -106,7 +106,8 @@ def _timed(all_reduce, buf, algo, dist) -> tuple[float, float]:
     return t0, time.perf_counter()
 
 
-def run(sizes, algorithms=ALGORITHMS, world_size=2, iters=20, min_iters=3, budget_s=6.0, dtype="float32", timeout_s=600.0):
+def run(sizes, algorithms=ALGORITHMS, world_size=2, iters=20, min_iters=3, budget_s=6.0, dtype="float32",
+        timeout_s=600.0):
     """Spawn ``world_size`` gloo ranks on this host and return the timing rows."""
     from lockstep.process_group import free_port
 
@@ -123,12 +124,13 @@ def run(sizes, algorithms=ALGORITHMS, world_size=2, iters=20, min_iters=3, budge
 def summarise(rows, world_size: int) -> dict:
     """Alpha-beta fit per algorithm and the ring / native bus bandwidth ratio at >= 4 MiB."""
     algos = sorted({r["algorithm"] for r in rows}, key=list(ALGORITHMS).index)
-    fits = {"median": {}, "min": {}}
+    fits: dict[str, dict[str, dict[str, float | str]]] = {"median": {}, "min": {}}  # stat -> algorithm -> fit
     for stat, by in fits.items():
         for algo in algos:
             mine = [r for r in rows if r["algorithm"] == algo]
             try:
-                link = fit_link([r["nbytes"] for r in mine], [r[f"{stat}_s"] for r in mine], world_size, algo, name=algo)
+                link = fit_link([r["nbytes"] for r in mine], [r[f"{stat}_s"] for r in mine], world_size, algo,
+                                name=algo)
                 by[algo] = {"alpha_us": link.alpha_s * 1e6, "bandwidth_gb_s": link.bandwidth_gb_s}
             except ValueError as e:
                 by[algo] = {"error": str(e)}
@@ -143,7 +145,8 @@ def summarise(rows, world_size: int) -> dict:
 
 
 def format_report(rows, summary, world_size: int) -> str:
-    lines = [f"all-reduce on {world_size} gloo ranks (127.0.0.1), median over iterations of last finish - last start", "",
+    lines = [f"all-reduce on {world_size} gloo ranks (127.0.0.1), "
+             "median over iterations of last finish - last start", "",
              "| size | algorithm | iters | median ms | algbw GB/s | busbw GB/s |", "|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {human(r['nbytes'])} | {r['algorithm']} | {r['iters']} | {r['median_s'] * 1e3:.3f} "
@@ -157,7 +160,8 @@ def format_report(rows, summary, world_size: int) -> str:
                          f"alpha = {fit['alpha_us']:.1f} us, B = 1/beta = {fit['bandwidth_gb_s']:.3f} GB/s"))
     if summary["ring_over_native_busbw"]:
         per = ", ".join(f"{human(n)}: {v:.2f}" for n, v in summary["ring_over_native_busbw"].items())
-        lines += ["", f"ring / native bus bandwidth at >= 4 MiB: {per}; median {summary['ring_over_native_median']:.2f} (target >= 0.8)"]
+        lines += ["", f"ring / native bus bandwidth at >= 4 MiB: {per}; "
+                      f"median {summary['ring_over_native_median']:.2f} (target >= 0.8)"]
     return "\n".join(lines)
 
 
@@ -196,7 +200,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--max-size", type=parse_size, default=256 << 20, help="largest buffer (default 256MiB)")
     p.add_argument("--factor", type=int, default=4, help="size step factor (default 4)")
     p.add_argument("--iters", type=int, default=20, help="most timed iterations per size (default 20)")
-    p.add_argument("--budget-s", type=float, default=6.0, help="time budget per size; fewer iters for big sizes (min 3)")
+    p.add_argument("--budget-s", type=float, default=6.0,
+                   help="time budget per size; fewer iters for big sizes (min 3)")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated subset of native,ring,tree")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     p.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP)
@@ -205,7 +210,8 @@ def cli_main(argv: list[str]) -> int:
     bad = [a for a in algorithms if a not in ALGORITHMS]
     if bad or not algorithms:
         p.error(f"argument --algorithms: {bad or algorithms} not in {list(ALGORITHMS)}")
-    for flag, ok, need in (("--nproc", 2 <= args.nproc <= 64, "between 2 and 64"), ("--factor", args.factor >= 2, ">= 2"),
+    for flag, ok, need in (("--nproc", 2 <= args.nproc <= 64, "between 2 and 64"),
+                           ("--factor", args.factor >= 2, ">= 2"),
                            ("--iters", args.iters >= 1, ">= 1"), ("--min-size", args.min_size >= 1, ">= 1 byte"),
                            ("--max-size", args.max_size >= args.min_size, ">= --min-size"),
                            ("--budget-s", args.budget_s > 0, "> 0")):
@@ -230,7 +236,8 @@ def cli_main(argv: list[str]) -> int:
                 "load_average_1_5_15": os.getloadavg()}
         stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=1))
         stem.with_suffix(".md").write_text(f"# all-reduce benchmark\n\n`lockstep bench {' '.join(argv)}`\n\n"
-                                         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the end\n\n{report}\n")
+                                         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} "
+                                         f"at the end\n\n{report}\n")
         plot(rows, stem.with_suffix(".png"), args.nproc)
         print(f"\nwrote {stem}.json, .md, .png")
     return 0

@@ -55,8 +55,10 @@ LOOPBACK_ALPHA_S = 230e-6
 LOOPBACK_BANDWIDTH_GB_S = 0.97
 
 LINKS = {
-    "nvlink": Link("nvlink", 3e-6, 300.0, "NVLink 3 (A100 SXM): 600 GB/s bidirectional per GPU, datasheet; latency: NCCL's few-microsecond step"),
-    "ib-hdr": Link("ib-hdr", 5e-6, 25.0, "InfiniBand HDR: 200 Gb/s per port per direction; ~1-2 us verbs latency plus NCCL's step"),
+    "nvlink": Link("nvlink", 3e-6, 300.0, "NVLink 3 (A100 SXM): 600 GB/s bidirectional per GPU, datasheet; "
+                                          "latency: NCCL's few-microsecond step"),
+    "ib-hdr": Link("ib-hdr", 5e-6, 25.0, "InfiniBand HDR: 200 Gb/s per port per direction; "
+                                        "~1-2 us verbs latency plus NCCL's step"),
     "100gbe": Link("100gbe", 25e-6, 12.5, "100 Gb Ethernet, nominal; TCP latency"),
     "10gbe": Link("10gbe", 50e-6, 1.25, "10 Gb Ethernet, nominal; TCP latency"),
     "loopback": Link(
@@ -105,7 +107,8 @@ def allreduce_time_s(nbytes: float, world_size: int, link: Link, algorithm: str 
     """Predicted seconds for one all-reduce of ``nbytes`` over ``world_size`` ranks."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
-    return latency_steps(world_size, algorithm) * link.alpha_s + bytes_factor(world_size, algorithm) * nbytes * link.beta_s_per_byte
+    return (latency_steps(world_size, algorithm) * link.alpha_s
+            + bytes_factor(world_size, algorithm) * nbytes * link.beta_s_per_byte)
 
 
 def bus_bandwidth_gb_s(nbytes: float, world_size: int, time_s: float) -> float:

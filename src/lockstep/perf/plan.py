@@ -23,6 +23,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from lockstep.perf.costmodel import LINKS, Link, allreduce_time_s
 
@@ -99,9 +100,26 @@ class PlanConfig:
         if self.compute_ms is not None and not (self.compute_ms > 0 and math.isfinite(self.compute_ms)):
             raise PlanConfigError("compute_ms", f"must be a finite number > 0 (or None), got {self.compute_ms!r}")
         if self.activation_gb is not None and not (self.activation_gb >= 0 and math.isfinite(self.activation_gb)):
-            raise PlanConfigError("activation_gb", f"must be a finite number >= 0 (or None), got {self.activation_gb!r}")
+            raise PlanConfigError("activation_gb",
+                                  f"must be a finite number >= 0 (or None), got {self.activation_gb!r}")
         if not (self.bucket_cap_mb > 0 and math.isfinite(self.bucket_cap_mb)):
             raise PlanConfigError("bucket_cap_mb", f"must be a finite number > 0, got {self.bucket_cap_mb!r}")
+
+    # Typed views of the two fields __post_init__ resolves (a model counted, a preset name looked up): the cost
+    # functions read these, so a config mutated afterwards into an unresolved state fails with its field's name.
+    @property
+    def param_count(self) -> float:
+        """``params`` after validation (a ``model`` counted)."""
+        if self.params is None:
+            raise PlanConfigError("params", "is not resolved: set it (or model) and build a new PlanConfig")
+        return self.params
+
+    @property
+    def resolved_link(self) -> Link:
+        """``link`` after validation (a preset name looked up)."""
+        if not isinstance(self.link, Link):
+            raise PlanConfigError("link", f"is not resolved: got {self.link!r}; build a new PlanConfig")
+        return self.link
 
 
 def count_parameters(spec: str) -> int:
@@ -117,6 +135,17 @@ def count_parameters(spec: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+class StepTimes(TypedDict):
+    """Predicted step time at the config's world size, milliseconds; ``efficiency`` is compute / overlapped step."""
+
+    compute: float
+    no_overlap: float
+    overlap: float
+    efficiency: float
+    algorithm: str
+    """The faster all-reduce algorithm at this world size ("ring" or "tree"), used for the times above."""
+
+
 @dataclass
 class Plan:
     """The answer: every number ``lockstep plan`` prints."""
@@ -126,7 +155,7 @@ class Plan:
     fits: bool
     sharded_memory_gb: dict[str, float]
     comm_ms: dict[str, float]
-    step_ms: dict[str, float] | None
+    step_ms: StepTimes | None
     scaling: list[dict] = field(default_factory=list)
     recommendation: str = ""
     activations_counted: bool = True
@@ -135,7 +164,7 @@ class Plan:
 
 def memory_by_component_gb(config: PlanConfig) -> dict[str, float]:
     weight, grad, master, state = PRECISIONS[config.precision]
-    p = config.params
+    p = config.param_count
     parts = {
         "weights": p * weight / GB,
         "gradients": p * grad / GB,
@@ -149,11 +178,12 @@ def memory_by_component_gb(config: PlanConfig) -> dict[str, float]:
 
 def comm_time_s(config: PlanConfig, world_size: int, algorithm: str) -> float:
     """All-reduce time of one step's gradients, bucket by bucket (each bucket pays its latency)."""
-    grad_nbytes = config.params * PRECISIONS[config.precision][1]
+    grad_nbytes = config.param_count * PRECISIONS[config.precision][1]
     bucket_nbytes = config.bucket_cap_mb * (1 << 20)
     full, rest = divmod(grad_nbytes, bucket_nbytes)
-    t = full * allreduce_time_s(bucket_nbytes, world_size, config.link, algorithm)
-    return t + (allreduce_time_s(rest, world_size, config.link, algorithm) if rest else 0.0)
+    link = config.resolved_link
+    t = full * allreduce_time_s(bucket_nbytes, world_size, link, algorithm)
+    return t + (allreduce_time_s(rest, world_size, link, algorithm) if rest else 0.0)
 
 
 def step_time_s(config: PlanConfig, comm_s: float) -> tuple[float, float]:
@@ -163,9 +193,12 @@ def step_time_s(config: PlanConfig, comm_s: float) -> tuple[float, float]:
     reduced one at a time: the last finishes at max(backward + one bucket,
     backward / buckets + all of them) after the backward starts.
     """
+    if config.compute_ms is None:
+        raise PlanConfigError("compute_ms", "is None: a step time needs the compute time of one step")
     compute = config.compute_ms / 1e3
     backward = compute * BACKWARD_SHARE
-    buckets = max(1, math.ceil(config.params * PRECISIONS[config.precision][1] / (config.bucket_cap_mb * (1 << 20))))
+    grad_nbytes = config.param_count * PRECISIONS[config.precision][1]
+    buckets = max(1, math.ceil(grad_nbytes / (config.bucket_cap_mb * (1 << 20))))
     overlapped = (compute - backward) + max(backward + comm_s / buckets, backward / buckets + comm_s)
     return compute + comm_s, overlapped
 
@@ -182,8 +215,9 @@ def make_plan(config: PlanConfig) -> Plan:
         "zero3_fsdp": (memory["weights"] + memory["gradients"] + states) / n + act,
     }
     comm = {a: comm_time_s(config, n, a) * 1e3 for a in ("ring", "tree")}
-    best = min(comm, key=comm.get)
-    step_ms, scaling = None, []
+    best = min(comm, key=comm.__getitem__)
+    step_ms: StepTimes | None = None
+    scaling = []
     for size in SCALING_WORLD_SIZES:
         row = {"world_size": size, "ring_ms": comm_time_s(config, size, "ring") * 1e3,
                "tree_ms": comm_time_s(config, size, "tree") * 1e3}
@@ -194,9 +228,10 @@ def make_plan(config: PlanConfig) -> Plan:
         scaling.append(row)
     if config.compute_ms is not None:
         plain, overlapped = step_time_s(config, comm[best] / 1e3)
-        step_ms = {"compute": config.compute_ms, "no_overlap": plain * 1e3, "overlap": overlapped * 1e3,
-                   "efficiency": config.compute_ms / (overlapped * 1e3), "algorithm": best}
-    plan = Plan(config, memory, fits, sharded, comm, step_ms, scaling, activations_counted=config.activation_gb is not None)
+        step_ms = StepTimes(compute=config.compute_ms, no_overlap=plain * 1e3, overlap=overlapped * 1e3,
+                            efficiency=config.compute_ms / (overlapped * 1e3), algorithm=best)
+    plan = Plan(config, memory, fits, sharded, comm, step_ms, scaling,
+                activations_counted=config.activation_gb is not None)
     plan.recommendation = recommend(plan)
     return plan
 
@@ -210,7 +245,8 @@ HOW = {
              "optimizer_class=torch.optim.AdamW, lr=...) with model = lockstep.DistributedDataParallel(...)",
     "zero2": "lockstep's DDP does not shard gradients: torch's FSDP, torch.distributed.fsdp.fully_shard(model, "
              "reshard_after_forward=False), in place of lockstep.DistributedDataParallel",
-    "zero3_fsdp": "torch's FSDP, torch.distributed.fsdp.fully_shard(model), in place of lockstep.DistributedDataParallel",
+    "zero3_fsdp": "torch's FSDP, torch.distributed.fsdp.fully_shard(model), "
+                  "in place of lockstep.DistributedDataParallel",
 }
 STAGE_NAMES = {"zero1": "ZeRO-1 (shard optimizer state)", "zero2": "ZeRO-2 (shard gradients and optimizer state)",
                "zero3_fsdp": "ZeRO-3 / FSDP (shard everything)"}
@@ -247,22 +283,23 @@ def recommend(plan: Plan) -> str:
     eff = plan.step_ms["efficiency"]
     if eff >= 0.8:
         return f"{fits}: plain DDP, predicted efficiency {eff:.0%}."
-    exposed = plan.step_ms["overlap"] - c.compute_ms  # communication the backward could not hide
+    compute_ms = plan.step_ms["compute"]  # the config's compute_ms
+    exposed = plan.step_ms["overlap"] - compute_ms  # communication the backward could not hide
     for k in range(2, 257):  # k micro-steps per all-reduce (no_sync on the first k-1)
-        if k * c.compute_ms / (k * c.compute_ms + exposed) >= 0.9:
+        if k * compute_ms / (k * compute_ms + exposed) >= 0.9:
             return (f"{fits}, but communication-bound (efficiency {eff:.0%}): accumulate gradients over {k} "
                     f"micro-steps (DDP no_sync) for >= 90%, or use a faster link / compressed gradients.")
     return f"{fits}, but communication dominates (efficiency {eff:.0%}): use a faster link or fewer replicas."
 
 
 def format_plan(plan: Plan) -> str:
-    c = plan.config
+    c, link = plan.config, plan.config.resolved_link
     out = [f"{c.params:.3g} parameters, {c.precision} precision, {c.optimizer}, N={c.world_size}, "
-           f"{c.device_memory_gb:g} GB per device, link {c.link.name} "
-           f"(alpha {c.link.alpha_s * 1e6:g} us, {c.link.bandwidth_gb_s:g} GB/s)", "", "memory per replica (GB):"]
+           f"{c.device_memory_gb:g} GB per device, link {link.name} "
+           f"(alpha {link.alpha_s * 1e6:g} us, {link.bandwidth_gb_s:g} GB/s)", "", "memory per replica (GB):"]
     unknown = c.activation_gb is None
     for k, v in plan.memory_gb.items():
-        per_param = "" if k == "activations" else f"   {v * GB / c.params:5.1f} B/param"
+        per_param = "" if k == "activations" else f"   {v * GB / c.param_count:5.1f} B/param"
         out.append(f"  {k:<16}{v:10.2f}{per_param}")
     verdict = "yes" if plan.fits else "NO"
     if unknown and plan.fits:  # never a bare "yes": activations often outweigh the rest (batch x sequence x layers)
@@ -320,13 +357,15 @@ def cli_main(argv: list[str]) -> int:
     if args.bandwidth_gb_s is not None and not (args.bandwidth_gb_s > 0 and math.isfinite(args.bandwidth_gb_s)):
         p.error(f"argument --bandwidth-gb-s: must be a finite number > 0, got {args.bandwidth_gb_s:g}")
     if args.alpha_us is not None or args.bandwidth_gb_s is not None:
+        alpha_s = link.alpha_s if args.alpha_us is None else args.alpha_us * 1e-6
+        bandwidth_gb_s = link.bandwidth_gb_s if args.bandwidth_gb_s is None else args.bandwidth_gb_s
         link = dataclasses.replace(link, name=f"{link.name} (overridden)", source="command line",
-                                   alpha_s=link.alpha_s if args.alpha_us is None else args.alpha_us * 1e-6,
-                                   bandwidth_gb_s=link.bandwidth_gb_s if args.bandwidth_gb_s is None else args.bandwidth_gb_s)
+                                   alpha_s=alpha_s, bandwidth_gb_s=bandwidth_gb_s)
     try:
         config = PlanConfig(params=args.params, model=args.model, precision=args.precision, optimizer=args.optimizer,
                             world_size=args.world_size, device_memory_gb=args.device_memory_gb, link=link,
-                            compute_ms=args.compute_ms, activation_gb=args.activation_gb, bucket_cap_mb=args.bucket_cap_mb)
+                            compute_ms=args.compute_ms, activation_gb=args.activation_gb,
+                            bucket_cap_mb=args.bucket_cap_mb)
     except PlanConfigError as e:
         p.error(f"argument {FLAGS.get(e.field, e.field)}: {e.problem}")
     except Exception as e:  # the --model factory itself failed: its error, on one line, naming the flag

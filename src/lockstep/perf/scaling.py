@@ -26,9 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-from lockstep.perf.spawn import DEFAULT_OUT, OUT_HELP, report_to_parent, results_dir, spawn_and_collect
 from lockstep.perf.costmodel import LINKS
 from lockstep.perf.plan import PlanConfig, make_plan
+from lockstep.perf.spawn import DEFAULT_OUT, OUT_HELP, report_to_parent, results_dir, spawn_and_collect
 
 MODES = ("strong", "weak")
 
@@ -42,11 +42,13 @@ def build_model(spec: str):
         model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
         return model, lambda n, g: (torch.randn(n, 512, generator=g), torch.randint(0, 10, (n,), generator=g))
     if spec == "cnn":  # 32x32 RGB images, 0.5M parameters
-        model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 3, padding=1),
-                              nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64 * 8 * 8, 128), nn.ReLU(), nn.Linear(128, 10))
+        model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Flatten(), nn.Linear(64 * 8 * 8, 128), nn.ReLU(), nn.Linear(128, 10))
         return model, lambda n, g: (torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
     if spec == "transformer":  # embedding + 4 encoder layers + head: 52 tensors, 2.2M parameters
-        return _Transformer(), lambda n, g: (torch.randint(0, 1000, (n, 32), generator=g), torch.randint(0, 10, (n,), generator=g))
+        return _Transformer(), lambda n, g: (torch.randint(0, 1000, (n, 32), generator=g),
+                                             torch.randint(0, 10, (n,), generator=g))
     if spec.count(":") != 1:
         raise ValueError(f"--model must be mlp, cnn, transformer or module:factory, got {spec!r}")
     module_name, factory_name = spec.split(":")
@@ -66,7 +68,8 @@ def _inferred_batch(model, spec: str):
                          "(model, make_batch) from the factory: its inputs cannot be read off its first layer")
     first, classes = layers[0], layers[-1].out_features
     if isinstance(first, nn.Embedding):
-        return lambda n, g: (torch.randint(0, first.num_embeddings, (n, 16), generator=g), torch.randint(0, classes, (n,), generator=g))
+        return lambda n, g: (torch.randint(0, first.num_embeddings, (n, 16), generator=g),
+                             torch.randint(0, classes, (n,), generator=g))
     return lambda n, g: (torch.randn(n, first.in_features, generator=g), torch.randint(0, classes, (n,), generator=g))
 
 
@@ -130,10 +133,12 @@ def _worker(rank: int, world_size: int, port: int, cfg: dict, queue) -> None:
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)
             # Each rank's wait and its own busy time (its waits lie inside its own steps, so the share stays <= 1;
             # a median paced step beside a mean wait did not: 1.2 once, when one of 3 steps waited long).
-            waits = torch.tensor([ddp.reducer.comm_wait_s - wait0, sum(e - s for s, e in timed)], dtype=torch.float64, device=device)
+            waits = torch.tensor([ddp.reducer.comm_wait_s - wait0, sum(e - s for s, e in timed)],
+                                 dtype=torch.float64, device=device)
             dist.all_reduce(waits)
             step_times = (stats[1] - stats[0]).tolist()
-            rows.append({"mode": mode, "world_size": world_size, "batch_per_rank": batch, "global_batch": batch * world_size,
+            rows.append({"mode": mode, "world_size": world_size, "batch_per_rank": batch,
+                         "global_batch": batch * world_size,
                          "step_s": statistics.median(step_times), "step_s_all": step_times,
                          "comm_wait_s_per_step": waits[0].item() / world_size / len(timed),
                          "rank_step_s_mean": waits[1].item() / world_size / len(timed),
@@ -176,9 +181,11 @@ def add_efficiency_and_prediction(rows: list[dict], link_name: str) -> None:
                 continue
             t1 = base["step_s"]
             r["efficiency"] = t1 / (n * r["step_s"]) if mode == "strong" else t1 / r["step_s"]
-            compute_ms = t1 * 1e3 * r["batch_per_rank"] / base["batch_per_rank"]  # compute scales with the per-rank batch
-            plan = make_plan(PlanConfig(params=float(r["params"]), precision="fp32", optimizer="sgd-nomomentum", world_size=n,
-                                        link=link, compute_ms=compute_ms, device_memory_gb=1e6))
+            # compute scales with the per-rank batch
+            compute_ms = t1 * 1e3 * r["batch_per_rank"] / base["batch_per_rank"]
+            plan = make_plan(PlanConfig(params=float(r["params"]), precision="fp32", optimizer="sgd-nomomentum",
+                                        world_size=n, link=link, compute_ms=compute_ms, device_memory_gb=1e6))
+            assert plan.step_ms is not None  # make_plan predicts a step whenever compute_ms is given
             predicted = plan.step_ms["overlap"] / 1e3 if n > 1 else compute_ms / 1e3
             r["predicted_step_s"] = predicted
             r["predicted_efficiency"] = t1 / (n * predicted) if mode == "strong" else t1 / predicted
@@ -188,13 +195,18 @@ def format_table(rows: list[dict], meta: dict) -> str:
     lines = [f"scaling of {meta['model']} ({rows[0]['params'] / 1e6:.2f}M parameters, {rows[0]['tensors']} tensors), "
              f"{meta['backend']}, {meta['threads']} thread(s) per rank, {meta['host_cpus']} CPUs; median of "
              f"{meta['steps']} steps after {meta['warmup']}; prediction: lockstep plan, link {meta['link']}", "",
-             "| mode | N | batch/rank | step ms | samples/s | efficiency | comm share | predicted step ms | predicted efficiency |",
+             "| mode | N | batch/rank | step ms | samples/s | efficiency | comm share "
+             "| predicted step ms | predicted efficiency |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    fmt = lambda v, f: "n/a" if v is None else format(v, f)
+
+    def fmt(v: float | None, spec: str) -> str:
+        return "n/a" if v is None else format(v, spec)
+
     for r in rows:
         lines.append(f"| {r['mode']} | {r['world_size']} | {r['batch_per_rank']} | {r['step_s'] * 1e3:.2f} | "
                      f"{r['samples_per_s']:.0f} | {fmt(r['efficiency'], '.2f')} | {r['comm_share']:.1%} | "
-                     f"{fmt(r['predicted_step_s'] and r['predicted_step_s'] * 1e3, '.2f')} | {fmt(r['predicted_efficiency'], '.2f')} |")
+                     f"{fmt(r['predicted_step_s'] and r['predicted_step_s'] * 1e3, '.2f')} | "
+                     f"{fmt(r['predicted_efficiency'], '.2f')} |")
     shared = sorted({r["measured_as"] for r in rows if "measured_as" in r})
     if shared:
         lines.append(f"\nN=1 is measured once and used for every mode: with one rank, strong and weak scaling are "
@@ -215,9 +227,11 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             continue
         ns = [r["world_size"] for r in mine]
         ax_eff.plot(ns, [r["efficiency"] for r in mine], marker="o", color=colour, label=f"{mode}, measured")
-        ax_eff.plot(ns, [r["predicted_efficiency"] for r in mine], marker="x", linestyle="--", color=colour, label=f"{mode}, plan")
+        ax_eff.plot(ns, [r["predicted_efficiency"] for r in mine], marker="x", linestyle="--", color=colour,
+                    label=f"{mode}, plan")
         ax_step.plot(ns, [r["step_s"] * 1e3 for r in mine], marker="o", color=colour, label=f"{mode}, measured")
-        ax_step.plot(ns, [(r["predicted_step_s"] or 0) * 1e3 for r in mine], marker="x", linestyle="--", color=colour, label=f"{mode}, plan")
+        ax_step.plot(ns, [(r["predicted_step_s"] or 0) * 1e3 for r in mine], marker="x", linestyle="--", color=colour,
+                     label=f"{mode}, plan")
     ax_eff.set_ylim(0, 1.1)
     ax_eff.set_ylabel("scaling efficiency")
     ax_step.set_ylabel("step time (ms)")
@@ -252,14 +266,16 @@ def world_sizes(requested: list[int], threads: int, oversubscribe: bool) -> tupl
 
 def cli_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lockstep bench scaling", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="transformer", help="mlp, cnn, transformer or module:factory (default transformer)")
+    p.add_argument("--model", default="transformer",
+                   help="mlp, cnn, transformer or module:factory (default transformer)")
     p.add_argument("--nproc", default=None, help="world sizes, e.g. 1,2,4 (default: 1,2,4,... up to the cores or GPUs)")
     p.add_argument("--mode", default="both", choices=[*MODES, "both"])
     p.add_argument("--batch", type=int, default=32, help="global batch (strong) and per-rank batch (weak); default 32")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU); default 1")
-    p.add_argument("--link", default=None, choices=sorted(LINKS), help="the plan's link (default loopback on CPU, nvlink on GPU)")
+    p.add_argument("--link", default=None, choices=sorted(LINKS),
+                   help="the plan's link (default loopback on CPU, nvlink on GPU)")
     p.add_argument("--oversubscribe", action="store_true", help="run world sizes beyond the cores / GPUs anyway")
     p.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP)
     p.add_argument("--timeout-s", type=float, default=900.0)
@@ -292,7 +308,8 @@ def cli_main(argv: list[str]) -> int:
     modes = list(MODES) if args.mode == "both" else [args.mode]
     sizes, skipped, cuda, _ = world_sizes(requested, args.threads, args.oversubscribe)
     if "strong" in modes and any(args.batch % n for n in sizes):
-        p.error(f"argument --batch: {args.batch} (the global batch of strong scaling) must divide by every N in {sizes}")
+        p.error(f"argument --batch: {args.batch} (the global batch of strong scaling) "
+                f"must divide by every N in {sizes}")
     for note in skipped:
         print(f"lockstep bench scaling: not running {note}", file=sys.stderr)
     link = args.link or ("nvlink" if cuda else "loopback")
@@ -308,7 +325,8 @@ def cli_main(argv: list[str]) -> int:
         return 1
     rows.sort(key=lambda r: (MODES.index(r["mode"]), r["world_size"]))
     add_efficiency_and_prediction(rows, link)
-    meta = {"model": args.model, "backend": "nccl" if cuda else "gloo", "threads": args.threads, "host_cpus": os.cpu_count(),
+    meta = {"model": args.model, "backend": "nccl" if cuda else "gloo", "threads": args.threads,
+            "host_cpus": os.cpu_count(),
             "steps": args.steps, "warmup": args.warmup, "link": link, "skipped": skipped, "argv": argv,
             "torch": torch.__version__, "load_average_1_5_15": os.getloadavg()}
     table = format_table(rows, meta)
@@ -317,7 +335,8 @@ def cli_main(argv: list[str]) -> int:
         name = args.model.replace(":", "_").replace(".", "_")
         stem = out / f"scaling_{name}_{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d_%H%M%S}"
         stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        stem.with_suffix(".md").write_text(f"# scaling benchmark\n\n`lockstep bench scaling {' '.join(argv)}`\n\n{table}\n")
+        stem.with_suffix(".md").write_text(f"# scaling benchmark\n\n"
+                                           f"`lockstep bench scaling {' '.join(argv)}`\n\n{table}\n")
         plot(rows, stem.with_suffix(".png"), f"{args.model}: scaling efficiency and step time, measured and planned")
         print(f"\nwrote {stem}.json, .md, .png")
     return 0

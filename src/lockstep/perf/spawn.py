@@ -6,8 +6,9 @@ import argparse
 import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 DEFAULT_OUT = "benchmarks/results"
 OUT_HELP = (f"directory for the JSON, markdown and PNG (default: {DEFAULT_OUT} under the current directory; "
@@ -53,7 +54,8 @@ def spawn_and_collect(worker, world_size: int, port: int, cfg: dict, timeout_s: 
             except queue_mod.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"{what} ranks {dead or 'all'} of {world_size} died or timed out after {timeout_s:.0f} s")
+                    raise RuntimeError(f"{what} ranks {dead or 'all'} of {world_size} died or timed out "
+                                       f"after {timeout_s:.0f} s") from None  # the queue's Empty says nothing
     finally:
         for p in procs:
             p.join(timeout=10)
