@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from lockstep.ddp.copy_in import ALIAS, COPY, VIEW
 from lockstep.ddp.reducer_state import Bucket
+from lockstep.ddp.step import ALIAS, COPY, VIEW
 
 
 def copy_back(

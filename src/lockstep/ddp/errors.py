@@ -7,11 +7,16 @@ construction (``module_changes``), which DDP option caused a double arrival and 
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
 from lockstep.collectives.clean import launch_clean
+
+
+def error_for_log(error: BaseException) -> str:
+    """An error as torch's DDP logger records it: "<class 'TypeError'>: message"."""
+    return f"{type(error)}: {error}"
 
 
 def twice_message(name: str, marked_unused: bool) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from lockstep.ddp import diagnose
+from lockstep.ddp.config import DiagnosticsOptions
 
 
 def _default_group() -> dist.ProcessGroup:
@@ -37,4 +38,5 @@ class Pickling:
         self.__dict__.update(state)
         self.process_group = _default_group()
         self.reducer = self._build_reducer()
-        diagnose.setup(self, state.get("check_replicas_every"), state.get("detect_nonfinite", False), None, None)  # no trace
+        options = DiagnosticsOptions(state.get("check_replicas_every"), state.get("detect_nonfinite", False))
+        diagnose.setup(self, options)  # no trace: its files belong to the original

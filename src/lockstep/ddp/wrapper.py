@@ -11,36 +11,59 @@ each forward decides whether the coming backward is synchronised (not under
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
 from torch.distributed.algorithms.join import Join, Joinable
 
 from lockstep.comm_hooks.base import contract_error
-from lockstep.ddp.buckets import MIB, first_bucket_caps
-from lockstep.ddp.compiled import call_module, forward_outside_dynamo, skip_lockstep_in_dynamo
-from lockstep.ddp import diagnose
-from lockstep.ddp.autotune import resolve_auto
+from lockstep.ddp import buffer_sync, diagnose
+from lockstep.ddp.args import (
+    ignored_names,
+    produces_sparse_gradient,
+    reject_module,
+    reject_unsupported,
+    resolve_buffer_sync,
+    resolve_group,
+    warn_like_torch,
+)
+from lockstep.ddp.buckets import first_bucket_caps
+from lockstep.ddp.compiled import (
+    call_module,
+    forward_outside_dynamo,
+    skip_lockstep_in_dynamo,
+)
+from lockstep.ddp.config import DEFAULT_DIRECT_MIN_BYTES, BucketCaps, DiagnosticsOptions
 from lockstep.ddp.fused_compress import fused_compression
-from lockstep.ddp.module_changes import GENERATION as CHANGES_GENERATION, ModuleChanges
-from lockstep.ddp.observe import attach
-from lockstep.diagnostics.progress import observer_for
-from lockstep.diagnostics.watchdog import FROM_ENV, resolve_hang_timeout, watch_for_hangs
-from lockstep.ddp.args import (caps_from_list, ignored_names, produces_sparse_gradient, reject_module, reject_unsupported,
-                               resolve_buffer_sync, resolve_group, warn_like_torch)
 from lockstep.ddp.graph import on_backward_start
-from lockstep.ddp.pickling import Pickling
-from lockstep.ddp.optim_in_backward import take_over_optimizers_in_backward
 from lockstep.ddp.join import DDPJoinHook, backward_sync_round, common_rank
-from lockstep.ddp import buffer_sync
-from lockstep.ddp.replicas import broadcast_coalesced, syncable_buffers, verify_params_across_ranks
-from lockstep.ddp.reducer import DEFAULT_DIRECT_MIN_BYTES, Reducer
-from lockstep.ddp.torch_surface import WrapperSurface, close_inherited, closed_message, move_to
-
-DEFAULT_BUCKET_CAP_MB = 25.0
+from lockstep.ddp.module_changes import GENERATION as CHANGES_GENERATION
+from lockstep.ddp.module_changes import ModuleChanges
+from lockstep.ddp.observe import attach
+from lockstep.ddp.optim_in_backward import take_over_optimizers_in_backward
+from lockstep.ddp.pickling import Pickling
+from lockstep.ddp.replicas import (
+    broadcast_coalesced,
+    syncable_buffers,
+    verify_params_across_ranks,
+)
+from lockstep.ddp.torch_surface import (
+    TorchReducer,
+    WrapperSurface,
+    close_inherited,
+    closed_message,
+    move_to,
+)
+from lockstep.diagnostics.progress import observer_for
+from lockstep.diagnostics.watchdog import (
+    FROM_ENV,
+    resolve_hang_timeout,
+    watch_for_hangs,
+)
 
 
 class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedDataParallel):
@@ -158,11 +181,8 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         self._lazy_init_done = False  # the first forward's set-up (optimizers in backward)
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
-        self._auto_buckets = resolve_auto(bucket_cap_mb, bucket_cap_mb_list)  # "auto": tuned over the first steps
-        if self._auto_buckets is not None:
-            bucket_cap_mb = None  # the first step runs with the default cap
-        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-            raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self._bucket_caps = BucketCaps.from_ddp_args(bucket_cap_mb, bucket_cap_mb_list)  # validated there
+        diagnostics = DiagnosticsOptions(check_replicas_every, detect_nonfinite, trace_dir, trace_steps)
         reject_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, skip_all_reduce_unused_params)
         warn_like_torch(check_reduction, static_graph, find_unused_parameters)
         process_group = resolve_group(process_group, device_mesh)
@@ -186,8 +206,8 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
-        self.bucket_bytes_cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MIB)
-        self._bucket_caps_bytes = caps_from_list(bucket_cap_mb_list)
+        self.bucket_bytes_cap = self._bucket_caps.bucket_bytes_cap  # torch's attribute (dynamo reads it)
+        self._bucket_caps_bytes = self._bucket_caps.caps_bytes
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
@@ -205,33 +225,30 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             verify_params_across_ranks(named_params, process_group)
             buffers = syncable_buffers(module, self.parameters_to_ignore) if init_sync_buffers else []
             broadcast_coalesced([p for _, p in named_params] + buffers, process_group)
-        self.detect_nonfinite = bool(detect_nonfinite)  # read by _build_reducer (diagnose.setup sets it too)
+        self.detect_nonfinite = diagnostics.detect_nonfinite  # read by _build_reducer (diagnose.setup sets it too)
         self.reducer = self._build_reducer()
-        diagnose.setup(self, check_replicas_every, detect_nonfinite, trace_dir, trace_steps)
+        diagnose.setup(self, diagnostics)
         skip_lockstep_in_dynamo()  # where a script compiled before wrapping (else at its first compiled forward)
 
-    def _build_reducer(self) -> Reducer:
+    def _build_reducer(self) -> TorchReducer:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
         view = self.gradient_as_bucket_view
         if view is None and getattr(self, "detect_nonfinite", False):
             # The non-finite check raises before the averages reach .grad; with .grad in the bucket they
             # would be there already. Copies keep its promise (a debugging mode: the copy back is its cost).
             view = False
-        cap = max(1, self.bucket_bytes_cap)
-        first, rebuilt_first = first_bucket_caps(self.device.type, dist.get_world_size(self.process_group), cap, self.small_first_bucket)
-        reducer = Reducer(
+        caps = self._bucket_caps
+        first, rebuilt_first = first_bucket_caps(self.device.type, dist.get_world_size(self.process_group), caps.cap_bytes,
+                                                 self.small_first_bucket)
+        caps = dataclasses.replace(caps, first_bytes=first, rebuilt_first_bytes=rebuilt_first, direct_min_bytes=self.direct_min_bytes)
+        reducer = TorchReducer(
             [p for _, p in named],
             [n for n, _ in named],
             self.process_group,
-            bucket_cap_bytes=cap,
-            first_bucket_bytes=first,
-            rebuilt_first_bucket_bytes=rebuilt_first,
+            caps,
             gradient_as_bucket_view=view,
-            bucket_caps_bytes=self._bucket_caps_bytes,
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
-            auto_buckets=self._auto_buckets,
-            direct_min_bytes=self.direct_min_bytes,
             sparse=[produces_sparse_gradient(self.module, n) for n, _ in named],
         )
         reducer.module_changes = ModuleChanges(self.module, reducer.params, reducer.names, self.parameters_to_ignore)
