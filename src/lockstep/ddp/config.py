@@ -7,13 +7,14 @@ torch-compatible arguments; the reducer takes ``BucketCaps`` whole.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lockstep.ddp.autotune import AutoBucketCap
-from lockstep.ddp.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
+from lockstep.ddp.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB, first_bucket_caps
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 # Where one all-reduce's fixed cost (~0.5 ms at 2 ranks on gloo) is below what the copies in and out
@@ -46,8 +47,9 @@ class BucketCaps:
     (``copy_in``); None: never."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.cap_mb, str):
-            raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be a number > 0 or 'auto', got {self.cap_mb!r}")
+        if isinstance(self.cap_mb, str):  # a ValueError, as it always was (scripts catch it)
+            raise ValueError(  # noqa: TRY004
+                f"DistributedDataParallel: bucket_cap_mb must be a number > 0 or 'auto', got {self.cap_mb!r}")
         if not self.cap_mb > 0:
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be > 0, got {self.cap_mb}")
         if self.cap_mb_list is not None:
@@ -76,6 +78,13 @@ class BucketCaps:
             auto, bucket_cap_mb = bucket_cap_mb, None  # the first step runs with the default cap
         return cls(DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb,
                    None if bucket_cap_mb_list is None else tuple(bucket_cap_mb_list), auto)
+
+    def for_machine(self, device_type: str, world_size: int, small_first_bucket: bool | None,
+                    direct_min_bytes: int | None) -> BucketCaps:
+        """These caps with the first bucket's (``buckets.first_bucket_caps``: torch's small one in the first iteration,
+        and this rank's wish for the rebuilt layout) and the direct threshold (DDP's class attributes) filled in."""
+        first, rebuilt_first = first_bucket_caps(device_type, world_size, self.cap_bytes, small_first_bucket)
+        return dataclasses.replace(self, first_bytes=first, rebuilt_first_bytes=rebuilt_first, direct_min_bytes=direct_min_bytes)
 
     @property
     def bucket_bytes_cap(self) -> int:

@@ -56,7 +56,9 @@ def raise_missing_gradients(
     gathered: list = [None] * dist.get_world_size(group)
     why = explain(mine) if explain is not None and mine else ""
     launch_clean(dist.all_gather_object, gathered, (dist.get_rank(), mine, why), group=group)
-    parts, indices, causes = [], [], {}
+    parts: list[str] = []
+    indices: list[str] = []
+    causes: dict[str, list[str]] = {}
     for rank, ranks_missing, ranks_why in gathered:
         if ranks_why:
             causes.setdefault(ranks_why, []).append(str(rank))  # ranks that changed alike are named together

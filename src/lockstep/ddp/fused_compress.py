@@ -27,7 +27,7 @@ survive the cast exactly): the hook is called then, as any other.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -60,8 +60,9 @@ class FusedCompression:
         """After the bucket's wait: the average back in float. ``into_grads`` (``copy_back``'s fast COPY path):
         straight into the gradients the hooks saw, and only the flag into the bucket."""
         compressed = bucket.compressed
+        assert compressed is not None  # launch() made it
         if into_grads and bucket.direct is None:
-            torch._foreach_copy_(bucket.grads, bucket.compressed_views)
+            torch._foreach_copy_(cast("list[torch.Tensor]", bucket.grads), bucket.compressed_views)  # all set here
             if last:
                 bucket.buffer[-1:].copy_(compressed[-1:])
         elif last:

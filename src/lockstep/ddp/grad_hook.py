@@ -12,7 +12,6 @@ through ``Reducer.on_grad``: the common path is a subset of its steps, in the sa
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Protocol
 
@@ -33,7 +32,7 @@ class HookedReducer(Protocol):
     def bucket_full(self, step: Backward, b: int) -> None: ...
 
 
-def make_hook(reducer_ref: weakref.ref[HookedReducer], index: int) -> Callable[[torch.Tensor], None]:
+def make_hook(reducer_ref: Callable[[], HookedReducer | None], index: int) -> Callable[[torch.Tensor], None]:
     """Parameter ``index``'s post-accumulate-grad hook; holds the reducer weakly (parameters outlive a dropped DDP)."""
 
     def hook(param: torch.Tensor) -> None:

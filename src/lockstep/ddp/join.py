@@ -96,6 +96,15 @@ def common_rank(ddp: JoinableDDP, candidate: bool) -> int:
     return int(rank.item())
 
 
+def join_divisor(ddp: JoinableDDP, join_work: dist.Work | None) -> int:
+    """The average's denominator for this forward: the world size, or under ``join(divide_by_initial_world_size=False)``
+    the ranks still training (the "not joined" all-reduce's sum: a host sync per forward, only there)."""
+    if join_work is None or ddp._divide_by_initial_world_size:
+        return dist.get_world_size(ddp.process_group)
+    join_work.wait()
+    return int(join_work.result()[0].item())
+
+
 def backward_sync_round(ddp: JoinableDDP, synced: bool, joined: bool) -> bool:
     """One all-reduce per forward inside join: does any training rank synchronise this backward?
 

@@ -34,7 +34,7 @@ from lockstep.ddp.launch_order import LaunchOrder
 from lockstep.ddp.layout import agree_on_order, build_layout, move_grads_into
 from lockstep.ddp.lifetime import register_for_exit, remove_handles
 from lockstep.ddp.lifetime import release_works as release_reducer_works
-from lockstep.ddp.observe import StepObserver
+from lockstep.ddp.observe import Observer
 from lockstep.ddp.optim_in_backward import step_optimizers_in_backward
 from lockstep.ddp.reducer_state import Bucket, UsageTracker
 from lockstep.ddp.schedule import CommHook, finish_collectives, issue_bucket
@@ -101,7 +101,7 @@ class Reducer:
         self.comm_hook_state: Any = None
         self.fused: FusedCompression | None = None  # the hook's average, run here instead (``fused_compress``)
         self.nonfinite: Any = None  # diagnostics.nonfinite.NonfiniteCheck (detect_nonfinite=True); None = off
-        self.observer: StepObserver | None = None  # diagnostics (``observe``); None = off
+        self.observer: Observer | None = None  # diagnostics (``observe``); None = off
         self.module_changes: Any = None  # ddp.module_changes.ModuleChanges: explains missing gradients; None = off
         self.events: list[tuple] | None = None  # tests: ("ready", i) / ("launch", b); None = off
         self.optimizers_in_backward = False  # torch's _apply_optimizer_in_backward on these parameters
@@ -152,7 +152,7 @@ class Reducer:
         self.rebuild_pending = False
         observed, self._observed_order = self._observed_order or [], None
         device = self.buckets[0].buffer.device if dist.get_backend(self.process_group) == "nccl" else "cpu"
-        order, self.first_bucket_bytes = agree_on_order(observed, len(self.params), self.caps.rebuilt_first_bytes,
+        order, self.first_bucket_bytes = agree_on_order(observed, len(self.params), self.caps.rebuilt_first_bytes or 0,
                                                         self.process_group, device)
         self._build(order)
         self.buckets_rebuilt = True

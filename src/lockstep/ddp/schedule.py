@@ -26,7 +26,7 @@ from lockstep.collectives.clean import all_reduce_sum_clean, launch_clean
 from lockstep.ddp.copy_back import wait_buckets
 from lockstep.ddp.errors import raise_missing_gradients
 from lockstep.ddp.grad_bucket import GradBucket
-from lockstep.ddp.observe import StepObserver
+from lockstep.ddp.observe import Observer
 from lockstep.ddp.reducer_state import Bucket, Status, UsageTracker
 from lockstep.ddp.step import VIEW, Backward
 
@@ -52,7 +52,7 @@ def issue_bucket(bucket: Bucket, step: Backward, num_buckets: int, group: dist.P
                 f"torch.futures.Future, got {type(work).__name__}"
             )
         return work
-    if bucket.plan.sparse:  # divided already (``copy_in``); the flag travels apart when this is the last
+    if bucket.sparse is not None:  # a sparse bucket, divided already (``copy_in``); its flag travels apart
         return all_reduce_sum_clean(bucket.sparse, group)
     if plan.mode == VIEW and plan.divisor != 1 and not divided:
         bucket.flat.div_(plan.divisor)  # one pass per bucket instead of one call per parameter
@@ -76,7 +76,7 @@ def finish_collectives(
     *,
     joined: bool,
     copy_each: bool,
-    observer: StepObserver | None,
+    observer: Observer | None,
     futures: Sequence[torch.futures.Future],
     names: Sequence[str],
     explain: Callable[[list[int]], str] | None,

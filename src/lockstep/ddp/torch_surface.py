@@ -62,6 +62,7 @@ class WrapperSurface:
     """torch's private wrapper methods that Lightning, Accelerate and torch's tests call, with lockstep's meaning."""
 
     broadcast_bucket_size = BROADCAST_BUCKET_BYTES
+    _buffer_hook: tuple[Any, Any, bool] | None = None  # (hook, state, before forward?): _register_buffer_comm_hook
 
     def _log_and_throw(self, error: BaseException) -> None:
         """Raise ``error``, noted first as torch's DDP notes an error it raises after construction: its logging
@@ -161,7 +162,7 @@ class WrapperSurface:
         Futures it returns are waited for at the end of the next backward, as torch's.
         """
         if not callable(hook):
-            raise AssertionError(f"hook must be callable, got {type(hook).__name__}")
+            raise AssertionError(f"hook must be callable, got {type(hook).__name__}")  # noqa: TRY004 (torch raises this)
         pre = getattr(comm_hook_location, "name", "POST_FORWARD") == "PRE_FORWARD"
         self._buffer_hook = (hook, state, pre)
 
