@@ -1,8 +1,8 @@
-"""The per-parameter hook's common path (``lockstep.ddp.grad_hook``): taken where it should be, and equal to torch.
+"""The per-parameter hook's common path (``lockstep.ddp.reducer.make_hook``): taken where it should be, and equal to torch.
 
 The hook does the common case itself from the second backward on (buckets rebuilt, copies, no
-unused-parameter tracking); everything else goes through ``Reducer._on_grad``. These cases check
-which path ran (by counting ``_on_grad`` calls), that buckets still launch during backward on the
+unused-parameter tracking); everything else goes through ``Reducer.on_grad``. These cases check
+which path ran (by counting ``on_grad`` calls), that buckets still launch during backward on the
 common path, that its results equal torch's DDP bit for bit, and that an error it must not swallow
 (a gradient twice in one backward) still comes with the same text.
 """
@@ -43,13 +43,13 @@ class _SometimesTwice(nn.Module):
 
 def _count_slow(model):
     calls = []
-    slow = model.reducer._on_grad
+    slow = model.reducer.on_grad
 
     def counted(index, param):
         calls.append(index)
         slow(index, param)
 
-    model.reducer._on_grad = counted
+    model.reducer.on_grad = counted
     return calls
 
 
@@ -117,7 +117,7 @@ def _overlap_on_common_path(rank):
     launch = reducer._launch
 
     def recording(bucket):
-        seen_at_launch.append((sum(sum(b.seen) for b in reducer.buckets), reducer._fast is not None))
+        seen_at_launch.append((sum(sum(b.seen) for b in reducer.buckets), (reducer.step is not None and reducer.step.plan.fast is not None)))
         launch(bucket)
 
     reducer._launch = recording  # the launch order is rebuilt after step 1 and takes it from here

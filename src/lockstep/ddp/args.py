@@ -8,12 +8,10 @@ naming the argument instead of being silently ignored.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from lockstep.ddp.buckets import MIB
 
 
 def reject_unsupported(
@@ -141,16 +139,6 @@ def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bo
 def ignored_names(module) -> set[str]:
     """Parameter and buffer names to leave alone: torch's ``_ddp_params_and_buffers_to_ignore`` on the module."""
     return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-
-
-def caps_from_list(bucket_cap_mb_list: Sequence[float] | None) -> list[int] | None:
-    """Per-bucket caps in bytes from ``bucket_cap_mb_list`` (the last one repeats)."""
-    if bucket_cap_mb_list is None:
-        return None
-    caps = list(bucket_cap_mb_list)
-    if not caps or any(not (c > 0) for c in caps):
-        raise ValueError(f"DistributedDataParallel: bucket_cap_mb_list must be non-empty and all > 0, got {caps}")
-    return [max(1, int(c * MIB)) for c in caps]
 
 
 def produces_sparse_gradient(module: torch.nn.Module, name: str) -> bool:

@@ -24,8 +24,9 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -64,19 +65,6 @@ class AutoBucketCap:
         return len(self.caps_mb) * (self.warmup_steps + self.timed_steps)
 
 
-def resolve_auto(bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> AutoBucketCap | None:
-    """``"auto"`` or an ``AutoBucketCap`` -> the config; anything else -> None (a fixed cap)."""
-    if isinstance(bucket_cap_mb, str):
-        if bucket_cap_mb != "auto":
-            raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be a number > 0 or 'auto', got {bucket_cap_mb!r}")
-        bucket_cap_mb = AutoBucketCap()
-    if not isinstance(bucket_cap_mb, AutoBucketCap):
-        return None
-    if bucket_cap_mb_list is not None:
-        raise ValueError("DistributedDataParallel: bucket_cap_mb='auto' and bucket_cap_mb_list exclude each other")
-    return bucket_cap_mb
-
-
 def caps_bytes(cap_mb: float | None, first_bucket_bytes: int) -> list[int]:
     """The per-bucket caps (``assign_buckets``'s ``bucket_caps_bytes``) of one candidate."""
     if cap_mb is None:
@@ -85,14 +73,24 @@ def caps_bytes(cap_mb: float | None, first_bucket_bytes: int) -> list[int]:
     return [min(first_bucket_bytes, cap), cap]
 
 
+class TunedReducer(Protocol):
+    """What the tuner reads and calls on the reducer it tunes."""
+
+    rounds: int  # synchronised backwards completed, a joined rank's shadows included
+    comm_hook: Any
+    process_group: dist.ProcessGroup
+    first_bucket_bytes: int
+
+    @property
+    def buckets(self) -> Sequence[Any]: ...
+
+    def relayout(self, bucket_caps_bytes: list[int]) -> None: ...
+
+
 class BucketTuner:
-    """Drives the trials for one reducer: called between steps, it switches layouts and finally decides.
+    """Drives the trials for one reducer: called between steps, it switches layouts and finally decides."""
 
-    ``reducer`` needs ``rounds`` (synchronised backwards completed, shadows included),
-    ``comm_hook``, ``process_group``, ``buckets``, ``first_bucket_bytes`` and ``relayout(caps_bytes)``.
-    """
-
-    def __init__(self, config: AutoBucketCap, drain: Any = None):
+    def __init__(self, config: AutoBucketCap, drain: Callable[[], None] | None = None):
         self.config = config
         self.drain = drain  # None: wait for the buckets' GPU (``_drain``); tests pass their own
         self.step_s: list[list[float]] = [[] for _ in config.caps_mb]
@@ -102,7 +100,7 @@ class BucketTuner:
         self.result: dict | None = None  # after the decision: caps, medians, choice
         self.done = False
 
-    def between_steps(self, reducer: Any, hook_known: bool) -> None:
+    def between_steps(self, reducer: TunedReducer, hook_known: bool) -> None:
         """At a synchronised forward (or a joined rank's round): time the last step, switch or decide."""
         rounds = reducer.rounds
         self._drain(reducer)
@@ -128,7 +126,7 @@ class BucketTuner:
         else:
             self._decide(reducer)
 
-    def _drain(self, reducer: Any) -> None:
+    def _drain(self, reducer: TunedReducer) -> None:
         """Wait for the device to finish the step, during the trials only.
 
         On a GPU the host runs ahead: between two forwards it has only launched the step's kernels,
@@ -144,11 +142,11 @@ class BucketTuner:
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def _switch(self, reducer: Any, candidate: int, rounds: int) -> None:
+    def _switch(self, reducer: TunedReducer, candidate: int, rounds: int) -> None:
         self.candidate, self.rounds_at_switch = candidate, rounds
         reducer.relayout(caps_bytes(self.config.caps_mb[candidate], reducer.first_bucket_bytes))
 
-    def _decide(self, reducer: Any) -> None:
+    def _decide(self, reducer: TunedReducer) -> None:
         # Rank 0's medians for every rank (inf where a rank joined early and timed nothing): one broadcast, once.
         medians = [statistics.median(t) if t else math.inf for t in self.step_s]
         group = reducer.process_group

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 
-from lockstep.ddp.copy_in import ALIAS, COPY, VIEW
 from lockstep.ddp.reducer_state import Bucket
+from lockstep.ddp.step import ALIAS, COPY, VIEW
 
 
 def copy_back(
@@ -37,7 +38,7 @@ def copy_back(
             _sparse_back(bucket, params, globally_used)
             continue
         if globally_used is None and fast and mode == COPY:
-            torch._foreach_copy_(bucket.grads, bucket.views)
+            torch._foreach_copy_(cast("list[torch.Tensor]", bucket.grads), bucket.views)  # fast: every one set
             continue
         for i, grad, view in zip(bucket.plan.param_indices, bucket.grads, bucket.views):
             if globally_used is not None and not globally_used[i]:
@@ -65,7 +66,7 @@ def _sparse_back(bucket: Bucket, params: Sequence[torch.nn.Parameter], globally_
     if grad is None or grad.requires_grad or not grad.is_sparse:
         p.grad = bucket.sparse
     else:
-        grad.copy_(bucket.sparse)
+        grad.copy_(cast(torch.Tensor, bucket.sparse))  # copy_in set it
 
 
 def wait_buckets(buckets: Sequence[Bucket], hooked: bool, observer: Any, copy_each: bool, fused: Any = None) -> float:
@@ -95,11 +96,12 @@ def wait_buckets(buckets: Sequence[Bucket], hooked: bool, observer: Any, copy_ea
             tensor = result[0] if isinstance(result, (list, tuple)) else result
             if bucket.plan.sparse:
                 if tensor is not bucket.sparse:
+                    assert bucket.sparse is not None  # copy_in set it
                     bucket.sparse.copy_(tensor)
                 continue
             target = bucket.flat if bucket.direct is None else bucket.direct
             if tensor.data_ptr() != target.data_ptr():
                 target.copy_(tensor.view(-1))
         if copy_each and bucket.direct is None and not bucket.plan.sparse:
-            torch._foreach_copy_(bucket.grads, bucket.views)
+            torch._foreach_copy_(cast("list[torch.Tensor]", bucket.grads), bucket.views)  # the common path: every one set
     return waited

@@ -39,189 +39,157 @@ is divided in place and all-reduced as the sparse tensor it is, as torch's reduc
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
-COPY, ALIAS, VIEW = "copy", "alias", "view"
-_FLOAT32_SCALED = (torch.float32, torch.float16, torch.bfloat16)
+from lockstep.ddp.reducer_state import Bucket
+from lockstep.ddp.step import ALIAS, COPY, VIEW, Backward, StepPlan
 
 
-def grad_mode(gradient_as_bucket_view: bool | None) -> str:
-    """DDP's ``gradient_as_bucket_view`` (None: .grad in the buckets) as a mode of this module."""
-    if gradient_as_bucket_view is None:
-        return ALIAS
-    return VIEW if gradient_as_bucket_view else COPY
+def copy_in(step: Backward, params: Sequence[torch.nn.Parameter], names: Sequence[str], index: int, bucket: Bucket,
+            slot: int, grad: torch.Tensor | None, hooked: bool) -> None:
+    """``grad`` (parameter ``index``'s local gradient, or None) into ``bucket``'s slot, as ``step.plan`` says;
+    ``hooked``: from the parameter's own hook. Notes in ``step`` what ``copy_back`` must still do (``fixups``,
+    ``graph_grads``).
 
-
-class GradIntake:
-    """The reducer's copy-in (a mixin of ``Reducer``: it reads the reducer's mode, divisor, comm hook).
-
-    ``self._fixups`` counts the slots of this backward whose ``.grad`` ``copy_back`` must still set:
-    zero on the common path, where ``copy_back`` then does nothing in ALIAS mode.
+    A parameter marked ready without its hook (unused, or missing at the end of backward) keeps
+    its own ``.grad`` here: torch leaves it untouched where no rank used it, which only the status
+    exchange at the end of backward tells.
     """
-
-    grad_mode: str
-    params: list
-    names: list
-    divisor: int
-    comm_hook: Any
-    buckets: list
-    _graph_grads: bool
-    _fixups: int
-    nonfinite: Any
-    _hook_one_in_flight: Any  # Reducer's: a hook not known to issue its collectives up front
-    _scale_cache: tuple = (0, None)  # (divisor, 0-dim float32 tensor of 1/divisor): ``_scale_for``
-
-    def _copy_in(self, index: int, bucket: Any, slot: int, grad: torch.Tensor | None, hooked: bool) -> None:
-        """``grad`` (the local gradient, or None) into ``bucket``'s slot; ``hooked``: from the parameter's own hook.
-
-        A parameter marked ready without its hook (unused, or missing at the end of backward) keeps
-        its own ``.grad`` here: torch leaves it untouched where no rank used it, which only the status
-        exchange at the end of backward tells.
-        """
-        bucket.grads[slot] = grad  # the local gradient, kept to the end of backward (the non-finite check reads it)
-        if bucket.plan.sparse:
-            self._sparse_in(index, bucket, grad, hooked)
-            return
-        if grad is not None and grad.layout != torch.strided:
-            raise RuntimeError(
-                f"parameter {self.names[index]!r} got a {grad.layout} gradient where DistributedDataParallel expects a "
-                "dense one: only the weights of nn.Embedding / nn.EmbeddingBag modules with sparse=True are expected "
-                "to produce sparse gradients (as in torch's DDP); compute the gradient in such a module, or densify it"
-            )
-        view = bucket.views[slot]
-        if grad is None:  # .grad is None (a hook that fires with no gradient reads .grad, as torch's)
-            view.zero_()  # no local gradient: this rank contributes zero
-            self._fixups += 1  # copy_back gives it the average where some rank used it, as torch
-            return
-        mode = self.grad_mode
-        if bucket.plan.direct and hooked and mode == COPY and self._direct_ok(index, grad, view):
-            # A comm hook gets the local gradient as its buffer, not divided (as torch's); otherwise it is
-            # scaled in place, the one pass over it, with the non-finite check in that pass when it is on.
-            if self.comm_hook is None and self.nonfinite is not None:
-                self.nonfinite.scale_direct(grad, self.divisor, index)
-            elif self.comm_hook is None and self.divisor != 1:
-                grad.mul_(self._scale_for(grad))
-            # What the all-reduce (or the hook, as its buffer) gets: a flat alias, so .grad's own object is not in the work.
-            bucket.direct = grad.detach().view(-1)
-            return
-        if grad.requires_grad:
-            # backward(create_graph=True): the bucket takes a detached copy (an out= op cannot be
-            # differentiated); copy_back puts the average into the graph-carrying grad with a recorded copy_.
-            self._graph_grads = True
-            grad = grad.detach()
-            if mode == ALIAS:
-                mode = COPY  # this slot as torch's default: copy_back's recorded copy_ (it is not fast now)
-        if mode == VIEW:
-            if grad.data_ptr() != view.data_ptr():
-                # A fresh grad (first step, or zero_grad(set_to_none=True)): one copy, then alias, and let go of
-                # the fresh one now, as torch's reducer does (``_let_go``).
-                view.copy_(grad)
-                self.params[index].grad = view
-                self._let_go(bucket, slot, view)
-            return
-        # The average's scaling fused into the copy. A multiply by the reciprocal, as torch's reducer does
-        # (bit-equal to it at any world size) and cheaper than a divide. A comm hook gets the plain local
-        # gradients, as in torch.
-        scale = None if self.comm_hook is not None else self._scale_for(grad)
-        if mode == ALIAS and grad.data_ptr() == view.data_ptr():
-            if not hooked:
-                # Its .grad must survive as it is if no rank used it: a copy of the local values takes its
-                # place (one clone; the next step finds .grad no longer aliased and copies as usual).
-                local = grad.clone()
-                self.params[index].grad = local
-                bucket.grads[slot] = local
-                self._fixups += 1
-            if scale is not None:
-                view.mul_(scale)
-            return
-        if scale is None:
-            view.copy_(grad)
-        else:
-            torch.mul(grad, scale, out=view)
+    plan = step.plan
+    bucket.grads[slot] = grad  # the local gradient, kept to the end of backward (the non-finite check reads it)
+    if bucket.plan.sparse:
+        _sparse_in(step, params[index], names[index], bucket, grad, hooked)
+        return
+    if grad is not None and grad.layout != torch.strided:
+        raise RuntimeError(
+            f"parameter {names[index]!r} got a {grad.layout} gradient where DistributedDataParallel expects a "
+            "dense one: only the weights of nn.Embedding / nn.EmbeddingBag modules with sparse=True are expected "
+            "to produce sparse gradients (as in torch's DDP); compute the gradient in such a module, or densify it"
+        )
+    view = bucket.views[slot]
+    if grad is None:  # .grad is None (a hook that fires with no gradient reads .grad, as torch's)
+        view.zero_()  # no local gradient: this rank contributes zero
+        step.fixups += 1  # copy_back gives it the average where some rank used it, as torch
+        return
+    mode = plan.mode
+    if bucket.plan.direct and hooked and mode == COPY and _direct_ok(plan, params[index], grad, view):
+        # A comm hook gets the local gradient as its buffer, not divided (as torch's); otherwise it is
+        # scaled in place, the one pass over it, with the non-finite check in that pass when it is on.
+        if not plan.hooked and plan.nonfinite is not None:
+            plan.nonfinite.scale_direct(grad, plan.divisor, index)
+        elif not plan.hooked and plan.divisor != 1:
+            grad.mul_(plan.scale_for(grad))
+        # What the all-reduce (or the hook, as its buffer) gets: a flat alias, so .grad's own object is not in the work.
+        bucket.direct = grad.detach().view(-1)
+        return
+    if grad.requires_grad:
+        # backward(create_graph=True): the bucket takes a detached copy (an out= op cannot be
+        # differentiated); copy_back puts the average into the graph-carrying grad with a recorded copy_.
+        step.graph_grads = True
+        grad = grad.detach()
         if mode == ALIAS:
-            if hooked:
-                self.params[index].grad = view  # the all-reduce will leave the average here: no copy back
-                self._let_go(bucket, slot, view)
-            else:
-                self._fixups += 1
+            mode = COPY  # this slot as torch's default: copy_back's recorded copy_ (it is not fast now)
+    if mode == VIEW:
+        if grad.data_ptr() != view.data_ptr():
+            # A fresh grad (first step, or zero_grad(set_to_none=True)): one copy, then alias, and let go of
+            # the fresh one now, as torch's reducer does (``_let_go``).
+            view.copy_(grad)
+            params[index].grad = view
+            _let_go(plan, bucket, slot, view)
+        return
+    # The average's scaling fused into the copy. A multiply by the reciprocal, as torch's reducer does
+    # (bit-equal to it at any world size) and cheaper than a divide. A comm hook gets the plain local
+    # gradients, as in torch.
+    scale = None if plan.hooked else plan.scale_for(grad)
+    if mode == ALIAS and grad.data_ptr() == view.data_ptr():
+        if not hooked:
+            # Its .grad must survive as it is if no rank used it: a copy of the local values takes its
+            # place (one clone; the next step finds .grad no longer aliased and copies as usual).
+            local = grad.clone()
+            params[index].grad = local
+            bucket.grads[slot] = local
+            step.fixups += 1
+        if scale is not None:
+            view.mul_(scale)
+        return
+    if scale is None:
+        view.copy_(grad)
+    else:
+        torch.mul(grad, scale, out=view)
+    if mode == ALIAS:
+        if hooked:
+            params[index].grad = view  # the all-reduce will leave the average here: no copy back
+            _let_go(plan, bucket, slot, view)
+        else:
+            step.fixups += 1
 
-    def _let_go(self, bucket: Any, slot: int, view: torch.Tensor) -> None:
-        """``.grad`` has just become its slot: the bucket stops holding the gradient autograd made, so it is freed
-        now, not at the end of backward. Held to then, those fresh gradients (every one after ``zero_grad()``'s
-        set_to_none) were one model's worth of memory on top of the buckets at the peak (issue #30); torch's reducer
-        re-points ``.grad`` at the bucket view in its hook and keeps nothing. The slot stands in for it
-        (``copy_back`` and the non-finite check read an aliased entry as "averaged in place"), except where the
-        non-finite check is on, which may read the local values after the all-reduce to name an offender."""
-        if self.nonfinite is None:
-            bucket.grads[slot] = view
 
-    def _sparse_in(self, index: int, bucket: Any, grad: torch.Tensor | None, hooked: bool) -> None:
-        """A sparse bucket's gradient, divided in place by the divisor (torch's reducer divides it so: the
-        all-reduced sum is then the average); a comm hook gets it undivided, as torch's.
+def _let_go(plan: StepPlan, bucket: Bucket, slot: int, view: torch.Tensor) -> None:
+    """``.grad`` has just become its slot: the bucket stops holding the gradient autograd made, so it is freed
+    now, not at the end of backward. Held to then, those fresh gradients (every one after ``zero_grad()``'s
+    set_to_none) were one model's worth of memory on top of the buckets at the peak (issue #30); torch's reducer
+    re-points ``.grad`` at the bucket view in its hook and keeps nothing. The slot stands in for it
+    (``copy_back`` and the non-finite check read an aliased entry as "averaged in place"), except where the
+    non-finite check is on, which may read the local values after the all-reduce to name an offender."""
+    if plan.nonfinite is None:
+        bucket.grads[slot] = view
 
-        Where this rank has no gradient of its own it sends a stand-in instead (``copy_back`` hands the
-        average to ``.grad`` only where some rank used the parameter): an empty sparse tensor where
-        ``.grad`` is None, else a divided copy of the ``.grad`` left from earlier (marked without its hook:
-        unused here, or missing), so that tensor is not changed in place. Unlike torch's DDP, which raises
-        "Expected sparse gradient to be defined." where a rank did not use a sparse parameter under
-        find_unused_parameters=True.
-        """
-        if grad is not None and grad.layout != torch.sparse_coo:
-            raise RuntimeError(
-                f"parameter {self.names[index]!r} belongs to a module with sparse=True, so DistributedDataParallel "
-                f"expects a sparse gradient, and it got a {grad.layout} one"
-            )
-        if grad is None:
-            grad = empty_sparse_like(self.params[index])
-            self._fixups += 1
-        elif not hooked or grad.requires_grad:
-            grad = grad.detach().clone()
-            self._fixups += 1
-        if self.comm_hook is None and self.divisor != 1:
-            grad.div_(self.divisor)
-        bucket.sparse = grad
 
-    def _direct_ok(self, index: int, grad: torch.Tensor, view: torch.Tensor) -> bool:
-        """Whether this gradient can be all-reduced where it is (the module docstring lists why not)."""
-        if grad.requires_grad:
-            return False
-        if self.comm_hook is not None and (self.nonfinite is not None or self._hook_one_in_flight()):
-            return False  # a hook that may keep the buffer past its call (from a callback), or checked before it
-        if self.nonfinite is not None and not self.nonfinite.takes_direct(grad, self.divisor):
-            return False  # the check reads the local gradients after the all-reduce here
-        if grad.dtype != view.dtype or grad.device != view.device or grad.layout != torch.strided or not grad.is_contiguous():
-            return False
-        hooks = getattr(self.params[index], "_post_accumulate_grad_hooks", None)
-        return hooks is not None and len(hooks) == 1
+def _sparse_in(step: Backward, param: torch.nn.Parameter, name: str, bucket: Bucket, grad: torch.Tensor | None,
+               hooked: bool) -> None:
+    """A sparse bucket's gradient, divided in place by the divisor (torch's reducer divides it so: the
+    all-reduced sum is then the average); a comm hook gets it undivided, as torch's.
 
-    def _scale_for(self, grad: torch.Tensor) -> Any:
-        """1/divisor as a cached 0-dim float32 tensor for float32/float16/bfloat16 CPU gradients, else a float.
+    Where this rank has no gradient of its own it sends a stand-in instead (``copy_back`` hands the
+    average to ``.grad`` only where some rank used the parameter): an empty sparse tensor where
+    ``.grad`` is None, else a divided copy of the ``.grad`` left from earlier (marked without its hook:
+    unused here, or missing), so that tensor is not changed in place. Unlike torch's DDP, which raises
+    "Expected sparse gradient to be defined." where a rank did not use a sparse parameter under
+    find_unused_parameters=True.
+    """
+    if grad is not None and grad.layout != torch.sparse_coo:
+        raise RuntimeError(
+            f"parameter {name!r} belongs to a module with sparse=True, so DistributedDataParallel "
+            f"expects a sparse gradient, and it got a {grad.layout} one"
+        )
+    if grad is None:
+        grad = empty_sparse_like(param)
+        step.fixups += 1
+    elif not hooked or grad.requires_grad:
+        grad = grad.detach().clone()
+        step.fixups += 1
+    if not step.plan.hooked and step.plan.divisor != 1:
+        grad.div_(step.plan.divisor)
+    bucket.sparse = grad
 
-        A Python float costs torch a scalar-to-tensor wrap per call (~3 us, half of a small gradient's
-        copy-in); the cached tensor takes the same kernel path with the same float32 value (torch's
-        double 1/divisor, rounded as its kernel rounds it), so the products are bit-identical. float64 and
-        other dtypes keep the float: a float32 reciprocal would round them differently.
-        """
-        cached = self._scale_cache
-        if cached[0] != self.divisor:
-            cached = self._scale_cache = (self.divisor, torch.tensor(1.0 / self.divisor, dtype=torch.float32))
-        if grad.dtype in _FLOAT32_SCALED and grad.is_cpu:
-            return cached[1]
-        return 1.0 / self.divisor
 
-    def _unalias_grads(self) -> None:
-        """Before a joined rank's shadow round zeroes and reduces the buckets: a ``.grad`` that is a slot
-        becomes its own copy, so the joined rank's gradients stay as they were, as torch's (whose joined
-        rank reduces zero tensors of its own). One clone per parameter, once per join."""
-        if self.grad_mode == COPY:
-            return
-        for bucket in self.buckets:
-            for p, view in zip(bucket.params, bucket.views):
-                grad = p.grad
-                if grad is not None and grad.data_ptr() == view.data_ptr():
-                    p.grad = view.clone()
+def _direct_ok(plan: StepPlan, param: torch.nn.Parameter, grad: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether this gradient can be all-reduced where it is (the module docstring lists why not)."""
+    if grad.requires_grad:
+        return False
+    if plan.hooked and (plan.nonfinite is not None or plan.one_in_flight):
+        return False  # a hook that may keep the buffer past its call (from a callback), or checked before it
+    if plan.nonfinite is not None and not plan.nonfinite.takes_direct(grad, plan.divisor):
+        return False  # the check reads the local gradients after the all-reduce here
+    if grad.dtype != view.dtype or grad.device != view.device or grad.layout != torch.strided or not grad.is_contiguous():
+        return False
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    return hooks is not None and len(hooks) == 1
+
+
+def unalias_grads(buckets: Sequence[Bucket], mode: str) -> None:
+    """Before a joined rank's shadow round zeroes and reduces the buckets: a ``.grad`` that is a slot
+    becomes its own copy, so the joined rank's gradients stay as they were, as torch's (whose joined
+    rank reduces zero tensors of its own). One clone per parameter, once per join."""
+    if mode == COPY:
+        return
+    for bucket in buckets:
+        for p, view in zip(bucket.params, bucket.views):
+            grad = p.grad
+            if grad is not None and grad.data_ptr() == view.data_ptr():
+                p.grad = view.clone()
 
 
 def empty_sparse_like(param: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.ddp.config import DiagnosticsOptions
 from lockstep.ddp.observe import attach, detach
 from lockstep.diagnostics.checks import PeriodicReplicaCheck
 from lockstep.diagnostics.nonfinite import NonfiniteCheck
@@ -22,10 +23,10 @@ from lockstep.diagnostics.ranges import ProfilerRanges
 DEFAULT_TRACE_STEPS = (5, 10)
 
 
-def setup(ddp: Any, check_replicas_every: int | None, detect_nonfinite: bool, trace_dir: str | os.PathLike | None,
-          trace_steps: tuple[int, int] | None) -> None:
+def setup(ddp: Any, options: DiagnosticsOptions) -> None:
     """Called once at construction (and after unpickling, without the trace)."""
-    ddp.check_replicas_every, ddp.detect_nonfinite = check_replicas_every, bool(detect_nonfinite)
+    check_replicas_every, trace_dir, trace_steps = options.check_replicas_every, options.trace_dir, options.trace_steps
+    ddp.check_replicas_every, ddp.detect_nonfinite = check_replicas_every, options.detect_nonfinite
     # The one check at the first synchronised forward (``checks.FIRST_FORWARD_HINT``) is on wherever the
     # construction made the replicas equal; off with init_sync=False, as at world size 1.
     first = getattr(ddp, "_init_sync", True) and dist.get_world_size(ddp.process_group) > 1

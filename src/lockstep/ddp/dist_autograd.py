@@ -22,7 +22,8 @@ parameter's bucket slot is filled from its local ``.grad``.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -39,29 +40,39 @@ def current_context_id() -> int | None:
         return None  # no context on this thread ("Current thread doesn't have a valid autograd context")
 
 
+class BridgedReducer(Protocol):
+    """What the bridge asks of the reducer it feeds."""
+
+    params: list[torch.nn.Parameter]
+    expect_hooks: bool
+
+    def is_ready(self, index: int) -> bool: ...
+    def on_grad(self, index: int, param: torch.Tensor) -> None: ...
+
+
 class DistAutogradBridge:
     """One reducer's link to the distributed-autograd context of its current forward (see the module)."""
 
-    def __init__(self, reducer: Any) -> None:
+    def __init__(self, reducer: BridgedReducer) -> None:
         self._reducer = weakref.ref(reducer)  # held by the reducer; the node hooks hold this bridge
         self.context_id: int | None = None
         self._handles: list = []
         self._swapped: list[tuple[int, torch.Tensor]] = []  # (parameter index, the context's gradient)
         self._saved: list | None = None  # every parameter's .grad before this backward
 
-    def at_forward(self, reducer: Any) -> None:
-        """A synchronised forward: note its context (None outside one); hook the nodes the first time."""
+    def at_forward(self, accumulators: Sequence[Any]) -> None:
+        """A synchronised forward: note its context (None outside one); hook the parameters' AccumulateGrad
+        nodes (``accumulators``, in parameter order) the first time."""
         self.context_id = current_context_id()
         if self.context_id is not None and not self._handles:
-            self._handles = [node.register_hook(self._node_hook(i)) for i, node in enumerate(reducer._accumulators)]
+            self._handles = [node.register_hook(self._node_hook(i)) for i, node in enumerate(accumulators)]
 
     def _node_hook(self, index: int):
         def hook(grad_inputs, grad_outputs):
             reducer = self._reducer()
             if reducer is None or self.context_id is None or not reducer.expect_hooks:
                 return
-            b, slot = reducer._location[index]
-            if reducer.buckets[b].seen[slot]:
+            if reducer.is_ready(index):
                 return  # a local backward: its tensor hook ran first
             param = reducer.params[index]
             from torch.distributed import autograd as dist_autograd
@@ -77,21 +88,21 @@ class DistAutogradBridge:
                     p.grad = None
             param.grad = grad
             self._swapped.append((index, grad))
-            reducer._on_grad(index, param)
+            reducer.on_grad(index, param)
 
         return hook
 
-    def at_end_of_backward(self, reducer: Any) -> None:
+    def at_end_of_backward(self, params: Sequence[torch.nn.Parameter]) -> None:
         """After the averages are in ``.grad``: into the context's tensors, and ``.grad`` back as it was."""
         if self._saved is None:
             return
         swapped, saved = self._swapped, self._saved
         self._swapped, self._saved = [], None
         for index, grad in swapped:
-            average = reducer.params[index].grad
+            average = params[index].grad
             if average is not None and average is not grad:  # a bucket view or a clone (``copy_back``)
                 grad.copy_(average)
-        for p, g in zip(reducer.params, saved):
+        for p, g in zip(params, saved):
             p.grad = g
 
     def remove(self) -> None:

@@ -7,11 +7,16 @@ construction (``module_changes``), which DDP option caused a double arrival and 
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
 from lockstep.collectives.clean import launch_clean
+
+
+def error_for_log(error: BaseException) -> str:
+    """An error as torch's DDP logger records it: "<class 'TypeError'>: message"."""
+    return f"{type(error)}: {error}"
 
 
 def twice_message(name: str, marked_unused: bool) -> str:
@@ -51,7 +56,9 @@ def raise_missing_gradients(
     gathered: list = [None] * dist.get_world_size(group)
     why = explain(mine) if explain is not None and mine else ""
     launch_clean(dist.all_gather_object, gathered, (dist.get_rank(), mine, why), group=group)
-    parts, indices, causes = [], [], {}
+    parts: list[str] = []
+    indices: list[str] = []
+    causes: dict[str, list[str]] = {}
     for rank, ranks_missing, ranks_why in gathered:
         if ranks_why:
             causes.setdefault(ranks_why, []).append(str(rank))  # ranks that changed alike are named together

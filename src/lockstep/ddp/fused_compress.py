@@ -27,14 +27,14 @@ survive the cast exactly): the hook is called then, as any other.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from lockstep.collectives.clean import all_reduce_sum_clean
-from lockstep.comm_hooks.base import compressed_average_dtype, group_of, issues_collectives_up_front
-from lockstep.ddp.reducer_state import slot_view
+from lockstep.comm_hooks.base import compressed_average_dtype, group_of
+from lockstep.ddp.reducer_state import Bucket, slot_view
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class FusedCompression:
     dtype: torch.dtype
     world_size: int
 
-    def launch(self, bucket: Any, last: bool, group: Any) -> Any:
+    def launch(self, bucket: Bucket, last: bool, group: dist.ProcessGroup) -> Any:
         """Cast, divide and issue the bucket's all-reduce (the last bucket with its spare element, the flag)."""
         source = bucket.buffer if last else (bucket.flat if bucket.direct is None else bucket.direct)
         compressed = bucket.compressed
@@ -56,12 +56,13 @@ class FusedCompression:
         return all_reduce_sum_clean(compressed, group)
 
     @staticmethod
-    def finish(bucket: Any, last: bool, into_grads: bool) -> None:
+    def finish(bucket: Bucket, last: bool, into_grads: bool) -> None:
         """After the bucket's wait: the average back in float. ``into_grads`` (``copy_back``'s fast COPY path):
         straight into the gradients the hooks saw, and only the flag into the bucket."""
         compressed = bucket.compressed
+        assert compressed is not None  # launch() made it
         if into_grads and bucket.direct is None:
-            torch._foreach_copy_(bucket.grads, bucket.compressed_views)
+            torch._foreach_copy_(cast("list[torch.Tensor]", bucket.grads), bucket.compressed_views)  # all set here
             if last:
                 bucket.buffer[-1:].copy_(compressed[-1:])
         elif last:
@@ -70,7 +71,7 @@ class FusedCompression:
             (bucket.flat if bucket.direct is None else bucket.direct).copy_(compressed.view(-1))
 
 
-def fused_compression(hook: Any, state: Any, group: Any) -> FusedCompression | None:
+def fused_compression(hook: Any, state: Any, group: dist.ProcessGroup) -> FusedCompression | None:
     """What the reducer runs in place of ``hook(state, bucket)``, or None where it must call the hook.
 
     Only where the hook would average over the reducer's own group (``state`` None or naming it):
@@ -87,30 +88,3 @@ def fused_compression(hook: Any, state: Any, group: Any) -> FusedCompression | N
     if (hook_group if hook_group is not None else world) != (group if group is not None else world):
         return None
     return FusedCompression(dtype, dist.get_world_size(group))
-
-
-class HookPaths:
-    """The reducer's choice for a registered hook (``comm_hook``, ``fused``, ``nonfinite`` are the reducer's)."""
-
-    comm_hook: Any
-    fused: FusedCompression | None
-    nonfinite: Any
-    has_sparse: bool
-    buckets: list
-    comm_hook_name: str | None = None  # set for torch's built-in hook types (``_register_builtin_comm_hook``), for logging
-
-    def _fused_now(self) -> FusedCompression | None:
-        """The hook's average, run by the reducer; None where the hook is called (the NaN check's count needs it;
-        a sparse gradient is the hook's to compress, as in torch)."""
-        return self.fused if self.nonfinite is None and not self.has_sparse else None
-
-    def _flag_apart(self) -> bool:
-        """The missing-gradient flag needs an all-reduce of its own: a hook is called (its buffer is only
-        gradients), or the last bucket is sparse (no spare element to carry it)."""
-        return (self.comm_hook is not None and self._fused_now() is None) or self.buckets[-1].plan.sparse
-
-    def _hook_one_in_flight(self) -> bool:
-        """A registered hook not known to issue its collectives up front: one of its buckets in flight at a time.
-        Not a fused one: the reducer issues its one all-reduce per bucket itself."""
-        hook = self.comm_hook
-        return hook is not None and self._fused_now() is None and not issues_collectives_up_front(hook)

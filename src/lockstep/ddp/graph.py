@@ -20,7 +20,8 @@ hook, if one fires.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -39,10 +40,10 @@ def _output_tensors(obj: Any, out: list[torch.Tensor]) -> None:
             _output_tensors(getattr(obj, field.name), out)
 
 
-def grad_accumulators(params: list[torch.Tensor]) -> list[Any]:
+def grad_accumulators(params: Sequence[torch.Tensor]) -> list[Any]:
     """Each parameter's AccumulateGrad node (kept alive here, so autograd reuses the same node in every graph)."""
     with torch.enable_grad():
-        return [p.expand_as(p).grad_fn.next_functions[0][0] for p in params]
+        return [p.expand_as(p).grad_fn.next_functions[0][0] for p in params]  # type: ignore[union-attr]  # a view of a leaf that requires grad has one
 
 
 def backward_accumulates(accumulators: list[Any]) -> bool:

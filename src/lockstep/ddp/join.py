@@ -17,28 +17,41 @@ one-element all-reduce telling the joined ranks whether this iteration's backwar
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from lockstep.ddp.copy_in import empty_sparse_like
 from lockstep.ddp.replicas import broadcast_coalesced
+
+
+class ShadowingReducer(Protocol):
+    """What a joined rank asks of the reducer: the between-steps work and one backward's collectives, with zeros
+    (``Reducer.shadow_backward``, which runs the same ``schedule.finish_collectives`` as a training rank)."""
+
+    def between_steps(self) -> None: ...
+    def shadow_backward(self) -> None: ...
 
 
 class JoinableDDP(Protocol):
     """What the join hook reads of the wrapper; stated here so this module need not import it."""
 
     module: torch.nn.Module
-    reducer: Any
     process_group: dist.ProcessGroup
-    join_device: torch.device
-    _sync_buffers: list[torch.Tensor]
     _divide_by_initial_world_size: bool
+    _join_used: bool
+    _authoritative_rank: int
+    _join_sync_work: dist.Work | None
     require_forward_param_sync: bool
     forward_sync_buffers: bool
 
+    @property
+    def reducer(self) -> ShadowingReducer: ...
+    @property
+    def join_device(self) -> torch.device: ...
+    @property
+    def _sync_buffers(self) -> list[torch.Tensor]: ...
     def _will_sync_buffers(self) -> bool: ...
 
 
@@ -60,7 +73,7 @@ class DDPJoinHook(JoinHook):
         should_sync = backward_sync_round(ddp, False, joined=True)
         ddp.require_forward_param_sync = should_sync
         if should_sync:
-            shadow_backward(reducer)
+            reducer.shadow_backward()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
@@ -83,6 +96,15 @@ def common_rank(ddp: JoinableDDP, candidate: bool) -> int:
     return int(rank.item())
 
 
+def join_divisor(ddp: JoinableDDP, join_work: dist.Work | None) -> int:
+    """The average's denominator for this forward: the world size, or under ``join(divide_by_initial_world_size=False)``
+    the ranks still training (the "not joined" all-reduce's sum: a host sync per forward, only there)."""
+    if join_work is None or ddp._divide_by_initial_world_size:
+        return dist.get_world_size(ddp.process_group)
+    join_work.wait()
+    return int(join_work.result()[0].item())
+
+
 def backward_sync_round(ddp: JoinableDDP, synced: bool, joined: bool) -> bool:
     """One all-reduce per forward inside join: does any training rank synchronise this backward?
 
@@ -96,31 +118,3 @@ def backward_sync_round(ddp: JoinableDDP, synced: bool, joined: bool) -> bool:
         return synced
     work.wait()
     return bool(flag.item() != 0)
-
-
-def shadow_backward(reducer: Any) -> None:
-    """A joined rank's stand-in for one backward: the same collectives, in the same order, with zeros."""
-    reducer.release_works(keep=False)  # as at a real backward's start
-    reducer._unalias_grads()
-    for bucket in reducer.buckets:
-        bucket.buffer.zero_()
-        if bucket.plan.sparse:
-            bucket.sparse = empty_sparse_like(bucket.params[0])  # nothing of its own: adds nothing to the sum
-    reducer._order.drain()
-    hooked, usage = reducer._flag_apart(), reducer.usage
-    # Where a training rank launches its status exchange right behind the buckets (``_finalize_backward``), so here.
-    launched = None if reducer._hook_one_in_flight() else usage.launch_status([], hooked, reducer.buckets[-1], reducer.process_group, joined=True)
-    fused = reducer._fused_now()
-    for bucket in reducer.buckets:
-        bucket.work.wait()
-    if fused is not None:  # the summed flag, cast back into the last bucket where the status read finds it
-        fused.finish(reducer.buckets[-1], True, False)
-    if reducer.nonfinite is not None:
-        reducer.nonfinite.after_wait(reducer.buckets, reducer.comm_hook is not None, hooked)  # a training rank's NaN ends here too
-    usage.exchange_status([], hooked, reducer.buckets[-1], reducer.process_group, joined=True, launched=launched)
-    reducer._reset()
-    reducer.rounds += 1
-    # As after a real backward: the training ranks rebuild their buckets at their next forward (a
-    # broadcast), so a rank that joined before its own first backward must rebuild alongside them.
-    if reducer._observed_order is not None and not reducer.buckets_rebuilt:
-        reducer.rebuild_pending = True

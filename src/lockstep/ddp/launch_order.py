@@ -14,28 +14,24 @@ as without a hook.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from lockstep.ddp.reducer_state import Bucket
 
 
 class LaunchOrder:
-    """Launches ``buckets`` through ``launch`` in index order as they become ready.
+    """Launches ``buckets`` through ``launch`` in index order as they become ready; one per backward.
 
-    ``one_in_flight()`` is read at each launch: True while a hook that may issue collectives from
-    its callbacks is registered.
+    ``one_in_flight``: a hook that may issue collectives from its callbacks is registered (the backward's plan).
     """
 
-    __slots__ = ("buckets", "_launch", "_one_in_flight", "ready", "next_index")
+    __slots__ = ("_launch", "_one_in_flight", "buckets", "next_index", "ready")
 
-    def __init__(self, buckets: Sequence[Bucket], launch: Callable[[Bucket], None], one_in_flight: Callable[[], bool]):
+    def __init__(self, buckets: Sequence[Bucket], launch: Callable[[Bucket], None], one_in_flight: bool):
         self.buckets = buckets
         self._launch = launch
         self._one_in_flight = one_in_flight
-        self.reset()
-
-    def reset(self) -> None:
-        self.ready = [False] * len(self.buckets)
+        self.ready = [False] * len(buckets)
         self.next_index = 0
 
     def mark_ready(self, index: int) -> None:
@@ -43,7 +39,7 @@ class LaunchOrder:
         self.ready[index] = True
         buckets, n = self.buckets, len(self.buckets)
         while self.next_index < n and self.ready[self.next_index]:
-            if self.next_index > 0 and self._one_in_flight() and not buckets[self.next_index - 1].work.done():
+            if self.next_index > 0 and self._one_in_flight and not buckets[self.next_index - 1].work.done():
                 break  # the previous hooked bucket is still in flight: drain() or a later ready bucket retries
             self._launch(buckets[self.next_index])
             self.next_index += 1
@@ -51,7 +47,7 @@ class LaunchOrder:
     def drain(self) -> None:
         """End of backward: launch every bucket still held back, each hooked one after the previous is done."""
         while self.next_index < len(self.buckets):
-            if self.next_index > 0 and self._one_in_flight():
+            if self.next_index > 0 and self._one_in_flight:
                 self.buckets[self.next_index - 1].work.wait()
             self._launch(self.buckets[self.next_index])
             self.next_index += 1

@@ -39,19 +39,20 @@ import ctypes
 import os
 import time
 import weakref
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 # Seconds after which gloo's worker has surely let go of a finished work. It lets go microseconds
 # after completion unless descheduled; this is many scheduler time slices on the most crowded machine.
 _SAFE_AFTER_S = 5.0
 
-_GRAVEYARD: "collections.deque[tuple[float, list[Any]]]" = collections.deque()
+_GRAVEYARD: collections.deque[tuple[float, list[Any]]] = collections.deque()
 # One reference that nothing ever drops: finalisation clears the module's globals, but the list and
 # the works in it stay alive until the process is gone.
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_GRAVEYARD))
 
 
-def bury(works: Iterable[Any], graveyard: "collections.deque" = _GRAVEYARD, clock: Any = time.monotonic,
+def bury(works: Iterable[Any], graveyard: collections.deque = _GRAVEYARD, clock: Any = time.monotonic,
          safe_after_s: float = _SAFE_AFTER_S) -> None:
     """Keep finished works (``Work`` objects or futures) alive for good; see the module docstring.
 
@@ -91,10 +92,17 @@ def remove_handles(handles: list) -> None:
     handles.clear()
 
 
-_LIVE_REDUCERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+class ExitingReducer(Protocol):
+    """What exit asks of a live reducer."""
+
+    def release_works(self, keep: bool = True) -> None: ...
+    def remove_hooks(self) -> None: ...
 
 
-def register_for_exit(reducer: Any) -> None:
+_LIVE_REDUCERS: weakref.WeakSet[ExitingReducer] = weakref.WeakSet()
+
+
+def register_for_exit(reducer: ExitingReducer) -> None:
     bury(())  # let go of what earlier, dropped reducers left
     if not _LIVE_REDUCERS:
         atexit.register(_release_at_exit)  # once per process while reducers exist; a second call is harmless

@@ -20,11 +20,14 @@ frozen afterwards (``requires_grad_(False)``) then breaks the step in one of two
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_module_registration_hook, register_module_parameter_registration_hook
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 REMEDY_REPLACED = "build DistributedDataParallel after changing the model (or wrap the changed model again)"
 REMEDY_FROZEN = "pass find_unused_parameters=True, or wrap the model again after freezing"
@@ -50,7 +53,7 @@ def _install_hooks() -> None:
 class ModuleChanges:
     """Compares the module's parameters now with those the reducer was built with (names as ``named_parameters``)."""
 
-    def __init__(self, module: nn.Module, params: Sequence[torch.Tensor], names: Sequence[str], ignored: Sequence[str]):
+    def __init__(self, module: nn.Module, params: Sequence[torch.Tensor], names: Sequence[str], ignored: Iterable[str]):
         self.module = module
         self.params = list(params)
         self.names = list(names)

@@ -22,7 +22,22 @@ Events, in order within one synchronised step:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
+
+
+class Observer(Protocol):
+    """What the reducer and the wrapper call: ``StepObserver``'s events (diagnostics, which sit below ``ddp``, match
+    it without importing it)."""
+
+    def forward_start(self) -> None: ...
+    def forward_end(self) -> None: ...
+    def backward_start(self) -> None: ...
+    def bucket_ready(self, bucket_index: int) -> None: ...
+    def bucket_launch(self, bucket_index: int, numel: int, seq: int) -> None: ...
+    def bucket_launched(self, bucket_index: int, seq: int) -> None: ...
+    def wait_start(self, bucket_index: int, seq: int) -> None: ...
+    def wait_end(self, bucket_index: int, seq: int) -> None: ...
+    def backward_end(self, step: int) -> None: ...
 
 
 class StepObserver:
@@ -40,7 +55,7 @@ class StepObserver:
 
 
 class _FanOut(StepObserver):
-    def __init__(self, observers: list[StepObserver]):
+    def __init__(self, observers: list[Observer]):
         self.observers = observers
 
     def __getattribute__(self, name: str) -> Any:
@@ -55,7 +70,7 @@ class _FanOut(StepObserver):
         return fan
 
 
-def attach(current: StepObserver | None, new: StepObserver) -> StepObserver:
+def attach(current: Observer | None, new: Observer) -> Observer:
     """``current`` and ``new`` together (either may be the only one)."""
     if current is None:
         return new
@@ -64,7 +79,7 @@ def attach(current: StepObserver | None, new: StepObserver) -> StepObserver:
     return _FanOut([current, new])
 
 
-def detach(current: StepObserver | None, old: StepObserver) -> StepObserver | None:
+def detach(current: Observer | None, old: Observer) -> Observer | None:
     """``current`` without ``old``."""
     if current is old:
         return None

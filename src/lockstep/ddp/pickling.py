@@ -7,15 +7,27 @@ again, without a trace (its files belong to the original).
 
 from __future__ import annotations
 
+from typing import Any, Protocol, cast
+
 import torch.distributed as dist
 
 from lockstep.ddp import diagnose
+from lockstep.ddp.config import DiagnosticsOptions
 
 
 def _default_group() -> dist.ProcessGroup:
     if not dist.is_initialized():
         raise RuntimeError("DistributedDataParallel: no default process group to load onto: call init_process_group first")
-    return dist.group.WORLD
+    return cast(dist.ProcessGroup, dist.group.WORLD)  # set once initialised
+
+
+class _Loadable(Protocol):
+    """The wrapper, as loading it needs it."""
+
+    process_group: dist.ProcessGroup
+    reducer: Any
+
+    def _build_reducer(self) -> Any: ...
 
 
 class Pickling:
@@ -33,8 +45,9 @@ class Pickling:
             state.pop(name, None)
         return state
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self: _Loadable, state: dict) -> None:
         self.__dict__.update(state)
         self.process_group = _default_group()
         self.reducer = self._build_reducer()
-        diagnose.setup(self, state.get("check_replicas_every"), state.get("detect_nonfinite", False), None, None)  # no trace
+        options = DiagnosticsOptions(state.get("check_replicas_every"), state.get("detect_nonfinite", False))
+        diagnose.setup(self, options)  # no trace: its files belong to the original

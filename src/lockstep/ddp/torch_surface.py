@@ -4,8 +4,8 @@ lockstep's ``DistributedDataParallel`` subclasses ``torch.nn.parallel.Distribute
 so that ``isinstance(m, torch.nn.parallel.DistributedDataParallel)`` holds (Accelerate unwraps
 and syncs by it, Lightning registers hooks and tears down by it), but it never runs torch's
 ``__init__``: there is no C++ reducer and no C++ logger behind it. So every method it would
-inherit from torch's class is either given lockstep's meaning here (``WrapperSurface``,
-``ReducerSurface``) or closed (``close_inherited``): reading it raises an AttributeError that
+inherit from torch's class is either given lockstep's meaning here (``WrapperSurface``; torch's ``Reducer``
+methods that libraries call are the lockstep ``Reducer``'s own) or closed (``close_inherited``): reading it raises an AttributeError that
 names the method and says why, instead of a confusing failure deep inside torch's code.
 """
 
@@ -18,6 +18,9 @@ import torch
 import torch.distributed as dist
 
 from lockstep.ddp.args import STATIC_WITH_FIND_UNUSED
+from lockstep.ddp.errors import error_for_log
+from lockstep.ddp.reducer import Reducer
+from lockstep.ddp.reducer_state import UsageTracker
 from lockstep.ddp.replicas import broadcast_coalesced, named_syncable_buffers
 
 # torch's methods that work unchanged on lockstep's wrapper (they read only attributes it has).
@@ -55,15 +58,11 @@ def close_inherited(cls: type, torch_cls: type) -> None:
             setattr(cls, name, _Closed(name))
 
 
-def error_for_log(error: BaseException) -> str:
-    """An error as torch's DDP logger records it: "<class 'TypeError'>: message"."""
-    return f"{type(error)}: {error}"
-
-
 class WrapperSurface:
     """torch's private wrapper methods that Lightning, Accelerate and torch's tests call, with lockstep's meaning."""
 
     broadcast_bucket_size = BROADCAST_BUCKET_BYTES
+    _buffer_hook: tuple[Any, Any, bool] | None = None  # (hook, state, before forward?): _register_buffer_comm_hook
 
     def _log_and_throw(self, error: BaseException) -> None:
         """Raise ``error``, noted first as torch's DDP notes an error it raises after construction: its logging
@@ -163,7 +162,7 @@ class WrapperSurface:
         Futures it returns are waited for at the end of the next backward, as torch's.
         """
         if not callable(hook):
-            raise AssertionError(f"hook must be callable, got {type(hook).__name__}")
+            raise AssertionError(f"hook must be callable, got {type(hook).__name__}")  # noqa: TRY004 (torch raises this)
         pre = getattr(comm_hook_location, "name", "POST_FORWARD") == "PRE_FORWARD"
         self._buffer_hook = (hook, state, pre)
 
@@ -221,40 +220,33 @@ class WrapperSurface:
         }
 
 
-class ReducerSurface:
-    """torch's ``Reducer`` methods that Lightning and Accelerate call on ``ddp.reducer``."""
+class TorchReducer(Reducer):
+    """The reducer with torch's ``Reducer`` methods that Lightning, Accelerate and torch's tests call on
+    ``ddp.reducer``, in lockstep's terms (each through the reducer's own public methods and state)."""
 
     def _rebuild_buckets(self) -> bool:
-        """Rebuild now if a rebuild is due (torch's returns whether it rebuilt). A no-op after lockstep's forward."""
-        if not self.rebuild_pending:
-            return False
-        self.rebuild_buckets()
-        return True
+        """Rebuild now if one is due; whether it rebuilt (a no-op after lockstep's own forward)."""
+        due = self.rebuild_pending
+        if due:
+            self.rebuild_buckets()
+        return due
 
     def prepare_for_backward(self, outputs: Any) -> None:
-        """Make the coming backward synchronised, as torch's: Accelerate's ``trigger_sync_in_backward``
-        calls it after a forward run under ``no_sync`` and Lightning's manual optimisation after every
-        forward. Idempotent after lockstep's own forward prepared the backward. ``outputs`` empty (as
-        both libraries pass it) means the used parameters are unknown: any that gets no gradient is
-        taken as unused, not as an error.
-        """
-        if self.expect_hooks:
-            return
-        tensors = [t for t in outputs if isinstance(t, torch.Tensor)] if isinstance(outputs, (list, tuple)) else outputs
-        self.prepare_after_forward(tensors if tensors else None)
+        """Make the coming backward synchronised (Accelerate after a ``no_sync`` forward, Lightning's manual
+        optimisation). ``outputs`` empty (as both pass it): the used parameters are unknown, so one that gets no
+        gradient is unused, not an error. Idempotent after lockstep's own forward."""
+        if not self.expect_hooks:
+            tensors = [t for t in outputs if isinstance(t, torch.Tensor)] if isinstance(outputs, (list, tuple)) else outputs
+            self.prepare_after_forward(tensors if tensors else None)
 
     def _ddp_graph_static(self) -> bool:
-        """torch's: with find_unused_parameters, False once the set of unused parameters differed from the last
-        iteration's (a hint that static_graph=True would not fit); True otherwise."""
+        """With find_unused_parameters, False once the unused set differed from the last iteration's."""
         return self.usage.graph_static
 
     def _delay_all_reduce(self) -> None:
-        """torch's first-iteration flush of a static graph (Lightning calls it after a manual backward).
-
-        Nothing is left to flush here: lockstep reduces every bucket by the end of the backward, first
-        iteration included, so this only checks that it is not called while a backward is running.
-        """
-        if self._callback_queued or self._hooks_fired:
+        """A static graph's first-iteration flush: nothing is left to flush here (every bucket is reduced by the end
+        of backward), so only a call inside a backward is refused."""
+        if self.step is not None:
             raise RuntimeError("Reducer._delay_all_reduce was called while a backward was running; call it after backward returns")
 
     def _set_static_graph(self) -> None:
@@ -264,10 +256,11 @@ class ReducerSurface:
                 "already ran a forward/backward. Pass static_graph=True to the constructor, or call it before the "
                 "first forward."
             )
-        self.usage = type(self.usage)(len(self.params), self.usage.find_unused, True)
+        self.usage = UsageTracker(len(self.params), self.usage.find_unused, True)
 
     def _check_reducer_finalized(self) -> None:
-        if self._hooks_fired or any(any(b.seen) for b in self.buckets):
+        step = self.step
+        if step is not None and (step.hooks_fired or any(any(b.seen) for b in self.buckets)):
             raise RuntimeError(
                 "Expected to have finished reduction in the prior iteration before starting a new one. The last "
                 "backward of this model stopped before every bucket was reduced."

@@ -11,39 +11,64 @@ each forward decides whether the coming backward is synchronised (not under
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
 from torch.distributed.algorithms.join import Join, Joinable
 
 from lockstep.comm_hooks.base import contract_error
-from lockstep.ddp.buckets import MIB, first_bucket_caps
-from lockstep.ddp.compiled import call_module, forward_outside_dynamo, skip_lockstep_in_dynamo
-from lockstep.ddp import diagnose
-from lockstep.ddp.autotune import resolve_auto
+from lockstep.ddp import buffer_sync, diagnose, module_changes
+from lockstep.ddp.args import (
+    ignored_names,
+    produces_sparse_gradient,
+    reject_module,
+    reject_unsupported,
+    resolve_buffer_sync,
+    resolve_group,
+    warn_like_torch,
+)
+from lockstep.ddp.compiled import (
+    call_module,
+    forward_outside_dynamo,
+    skip_lockstep_in_dynamo,
+)
+from lockstep.ddp.config import DEFAULT_DIRECT_MIN_BYTES, BucketCaps, DiagnosticsOptions
 from lockstep.ddp.fused_compress import fused_compression
-from lockstep.ddp.module_changes import GENERATION as CHANGES_GENERATION, ModuleChanges
-from lockstep.ddp.observe import attach
-from lockstep.diagnostics.progress import observer_for
-from lockstep.diagnostics.watchdog import FROM_ENV, resolve_hang_timeout, watch_for_hangs
-from lockstep.ddp.args import (caps_from_list, ignored_names, produces_sparse_gradient, reject_module, reject_unsupported,
-                               resolve_buffer_sync, resolve_group, warn_like_torch)
 from lockstep.ddp.graph import on_backward_start
-from lockstep.ddp.pickling import Pickling
+from lockstep.ddp.join import (
+    DDPJoinHook,
+    backward_sync_round,
+    common_rank,
+    join_divisor,
+)
+from lockstep.ddp.observe import attach
 from lockstep.ddp.optim_in_backward import take_over_optimizers_in_backward
-from lockstep.ddp.join import DDPJoinHook, backward_sync_round, common_rank
-from lockstep.ddp import buffer_sync
-from lockstep.ddp.replicas import broadcast_coalesced, syncable_buffers, verify_params_across_ranks
-from lockstep.ddp.reducer import DEFAULT_DIRECT_MIN_BYTES, Reducer
-from lockstep.ddp.torch_surface import WrapperSurface, close_inherited, closed_message, move_to
+from lockstep.ddp.pickling import Pickling
+from lockstep.ddp.replicas import (
+    broadcast_coalesced,
+    syncable_buffers,
+    verify_params_across_ranks,
+)
+from lockstep.ddp.torch_surface import (
+    TorchReducer,
+    WrapperSurface,
+    close_inherited,
+    closed_message,
+    move_to,
+)
+from lockstep.diagnostics.progress import observer_for
+from lockstep.diagnostics.watchdog import (
+    FROM_ENV,
+    resolve_hang_timeout,
+    watch_for_hangs,
+)
 
-DEFAULT_BUCKET_CAP_MB = 25.0
 
-
-class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedDataParallel):
+# torch's class is subclassed for isinstance only; two of lockstep's members differ in type from torch's stubs.
+class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedDataParallel):  # type: ignore[misc, override]
     """Data parallelism with bucketed all-reduce overlapped with backward.
 
     Args (as torch's):
@@ -154,15 +179,12 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         # torch's __init__ never runs (it would build torch's C++ reducer): the subclass is for isinstance.
         nn.Module.__init__(self)
         Joinable.__init__(self)
-        self._buffer_hook: tuple | None = None  # set by _register_buffer_comm_hook
+        self._buffer_hook = None  # set by _register_buffer_comm_hook
         self._lazy_init_done = False  # the first forward's set-up (optimizers in backward)
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
-        self._auto_buckets = resolve_auto(bucket_cap_mb, bucket_cap_mb_list)  # "auto": tuned over the first steps
-        if self._auto_buckets is not None:
-            bucket_cap_mb = None  # the first step runs with the default cap
-        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-            raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self._bucket_caps = BucketCaps.from_ddp_args(bucket_cap_mb, bucket_cap_mb_list)  # validated there
+        diagnostics = DiagnosticsOptions(check_replicas_every, detect_nonfinite, trace_dir, trace_steps)
         reject_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, skip_all_reduce_unused_params)
         warn_like_torch(check_reduction, static_graph, find_unused_parameters)
         process_group = resolve_group(process_group, device_mesh)
@@ -186,8 +208,8 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
-        self.bucket_bytes_cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MIB)
-        self._bucket_caps_bytes = caps_from_list(bucket_cap_mb_list)
+        self.bucket_bytes_cap = self._bucket_caps.bucket_bytes_cap  # torch's attribute (dynamo reads it)
+        self._bucket_caps_bytes = self._bucket_caps.caps_bytes
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
@@ -205,36 +227,31 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             verify_params_across_ranks(named_params, process_group)
             buffers = syncable_buffers(module, self.parameters_to_ignore) if init_sync_buffers else []
             broadcast_coalesced([p for _, p in named_params] + buffers, process_group)
-        self.detect_nonfinite = bool(detect_nonfinite)  # read by _build_reducer (diagnose.setup sets it too)
+        self.detect_nonfinite = diagnostics.detect_nonfinite  # read by _build_reducer (diagnose.setup sets it too)
         self.reducer = self._build_reducer()
-        diagnose.setup(self, check_replicas_every, detect_nonfinite, trace_dir, trace_steps)
+        diagnose.setup(self, diagnostics)
         skip_lockstep_in_dynamo()  # where a script compiled before wrapping (else at its first compiled forward)
 
-    def _build_reducer(self) -> Reducer:
+    def _build_reducer(self) -> TorchReducer:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
         view = self.gradient_as_bucket_view
         if view is None and getattr(self, "detect_nonfinite", False):
             # The non-finite check raises before the averages reach .grad; with .grad in the bucket they
             # would be there already. Copies keep its promise (a debugging mode: the copy back is its cost).
             view = False
-        cap = max(1, self.bucket_bytes_cap)
-        first, rebuilt_first = first_bucket_caps(self.device.type, dist.get_world_size(self.process_group), cap, self.small_first_bucket)
-        reducer = Reducer(
+        caps = self._bucket_caps.for_machine(self.device.type, dist.get_world_size(self.process_group),
+                                             self.small_first_bucket, self.direct_min_bytes)
+        reducer = TorchReducer(
             [p for _, p in named],
             [n for n, _ in named],
             self.process_group,
-            bucket_cap_bytes=cap,
-            first_bucket_bytes=first,
-            rebuilt_first_bucket_bytes=rebuilt_first,
+            caps,
             gradient_as_bucket_view=view,
-            bucket_caps_bytes=self._bucket_caps_bytes,
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
-            auto_buckets=self._auto_buckets,
-            direct_min_bytes=self.direct_min_bytes,
             sparse=[produces_sparse_gradient(self.module, n) for n, _ in named],
         )
-        reducer.module_changes = ModuleChanges(self.module, reducer.params, reducer.names, self.parameters_to_ignore)
+        reducer.module_changes = module_changes.ModuleChanges(self.module, reducer.params, reducer.names, self.parameters_to_ignore)
         if watch_for_hangs(self.process_group, getattr(self, "hang_timeout_s", None)):
             reducer.observer = attach(reducer.observer, observer_for(reducer))  # the watchdog reads its progress
         return reducer
@@ -255,7 +272,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         if observer is not None:
             observer.forward_start()
         changes = self.reducer.module_changes
-        if changes is not None and changes.seen != CHANGES_GENERATION[0]:  # a module or parameter assigned somewhere
+        if changes is not None and changes.seen != module_changes.GENERATION[0]:  # a module or parameter assigned somewhere
             changes.warn_not_averaged()  # a layer added or replaced after construction would never be averaged
         if not self._lazy_init_done:
             # As torch's lazy init: _apply_optimizer_in_backward may be called after construction.
@@ -264,7 +281,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         in_join = self._join_config.enable  # inside model.join() (torch's flag; it stays set after, as torch's)
         join_work = Join.notify_join_context(self) if in_join else None  # every forward, as torch
         if synced:
-            self.reducer.divisor = self._join_divisor(join_work)
+            self.reducer.divisor = join_divisor(self, join_work)
             self.reducer.prepare_for_forward()  # before any other collective of this iteration
             if self._replica_check is not None and not in_join:  # inside join() a joined rank would not come
                 self._replica_check.maybe_check(self.reducer.num_syncs)
@@ -283,7 +300,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             # Under join: from a rank still training, waited for here (the join's own collectives come next).
             src = (lambda: common_rank(self, True)) if in_join else (lambda: 0)  # asked only where there are buffers
             pending = buffer_sync.sync_buffers(self.module, self.parameters_to_ignore, self.process_group, src, not in_join)
-        elif sync_buffers and buffer_hook[2]:
+        elif sync_buffers and buffer_hook is not None and buffer_hook[2]:
             self._run_buffer_hook()
         if in_join:
             backward_sync_round(self, synced, joined=False)
@@ -304,20 +321,13 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             on_backward_start(outputs, self.reducer.on_backward_start)
         return outputs
 
-    @property
-    def _sync_buffers(self) -> list[torch.Tensor]:
+    @property  # torch's is a method; every caller here reads the buffers
+    def _sync_buffers(self) -> list[torch.Tensor]:  # type: ignore[override]
         """The module's buffers to broadcast, read afresh: a reassigned buffer is the new tensor (as torch)."""
         return syncable_buffers(self.module, self.parameters_to_ignore)
 
     def _will_sync_buffers(self) -> bool:
         return self.forward_sync_buffers and dist.get_world_size(self.process_group) > 1 and bool(self._sync_buffers)
-
-    def _join_divisor(self, join_work: Any) -> int:
-        world_size = dist.get_world_size(self.process_group)
-        if join_work is None or self._divide_by_initial_world_size:
-            return world_size
-        join_work.wait()  # a host sync per forward, only under join(divide_by_initial_world_size=False)
-        return int(join_work.result()[0].item())
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
