@@ -19,7 +19,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 from lockstep.launch import flags
 from lockstep.launch.agent import (
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
     LOOPBACK_ADDR,
     LaunchOptions,
     RendezvousFailed,
@@ -47,6 +46,9 @@ _MULTI_NODE_DEFAULT_PORT = 29500
 def default_nproc_per_node() -> int:
     """``auto``: one worker per GPU when CUDA is available, otherwise 2 CPU workers."""
     return flags.parse_nproc("auto")
+
+
+_build_parser = flags.build_parser  # the parser's old home: tests and helpers import it from here
 
 
 def _fixed_nnodes(value: str | None) -> int | None:

@@ -67,7 +67,9 @@ class RankLogsSpecs(DefaultLogsSpecs):
         rank = env.get("RANK", f"local {local_rank}")
         reason = f"worker rank {rank} failed ({describe_exit(exitcode)})"
         if self.last_dest is not None:
-            error = exception_line(_tail(self.last_dest.stderrs.get(local_rank), 40), rank)
+            tail = _strip_prefix(_tail(self.last_dest.stderrs.get(local_rank), 40), rank)
+            # its exception, else its last words (a script that printed why and called sys.exit)
+            error = exception_line(tail, rank) or next((line.strip() for line in reversed(tail) if line.strip()), "")
             if error:
                 reason += f": {error}"
         return reason
@@ -286,7 +288,7 @@ def failure_report(
         where = _innermost_frame(text)
         if where:
             out.append(f"    {where}")
-        out.append(f"  (rank {rank}'s full traceback is above, prefixed [rank{rank}]:)")
+        out.append("  (the full traceback is above)")
     elif text:
         out.append(f"  rank {rank}'s error:")
         out += [f"    {line}" for line in text[-tail_lines:]]
