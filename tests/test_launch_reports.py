@@ -97,33 +97,45 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
-def test_workers_die_within_seconds_of_a_kill_9_of_the_launcher():
-    launcher = subprocess.Popen([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2",
-                                 script("forever.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=clean_env(), cwd=HERE)
-    pids: list[int] = []
+def test_workers_die_within_seconds_of_a_kill_9_of_the_launcher(tmp_path):
+    # lockstep launch with a plain script (the parent-death guard, launch/orphan.py), and torchrun with a
+    # lockstep DDP script (its watchdog notices the agent is gone): both at once, each killed with SIGKILL.
+    commands = {
+        "lockstep launch": [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", script("forever.py")],
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--log-dir",
+                     str(tmp_path), "--tee", "3", script("ddp_forever.py")],
+    }
+    launchers = {name: subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                        env=clean_env(), cwd=HERE) for name, argv in commands.items()}
+    pids: dict[str, list[int]] = {name: [] for name in commands}
     try:
-        deadline = time.monotonic() + 90
-        while len(pids) < 2 and time.monotonic() < deadline:
-            line = launcher.stdout.readline()
-            match = re.search(r"worker pid (\d+)", line)
-            if match:
-                pids.append(int(match.group(1)))
-        assert len(pids) == 2, "the workers did not start"
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait(timeout=10)
+        for name, launcher in launchers.items():
+            deadline = time.monotonic() + 120
+            while len(pids[name]) < 2 and time.monotonic() < deadline:
+                match = re.search(r"worker pid (\d+)", launcher.stdout.readline())
+                if match:
+                    pids[name].append(int(match.group(1)))
+            assert len(pids[name]) == 2, f"{name}: the workers did not start"
+        for launcher in launchers.values():
+            launcher.send_signal(signal.SIGKILL)
+            launcher.wait(timeout=10)
         deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(_alive(p) for ps in pids.values() for p in ps) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(p) for p in pids), f"workers {pids} outlived their launcher by 10 s"
+        for name, ps in pids.items():
+            assert not any(_alive(p) for p in ps), f"{name}: workers {ps} outlived their launcher by 10 s"
+        # the torchrun workers said why they stopped, in one line each, in their logs
+        logs = "".join(p.read_text() for p in tmp_path.glob("*/attempt_0/*/stderr.log"))
+        assert logs.count("its launcher (pid") == 2 and "is gone; stopping this worker" in logs, logs[-2000:]
     finally:
-        for pid in pids:  # never leave a worker behind, whatever failed
+        for pid in (p for ps in pids.values() for p in ps):  # never leave a worker behind, whatever failed
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        if launcher.poll() is None:
-            launcher.kill()
+        for launcher in launchers.values():
+            if launcher.poll() is None:
+                launcher.kill()
 
 
 def test_console_shows_one_prefix_and_a_traceback_every_rank_raised_once(capsys):
