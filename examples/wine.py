@@ -13,11 +13,13 @@ and add ``--resume`` to continue from the newest checkpoint in ``--out``.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 from torch import nn
 
 import lockstep
+from lockstep.train import RunConflictError
 from lockstep.train.data import wine_datasets
 
 
@@ -28,7 +30,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--out", default="runs/wine", help="checkpoints and metrics.jsonl go here")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    again.add_argument("--overwrite", action="store_true", help="start a new run in --out, deleting the run there")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -45,7 +49,7 @@ def main() -> None:
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
         config = lockstep.TrainerConfig(
             epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, checkpoint_dir=args.out,
-            keep_last=3, metrics_path=f"{args.out}/metrics.jsonl", progress=False,
+            keep_last=3, metrics_path=f"{args.out}/metrics.jsonl", progress=False, overwrite=args.overwrite,
         )
 
         def every_few_epochs(trainer: lockstep.Trainer, record: dict) -> None:
@@ -59,7 +63,13 @@ def main() -> None:
                                    on_epoch_end=every_few_epochs)
         if args.resume:  # the same as TrainerConfig(resume=True), but we can say where from
             log.info("resuming from %s", trainer.load_latest() or "nothing (no checkpoint yet)")
-        summary = trainer.fit()
+        try:
+            summary = trainer.fit()
+        except RunConflictError as e:  # --out holds another run: every rank stops here, before step 1
+            if env.rank == 0:
+                print(f"wine.py: {e.directory} holds checkpoints of another run ({', '.join(p.name for p in e.files)}): "
+                      f"continue it with --resume, choose a new --out, or replace it with --overwrite", file=sys.stderr)
+            raise SystemExit(2) from None
         accuracy = trainer.evaluate()["eval_accuracy"]  # also right when a resumed run had no epoch left
         if env.rank == 0:
             print(f"{env.world_size} ranks, {summary['steps']} steps, {summary['samples_per_s']:.0f} samples/s")

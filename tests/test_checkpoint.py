@@ -171,3 +171,15 @@ def _full_disk_case(directory):
     assert info.value.errno in (errno.ENOSPC, errno.EFBIG)
     assert sorted(p.name for p in directory.iterdir()) == ["ckpt-000000001.meta.json", "ckpt-000000001.pt"]
     assert ckpt.verify(small) is None
+
+
+def test_prune_looks_only_at_its_own_runs_checkpoints(tmp_path):
+    # issue 28, item 1: a 1-epoch run (step 23) into the folder of a 2-epoch run (step 46) deleted its own
+    # checkpoint and kept the old run's, since pruning kept the newest step across runs
+    ckpt.save_atomic({"format": ckpt.FORMAT, "step": 46, "run_id": "old"}, ckpt.checkpoint_path(tmp_path, 46))
+    ckpt.save_atomic({"format": ckpt.FORMAT, "step": 12, "run_id": "new"}, ckpt.checkpoint_path(tmp_path, 12))
+    ckpt.save_atomic({"format": ckpt.FORMAT, "step": 23, "run_id": "new"}, ckpt.checkpoint_path(tmp_path, 23))
+    assert ckpt.checkpoint_run_id(ckpt.checkpoint_path(tmp_path, 23)) == "new"
+    deleted = ckpt.prune_checkpoints(tmp_path, keep_last=1, run_id="new")
+    assert [p.name for p in deleted] == ["ckpt-000000012.pt"]
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [23, 46]  # its own newest and the other run's

@@ -58,3 +58,20 @@ def test_demo_rejects_bad_arguments(capsys):
     assert "--nproc must be >= 1, got 0" in capsys.readouterr().err
     assert cli_main(["--lr", "-1"]) == 2
     assert "--lr must be > 0" in capsys.readouterr().err
+
+
+def test_a_second_run_into_the_same_folder_stops_before_training(demo_run):
+    # issue 28, item 1: `lockstep demo --epochs 1 --out runs/d` after a 2-epoch run there deleted its own
+    # checkpoint and kept the old run's (pruning by step across runs), with nothing said
+    out, first = demo_run
+    assert first.returncode == 0, first.stderr
+    before = [(step, path.read_bytes()) for step, path in list_checkpoints(out)]
+    proc = subprocess.run([sys.executable, "-m", "lockstep", "demo", "--epochs", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "[rank" not in proc.stdout + proc.stderr  # no rank was started
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"lockstep demo: {out} holds checkpoints of another run")
+    assert f"ckpt-{before[-1][0]:09d}.pt" in line
+    assert "--resume" in line and "a new --out" in line and "--overwrite" in line
+    assert [(step, path.read_bytes()) for step, path in list_checkpoints(out)] == before  # untouched

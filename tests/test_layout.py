@@ -1,9 +1,9 @@
 """The package's parts depend on each other one way only, with no import cycles, and every public
-name the README shows imports.
+name the README and the docs show imports.
 
 Imports are read from the source (ast), lazy ones inside functions included, so a wrong-way import
-fails here before it can become a cycle at run time. The layers are the table in the README's
-"Layout" section; a part may import only parts on a lower layer.
+fails here before it can become a cycle at run time. The layers are the table in the "Layout" section
+of docs/architecture.md; a part may import only parts on a lower layer.
 """
 
 from __future__ import annotations
@@ -138,19 +138,22 @@ def test_modules_stay_readable():
     assert not long, f"modules over 400 lines: {long}"
 
 
-def test_readme_layout_table_matches_layers():
-    text = (ROOT / "README.md").read_text()
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_architecture_layout_table_matches_layers():
+    text = (ROOT / "docs" / "architecture.md").read_text()
     section = text[text.index("## Layout"):]
     for part, layer in LAYERS.items():
         if part.startswith("__") or part == "cli":
             continue
         if (PACKAGE / part).is_dir() or (PACKAGE / f"{part}.py").exists():
-            assert re.search(rf"^\| {layer} \|[^|]*\b{part}\b", section, re.M), f"README layout table: {part} on layer {layer}"
+            assert re.search(rf"^\| {layer} \|[^|]*\b{part}\b", section, re.M), f"docs/architecture.md layout table: {part} on layer {layer}"
 
 
 def readme_names() -> list[str]:
-    """Every dotted ``lockstep.*`` name and every ``from lockstep... import ...`` the README shows."""
-    text = (ROOT / "README.md").read_text()
+    """Every dotted ``lockstep.*`` name and every ``from lockstep... import ...`` the README and docs/ show."""
+    text = "\n".join(page.read_text() for page in DOC_PAGES)
     names = set(re.findall(r"\blockstep(?:\.[A-Za-z_]\w*)+", text))
     for module, parenthesised, single in re.findall(r"from (lockstep[\w.]*) import (?:\(([^)]*)\)|(.*))", text):
         imported = re.sub(r"#.*", "", parenthesised or single)

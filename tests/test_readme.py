@@ -20,3 +20,16 @@ def test_readme_opens_with_setup_and_main_job_then_tests():
 def test_ci_runs_the_readme_test_command():
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
     assert _readme_commands()[1] in ci
+
+
+def test_readme_stays_a_two_minute_read_and_its_links_resolve():
+    # STYLE.md: the README is a newcomer's first two minutes; the rest lives in docs/ (the MkDocs site).
+    text = open(os.path.join(ROOT, "README.md")).read()
+    assert text.count("\n") <= 150, f"README.md has {text.count(chr(10))} lines; move detail to docs/"
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    assert any(link.startswith("docs/") for link in links)
+    missing = [link for link in links if "://" not in link and not os.path.exists(os.path.join(ROOT, link))]
+    assert not missing, f"README links to files that do not exist: {missing}"
+    # mkdocs.yml's nav lists every page the README links to (mkdocs --strict checks the pages' own links).
+    nav = open(os.path.join(ROOT, "mkdocs.yml")).read()
+    assert all(os.path.basename(link) in nav for link in links if link.startswith("docs/") and link.endswith(".md"))

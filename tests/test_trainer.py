@@ -105,6 +105,7 @@ def _scenarios(rank, world_size, root):
     out["b_params"] = _params(resumed_b.model)
     out["b_resumed_from"] = str(resumed_b.resumed_from)
     out["b_summary"] = summary_b
+    out["b_run_ids"] = (crashed.run_id, resumed_b.run_id)
     # 3. checkpoint exactly at an epoch's last step (5 steps per epoch), crash in the next epoch
     _train(os.path.join(root, "c"), crash_at=8, save_every_steps=5)
     resumed_c, _ = _train(os.path.join(root, "c"), init_seed=98, resume=True, save_every_steps=5)
@@ -166,6 +167,30 @@ def _scenarios(rank, world_size, root):
     except ValueError as e:
         out["world_size_error"] = str(e)
     out.update(_fault_scenarios(rank, root))
+    out.update(_run_identity_scenarios(rank, root))
+    return out
+
+
+def _run_identity_scenarios(rank, root):
+    """Issue 28, item 1: two runs into one checkpoint_dir (the old tree let the second delete its own newest
+    checkpoint, keep the first run's, and mix both runs' metrics)."""
+    from lockstep.train.checkpoint import checkpoint_run_id
+    from lockstep.train.metrics import select_run
+
+    out, h_dir = {}, os.path.join(root, "h")
+    first, _ = _train(h_dir, max_steps=4, save_every_steps=2, keep_last=1)
+    out["h_first"] = (first.run_id, [(s, checkpoint_run_id(p)) for s, p in list_checkpoints(h_dir)])
+    try:  # a shorter new run into the same folder: stops before its first step, on every rank
+        again, _ = _train(h_dir, max_steps=2, save_every_steps=1, keep_last=1)
+        out["h_conflict"] = (None, again.step)
+    except Exception as e:
+        out["h_conflict"] = (f"{type(e).__name__}: {e}", [str(f) for f in getattr(e, "files", [])])
+    out["h_after_conflict"] = [(s, checkpoint_run_id(p)) for s, p in list_checkpoints(h_dir)]
+    second, _ = _train(h_dir, max_steps=2, save_every_steps=1, keep_last=1, overwrite=True)
+    out["h_second"] = (second.run_id, [(s, checkpoint_run_id(p)) for s, p in list_checkpoints(h_dir)])
+    records = read_metrics(os.path.join(h_dir, "metrics.jsonl")) if rank == 0 else []
+    out["h_metrics_runs"] = sorted({r.get("run") for r in records})
+    out["h_selected"] = [(r["event"], r["step"], r["run"]) for r in select_run(records)]
     return out
 
 
@@ -444,6 +469,40 @@ def test_unwritable_checkpoint_dir_fails_every_rank_before_training(results):
         assert error.startswith("CheckpointSaveError: [Errno 30] TrainerConfig.checkpoint_dir ")
         assert "read-only is not writable: Read-only file system" in error
         assert "checked by global rank 0 before training" in error
+
+
+# ---------------------------------------------------------------- run identity (issue 28, item 1)
+
+
+def test_a_new_run_never_deletes_or_mixes_with_another_runs_checkpoints(results):
+    _, out = results
+    first_id, first_ckpts = out[0]["h_first"]
+    assert first_ckpts == [(4, first_id)]  # keep_last=1 of its own run; the metadata names the run
+    for rank in range(2):
+        assert out[rank]["h_first"][0] == first_id  # rank 0's id, on every rank
+        error, files = out[rank]["h_conflict"]
+        assert error is not None, f"rank {rank}: the second run trained {files} steps into the first run's folder"
+        assert error.startswith("RunConflictError: ") and "h holds checkpoints of another run" in error
+        assert f"run {first_id}: ckpt-000000004.pt" in error
+        assert "TrainerConfig.resume=True" in error and "another checkpoint_dir" in error
+        assert "TrainerConfig.overwrite=True" in error and "\n" not in error
+        assert [os.path.basename(f) for f in files] == ["ckpt-000000004.pt"]
+    assert out[0]["h_after_conflict"] == first_ckpts  # nothing deleted, nothing written
+    second_id, second_ckpts = out[0]["h_second"]
+    assert second_id != first_id and second_ckpts == [(2, second_id)]  # overwrite: the first run's are gone
+    # metrics: both runs' lines stay in the file, each named; select_run keeps the new run's only
+    assert out[0]["h_metrics_runs"] == sorted([first_id, second_id])
+    selected = out[0]["h_selected"]
+    assert selected[0] == ("start", 0, second_id) and {run for _, _, run in selected} == {second_id}
+    assert [step for event, step, _ in selected if event == "train"] == [1, 2]
+
+
+def test_a_resumed_run_keeps_its_run_id(results):
+    _, out = results
+    for rank in range(2):
+        crashed_id, resumed_id = out[rank]["b_run_ids"]
+        assert crashed_id and resumed_id == crashed_id
+    assert out[0]["b_run_ids"] == out[1]["b_run_ids"]
 
 
 def test_dataset_smaller_than_the_world_is_refused(results):

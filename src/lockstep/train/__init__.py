@@ -4,6 +4,7 @@ from lockstep.train.checkpoint_files import CheckpointSaveError
 from lockstep.train.config import TrainerConfig
 from lockstep.train.departures import PeerLeft
 from lockstep.train.preempt import REQUEUE_EXIT_CODE, Preempted
+from lockstep.train.run_identity import RunConflictError
 from lockstep.train.trainer import Trainer
 
-__all__ = ["CheckpointSaveError", "PeerLeft", "Preempted", "REQUEUE_EXIT_CODE", "Trainer", "TrainerConfig"]
+__all__ = ["CheckpointSaveError", "PeerLeft", "Preempted", "REQUEUE_EXIT_CODE", "RunConflictError", "Trainer", "TrainerConfig"]

@@ -25,6 +25,7 @@ from lockstep.train.checkpoint_files import (  # noqa: F401  (re-exported: the p
     UNFINISHED,
     CheckpointSaveError,
     checkpoint_path,
+    checkpoint_run_id,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -97,7 +98,7 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
     path, status = None, [None]
     if trainer.is_writer:
         scheduler = trainer.scheduler
-        payload = {"format": FORMAT, "step": trainer.step, "epoch": trainer.epoch,
+        payload = {"format": FORMAT, "run_id": trainer.run_id, "step": trainer.step, "epoch": trainer.epoch,
                    "batches_done": trainer.batches_done, "world_size": trainer.world_size,
                    "model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
                    "scheduler": scheduler.state_dict() if scheduler is not None else None, "ranks": gathered}
@@ -109,7 +110,7 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
             status = [str(e) if isinstance(e, CheckpointSaveError) else f"checkpoint {directory}: {type(e).__name__}: {e}"]
         if path is not None:
             try:
-                prune_checkpoints(directory, trainer.config.keep_last)
+                prune_checkpoints(directory, trainer.config.keep_last, run_id=trainer.run_id)  # this run's only
             except OSError as e:  # the new checkpoint is safe; an old one that will not go is only untidy
                 warnings.warn(f"lockstep: could not delete an old checkpoint in {directory}: {e}", CheckpointWarning)
     dist.broadcast_object_list(status, src=0, group=trainer.group)
@@ -129,23 +130,28 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
 def open_writer_files(trainer):
     """Global rank 0 checks the checkpoint directory (a probe file; stale temporaries removed) and opens the
     metrics file; a failure there ends every rank alike when the Trainer is built (one small collective),
-    not rank 0 alone with the others left waiting in their first step. Returns the MetricsLog."""
+    not rank 0 alone with the others left waiting in their first step. The same broadcast carries rank 0's
+    new run id to every rank (``trainer.run_id``; a resume replaces it with the checkpoint's). Returns the
+    MetricsLog."""
     from lockstep.train.metrics import MetricsLog
+    from lockstep.train.run_identity import new_run_id
 
-    cfg, status, metrics = trainer.config, [None], MetricsLog(None, enabled=False)
+    cfg, status, metrics = trainer.config, [None, None], MetricsLog(None, enabled=False)
     if trainer.is_writer:
+        status[1] = new_run_id()
         try:
             if cfg.checkpoint_dir:
                 probe_writable(cfg.checkpoint_dir)
                 remove_stale_temporaries(cfg.checkpoint_dir)  # left by a writer killed mid-save
             metrics = MetricsLog(cfg.metrics_path, enabled=True)
         except CheckpointSaveError as e:
-            status = [str(e)]
+            status[0] = str(e)
         except OSError as e:
-            status = [f"TrainerConfig.metrics_path {cfg.metrics_path} cannot be opened for writing: {e}"]
+            status[0] = f"TrainerConfig.metrics_path {cfg.metrics_path} cannot be opened for writing: {e}"
     dist.broadcast_object_list(status, src=0, group=trainer.group)
     if status[0] is not None:
         raise CheckpointSaveError(status[0])
+    trainer.run_id = status[1]
     return metrics
 
 
@@ -202,6 +208,8 @@ def load_trainer_checkpoint(trainer) -> str | None:
     if trainer.scheduler is not None:
         trainer.scheduler.load_state_dict(payload["scheduler"])
     trainer.step, trainer.epoch, trainer.batches_done = payload["step"], payload["epoch"], payload["batches_done"]
+    if payload.get("run_id"):  # the resumed run is that run: its later checkpoints and metrics lines join it
+        trainer.run_id = payload["run_id"]
     trainer._saved_step = trainer.step
     mine = payload["ranks"][trainer.rank]
     trainer.sampler.load_state_dict(mine["sampler"])

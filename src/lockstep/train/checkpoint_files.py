@@ -1,7 +1,7 @@
 """Checkpoint files that cannot be lost: atomic writes, a checksum beside each file, the newest good one found.
 
 A checkpoint is two files: ``ckpt-<step>.pt`` (plain ``torch.save``; ``torch.load`` reads it
-anywhere) and ``ckpt-<step>.meta.json`` (its size and SHA-256, the step, the format). The
+anywhere) and ``ckpt-<step>.meta.json`` (its size and SHA-256, the step, the format, the run id). The
 metadata is written last, so it is the commit record: a ``.pt`` without one never finished
 saving. Integrity is decided by the checksum before anything is unpickled, so a flipped
 byte, a truncated or zero-length file and a half-written one are all told apart from a
@@ -149,7 +149,7 @@ def save_atomic(payload: dict, path: str | os.PathLike, kill: KillPoint | None =
         os.replace(tmp, path)
         maybe_kill(kill, "ckpt_meta", step)
         meta = {"format": FORMAT, "file": path.name, "step": step, "nbytes": writer.nbytes,
-                "sha256": writer.sha256.hexdigest()}
+                "sha256": writer.sha256.hexdigest(), "run_id": payload.get("run_id")}  # run_identity.py
         _write_durably(meta_path(path), (json.dumps(meta, indent=1) + "\n").encode())
     except BaseException as e:
         tmp.unlink(missing_ok=True)
@@ -207,11 +207,24 @@ def newest_good_checkpoint(directory: str | os.PathLike) -> tuple[Path | None, l
     return None, skipped
 
 
-def prune_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` checkpoints (and their metadata); returns what was deleted."""
+def checkpoint_run_id(path: str | os.PathLike) -> str | None:
+    """The run id in a checkpoint's metadata; None for a checkpoint written before run ids, or unreadable metadata."""
+    try:
+        run_id = json.loads(meta_path(path).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run_id if isinstance(run_id, str) else None
+
+
+def prune_checkpoints(directory: str | os.PathLike, keep_last: int, run_id: str | None = None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints of run ``run_id`` (and their metadata); returns them.
+
+    Only that run's checkpoints are looked at (``run_id`` None: those without a run id): another
+    run's files in the same folder are never deleted, and keep_last >= 1 keeps the run's newest.
+    """
     if keep_last < 1:
         raise ValueError(f"prune_checkpoints: keep_last must be >= 1, got {keep_last}")
-    found = list_checkpoints(directory)
+    found = [(step, path) for step, path in list_checkpoints(directory) if checkpoint_run_id(path) == run_id]
     doomed = [path for _, path in found[:-keep_last]]
     for path in doomed:
         path.unlink(missing_ok=True)

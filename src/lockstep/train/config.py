@@ -26,6 +26,9 @@ class TrainerConfig:
     save_every_steps: int | None = None  # checkpoint every N optimizer steps (and always at the end)
     keep_last: int = 3  # checkpoints kept; older ones are deleted
     resume: bool = False  # continue from the newest checkpoint in checkpoint_dir, if there is one
+    # a new run in a checkpoint_dir holding another run's checkpoints stops before training (run_identity.py);
+    # overwrite=True deletes those checkpoints instead (global rank 0, before the first step)
+    overwrite: bool = False
     metrics_path: str | None = None  # JSON lines written by global rank 0
     log_every_steps: int = 10  # a metrics line every N steps
     progress: bool = True  # a tqdm bar on global rank 0
@@ -72,6 +75,9 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.trace_steps must be (first, last) with 1 <= first <= last, got {steps!r}")
         if self.on_save_error not in ("raise", "continue"):
             raise ValueError(f"TrainerConfig.on_save_error must be 'raise' or 'continue', got {self.on_save_error!r}")
-        for name in ("resume", "save_every_steps"):
+        if self.resume and self.overwrite:
+            raise ValueError("TrainerConfig.resume and TrainerConfig.overwrite exclude each other: "
+                             "resume continues the run in checkpoint_dir, overwrite replaces it")
+        for name in ("resume", "save_every_steps", "overwrite"):
             if getattr(self, name) and self.checkpoint_dir is None:
                 raise ValueError(f"TrainerConfig.{name} needs TrainerConfig.checkpoint_dir to be set")

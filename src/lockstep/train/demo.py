@@ -43,7 +43,8 @@ def _print_epoch(trainer, record: dict) -> None:
               f"samples/s {record['samples_per_s']:.0f}", flush=True)
 
 
-def train_worker(out_dir: str, epochs: int, batch_size: int, lr: float, seed: int) -> dict:
+def train_worker(out_dir: str, epochs: int, batch_size: int, lr: float, seed: int, resume: bool = False,
+                 overwrite: bool = False) -> dict:
     """One rank of the demo (module-level: the launcher's workers import it by name)."""
     from lockstep.process_group import init, shutdown
     from lockstep.train.data import digits_datasets
@@ -58,12 +59,15 @@ def train_worker(out_dir: str, epochs: int, batch_size: int, lr: float, seed: in
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
         config = TrainerConfig(
             epochs=epochs, batch_size=batch_size, seed=seed, checkpoint_dir=out_dir, keep_last=1,
+            resume=resume, overwrite=overwrite,
             metrics_path=os.path.join(out_dir, "metrics.jsonl"), log_every_steps=5,
             progress=True,  # off a terminal (under the launcher) a line per epoch and every 10 s, with step time
         )
         trainer = Trainer(model, optimizer, nn.functional.cross_entropy, train_data, test_data, config,
                                    device=torch.device("cpu"), on_epoch_end=_print_epoch)
         summary = trainer.fit()
+        if not trainer.history:  # a resumed run with no epoch left: evaluate what it has
+            summary["eval_accuracy"] = trainer.evaluate()["eval_accuracy"]
         comm = trainer.comm_report()
         if env.rank == 0:
             print(f"{env.world_size} ranks, {summary['samples_per_s']:.0f} samples/s; "
@@ -83,7 +87,10 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
 
     from lockstep.train.metrics import read_metrics
 
-    epochs = {r["epoch"]: r for r in read_metrics(metrics_path) if r.get("event") == "epoch"}  # last wins
+    from lockstep.train.metrics import select_run
+
+    # this run's records only (an older run in the same file is another curve); a resumed epoch: last wins
+    epochs = {r["epoch"]: r for r in select_run(read_metrics(metrics_path)) if r.get("event") == "epoch"}
     xs = [e + 1 for e in sorted(epochs)]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.5))
     ax_loss.plot(xs, [epochs[e]["train_loss"] for e in sorted(epochs)], marker="o", label="train")
@@ -105,6 +112,10 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="samples per step per rank (default 32)")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, default=0)
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
+    again.add_argument("--overwrite", action="store_true",
+                       help="start a new run in --out, deleting the checkpoints of the run there")
     ns = p.parse_args(list(argv))
     for name in ("nproc", "epochs", "batch_size"):
         if getattr(ns, name) < 1:
@@ -124,11 +135,20 @@ def cli_main(argv: Sequence[str]) -> int:
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = Path(ns.out) if ns.out else Path("runs") / stamp
+    if not (ns.resume or ns.overwrite):  # checked here too, so the answer comes before any rank starts
+        from lockstep.train.run_identity import conflict_message, foreign_checkpoints
+
+        foreign = foreign_checkpoints(out_dir, None)
+        if foreign:
+            print("lockstep demo: " + conflict_message(out_dir, foreign, "continue it with --resume, choose a new "
+                                                       "--out, or replace it with --overwrite"), file=sys.stderr)
+            return 2
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"lockstep demo: CNN on scikit-learn digits, {ns.nproc} CPU processes, {ns.epochs} epochs -> {out_dir}",
           flush=True)
     try:
-        results = launch_function(train_worker, args=(str(out_dir.resolve()), ns.epochs, ns.batch_size, ns.lr, ns.seed),
+        results = launch_function(train_worker, args=(str(out_dir.resolve()), ns.epochs, ns.batch_size, ns.lr, ns.seed,
+                                                          ns.resume, ns.overwrite),
                                   nproc_per_node=ns.nproc, log_rank=0)
     except LaunchError as e:
         print(f"lockstep demo: training failed: {e}", file=sys.stderr)

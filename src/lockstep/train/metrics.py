@@ -23,12 +23,14 @@ import torch
 class MetricsLog:
     """Appends one JSON object per line; a no-op on every rank but the writer.
 
-    Appending (not truncating) keeps the lines of an interrupted run when it resumes;
-    each record carries its ``step`` so a reader can tell repeats apart.
+    Appending (not truncating) keeps the lines of an interrupted run when it resumes, and of
+    earlier runs; each record carries its ``step`` so a reader can tell repeats apart, and its
+    ``run`` (``run_id``, set by the Trainer) so ``select_run`` can keep one run's lines.
     """
 
     def __init__(self, path: str | os.PathLike | None, enabled: bool):
         self.path = Path(path) if path is not None else None
+        self.run_id: str | None = None
         self._file = None
         if enabled and self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -36,6 +38,8 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         if self._file is not None:
+            if self.run_id is not None:
+                record = {**record, "run": self.run_id}
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
             self._file.flush()  # a crash loses at most the line being written
 
@@ -46,8 +50,22 @@ class MetricsLog:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """Every record in the file, all runs; ``select_run`` keeps one run's."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def select_run(records: list[dict], run: str | None = None) -> list[dict]:
+    """The records of run ``run`` (default: the run of the last record that names one), in file order.
+
+    A resumed run keeps its run id, so its lines before and after the interruption stay together;
+    a file with no run ids at all (written before them) is returned whole.
+    """
+    if run is None:
+        run = next((r["run"] for r in reversed(records) if r.get("run")), None)
+        if run is None:
+            return list(records)
+    return [r for r in records if r.get("run") == run]
 
 
 def measure_exposed_comm(

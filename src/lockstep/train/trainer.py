@@ -32,6 +32,7 @@ from lockstep.train.faults import install_kill_hooks, kill_point_from_env
 from lockstep.train.metrics import comm_report, comm_wait_share
 from lockstep.train.preempt import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch, leave_marker
 from lockstep.train.progress import progress_bar, step_postfix
+from lockstep.train.run_identity import claim_checkpoint_dir
 
 __all__ = ["Trainer", "TrainerConfig"]
 
@@ -100,6 +101,7 @@ class Trainer:
         self._train_time_s, self._samples_seen = 0.0, 0
         self.history: list[dict] = []
         self.last_checkpoint, self._saved_step, self.resumed_from = None, None, None
+        self.run_id: str | None = None  # set by open_writer_files (rank 0's, on every rank); a resume adopts the checkpoint's
         self.metrics = ckpt.open_writer_files(self)  # rank 0's files checked on every rank alike
         self.save_errors: list[str] = []  # checkpoints that failed under on_save_error="continue"
         self.preempted, self._watch = False, None
@@ -128,6 +130,12 @@ class Trainer:
         self._fit = next_fit()  # names this fit's departure keys in the store (departures.py)
         if cfg.resume:
             self.load_latest()
+        if cfg.checkpoint_dir:  # a new run stops here if the folder holds another run's checkpoints
+            claim_checkpoint_dir(cfg.checkpoint_dir, self.run_id, self.resumed_from is not None, cfg.overwrite,
+                                 self.is_writer, self.group)
+        self.metrics.run_id = self.run_id
+        self.metrics.write({"event": "start", "step": self.step,
+                            "resumed_from": str(self.resumed_from) if self.resumed_from else None})
         watch = PreemptionWatch(self.group, self.device) if cfg.checkpoint_dir and cfg.preempt_on_sigterm else None
         self._watch = watch
         try:
