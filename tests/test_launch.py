@@ -86,7 +86,7 @@ def runs(tmp_path_factory):
         }
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
             # --log-rank goes through the `lockstep` console script, the rest through `python -m lockstep`
-            futures = {name: pool.submit(run_launch, argv, 90.0, None, name == "log_rank") for name, argv in jobs.items()}
+            futures = {name: pool.submit(run_launch, argv, 180.0, None, name == "log_rank") for name, argv in jobs.items()}
             results = {name: f.result() for name, f in futures.items()}
     results["port"] = port
     results["tmp"] = tmp
