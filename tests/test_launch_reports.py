@@ -15,7 +15,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from test_launch import HERE, clean_env, run_launch, script
 
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Sequence
-
-LAUNCHER_PID_ENV = "LOCKSTEP_LAUNCHER_PID"
+from collections.abc import Sequence
+from typing import Any
 
 # argv: launcher pid, the command, its arguments. PR_SET_PDEATHSIG is 1 (linux/prctl.h).
 _GUARD = """\
