@@ -3,7 +3,10 @@ and summary arithmetic on hand-made rows."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 
 import pytest
 import torch
@@ -15,13 +18,15 @@ from lockstep.perf.costmodel import Link, allreduce_time_s
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    rc = cli_main(["allreduce", "--min-size", "4KiB", "--max-size", "64KiB", "--factor", "4", "--iters", "3",
-                   "--budget-s", "1", "--out", str(out)])
-    return rc, out
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = cli_main(["allreduce", "--min-size", "4KiB", "--max-size", "64KiB", "--factor", "4", "--iters", "3",
+                       "--budget-s", "1", "--out", str(out)])
+    return rc, out, printed.getvalue()
 
 
 def test_bench_writes_json_markdown_and_png(bench_run, capsys):
-    rc, out = bench_run
+    rc, out, _ = bench_run
     assert rc == 0
     (json_path,) = out.glob("allreduce_*_n2.json")
     data = json.loads(json_path.read_text())
@@ -131,3 +136,44 @@ def test_gpu_step_benchmark_runs_on_cpu_tiny(tmp_path):
     bad = subprocess.run([sys.executable, str(bench / "gpu_step.py"), "--models", "vgg", "--out", ""],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown model 'vgg'" in bad.stderr
+
+
+def test_bench_says_where_its_results_go_before_it_runs(bench_run, tmp_path, monkeypatch, capsys):
+    rc, out, printed = bench_run
+    first = printed.splitlines()[0]
+    assert first == f"lockstep bench allreduce: results go to {out.resolve()} (--out DIR to change)"
+    [wrote] = [line for line in printed.splitlines() if line.startswith("wrote ")]
+    assert wrote.startswith(f"wrote {out.resolve()}/allreduce_")
+    # The default is relative to the current directory: said as the absolute path it is.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        cli_main(["allreduce", "--help"])
+    assert "default: benchmarks/results under the current directory" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--factor", "1"], "--factor"), (["--iters", "0"], "--iters"), (["--budget-s", "-1"], "--budget-s"),
+    (["--min-size", "8KiB", "--max-size", "4KiB"], "--max-size"), (["--nproc", "1"], "--nproc"),
+    (["--algorithms", "ring,carrier"], "--algorithms"),
+])
+def test_bad_values_name_their_flag(capsys, argv, flag):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["allreduce", *argv])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and last.startswith(f"lockstep bench allreduce: error: argument {flag}: "), last
+
+
+def test_an_unwritable_out_fails_before_the_benchmark_runs(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for out in (blocker / "results", blocker):
+        with pytest.raises(SystemExit) as e:
+            cli_main(["allreduce", "--max-size", "4KiB", "--out", str(out)])
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert e.value.code == 2 and last.startswith("lockstep bench allreduce: error: argument --out: "), last
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(SystemExit):
+            cli_main(["allreduce", "--max-size", "4KiB", "--out", str(locked)])
+

@@ -119,10 +119,60 @@ def test_config_errors_name_the_field(kwargs, field):
         PlanConfig(**kwargs)
 
 
-def test_cli_rejects_bad_values(capsys):
+@pytest.mark.parametrize("argv, flag", [
+    (["--params", "-5"], "--params"),
+    (["--params", "nan"], "--params"),
+    (["--params", "7e9", "--world-size", "0"], "--world-size"),
+    (["--params", "7e9", "--device-memory-gb", "-1"], "--device-memory-gb"),
+    (["--params", "7e9", "--device-memory-gb", "inf"], "--device-memory-gb"),
+    (["--params", "7e9", "--compute-ms", "0"], "--compute-ms"),
+    (["--params", "7e9", "--activation-gb", "-1"], "--activation-gb"),
+    (["--params", "7e9", "--bucket-cap-mb", "0"], "--bucket-cap-mb"),
+    (["--params", "7e9", "--alpha-us", "-1"], "--alpha-us"),
+    (["--params", "7e9", "--bandwidth-gb-s", "0"], "--bandwidth-gb-s"),  # was taken as "not given"
+    (["--model", "no_colon"], "--model"),
+    (["--model", "no_such_module_here:build"], "--model"),
+    (["--model", "test_plan:failing_factory"], "--model"),
+])
+def test_cli_errors_name_the_flag(capsys, argv, flag):
     with pytest.raises(SystemExit) as e:
-        cli_main(["--params", "7e9", "--world-size", "0"])
-    assert e.value.code == 2 and "world_size" in capsys.readouterr().err
+        cli_main(argv)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and last.startswith(f"lockstep plan: error: argument {flag}: "), last
+    assert "PlanConfig" not in last and "Link." not in last
+
+
+def failing_factory():
+    raise RuntimeError("the factory broke")
+
+
+def test_fits_is_never_claimed_without_saying_activations_are_not_counted(capsys):
+    assert cli_main(["--params", "1e9"]) == 0
+    out = capsys.readouterr().out
+    assert "fits in 80 GB: yes, before activations (64.00 GB left for them)" in out
+    assert "\n  activations are not counted: unknown (pass --activation-gb" in out
+    assert "recommendation: Fits before activations (16.0 of 80 GB, 64.0 GB left for them; pass --activation-gb)" in out
+    assert "fits in 80 GB: yes\n" not in out
+    assert cli_main(["--params", "1e9", "--activation-gb", "10", "--json"]) == 0
+    import json
+
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["activations_counted"] and plan["fits"] and plan["memory_gb"]["total"] == pytest.approx(26.0)
+    assert plan["recommendation"].startswith("Fits (26.0 of 80 GB)")
+    assert make_plan(PlanConfig(params=1e9)).activations_counted is False
+
+
+def test_plan_says_how_to_get_zero_with_lockstep(capsys):
+    # The recommendation names the stage and the one line that gives it with lockstep (tests/test_zero.py
+    # proves that line: ZeroRedundancyOptimizer over lockstep's DDP equals it over torch's DDP).
+    assert cli_main(["--params", "7e9"]) == 0
+    out = capsys.readouterr().out
+    rec = out[out.index("recommendation:"):]
+    assert "ZeRO-1" in rec and "how: opt = torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters()" in rec
+    assert "lockstep.DistributedDataParallel" in rec and "before activations, which are not counted" in rec
+    assert "ZeRO-1 with lockstep: opt = torch.distributed.optim.ZeroRedundancyOptimizer" in out
+    fsdp = make_plan(PlanConfig(params=70e9, world_size=8, device_memory_gb=80, link="ib-hdr")).recommendation
+    assert "fully_shard" in fsdp
 
 
 # --- the model against this machine -------------------------------------------------

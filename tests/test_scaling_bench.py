@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 
@@ -16,14 +18,28 @@ from lockstep.perf.scaling import add_efficiency_and_prediction, build_model, cl
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("scaling")
     too_many = (os.cpu_count() or 1) + 1  # never run: it would oversubscribe the cores
-    assert cli_main(["--model", "models:MLP", "--nproc", f"1,2,{too_many}", "--mode", "both", "--batch", "8",
-                     "--steps", "3", "--warmup", "1", "--out", str(out)]) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli_main(["--model", "models:MLP", "--nproc", f"1,2,{too_many}", "--mode", "both", "--batch", "8",
+                         "--steps", "3", "--warmup", "1", "--out", str(out)]) == 0
     [json_path] = out.glob("scaling_models_MLP_*.json")
-    return json.loads(json_path.read_text()), json_path, too_many
+    return json.loads(json_path.read_text()), json_path, too_many, printed.getvalue()
+
+
+def test_one_rank_is_measured_once_for_both_modes(run):
+    # At N=1 strong (B / 1 per rank) and weak (B per rank) are the same run: one measurement, used twice
+    # (two measurements of it differed by 58% once, 11.07 vs 17.47 ms, which made the efficiencies disagree).
+    data, path, _, printed = run
+    rows = {(r["mode"], r["world_size"]): r for r in data["rows"]}
+    strong, weak = rows["strong", 1], rows["weak", 1]
+    assert weak["step_s_all"] == strong["step_s_all"] and weak["step_s"] == strong["step_s"]
+    assert weak["measured_as"] == strong["measured_as"] == "strong" and "measured_as" not in rows["weak", 2]
+    assert "N=1 is measured once and used for every mode" in path.with_suffix(".md").read_text()
+    assert printed.splitlines()[0] == f"lockstep bench scaling: results go to {path.parent.resolve()} (--out DIR to change)"
 
 
 def test_rows_cover_every_mode_and_world_size(run):
-    data, path, too_many = run
+    data, path, too_many, _ = run
     rows = data["rows"]
     assert [(r["mode"], r["world_size"], r["batch_per_rank"]) for r in rows] == [
         ("strong", 1, 8), ("strong", 2, 4), ("weak", 1, 8), ("weak", 2, 8)]

@@ -3,11 +3,16 @@
 Each subcommand lives in its own module as a function ``(argv) -> int``; the
 dispatcher imports only that module, so ``lockstep plan`` never pays for torch's
 distributed start-up and a broken subcommand cannot break the others.
+
+It behaves as argparse and torchrun do at the edges: ``--help`` to stdout with exit 0, a missing or
+unknown command to stderr with exit 2, and output piped into ``head`` ends quietly when the reader
+goes (no ``BrokenPipeError`` traceback).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # subcommand -> (module, function taking argv and returning an exit code, one-line help)
@@ -17,32 +22,52 @@ SUBCOMMANDS = {
     "demo": ("lockstep.train.demo", "cli_main", "train a small CNN on digits with DDP on 2 CPU processes"),
     "bench": ("lockstep.perf.bench", "cli_main", "benchmarks: `lockstep bench allreduce`, `lockstep bench scaling`"),
     "plan": ("lockstep.perf.plan", "cli_main", "memory and communication cost model"),
+    "env": ("lockstep.diagnostics.environment", "cli_main", "versions, backends, GPUs, network and env vars for a bug report"),
 }
 
 
 def _usage() -> str:
-    lines = ["usage: lockstep <command> [args...]", "", "commands:"]
-    lines += [f"  {name:<14}{help_text}" for name, (_, _, help_text) in SUBCOMMANDS.items()]
+    lines = ["usage: lockstep [-h] [-V] <command> [args...]", "", "commands:"]
+    lines += [f"  {name:<16}{help_text}" for name, (_, _, help_text) in SUBCOMMANDS.items()]
+    lines += ["", "options:", f"  {'-h, --help':<16}show this help and exit",
+              f"  {'-V, --version':<16}print lockstep's version and exit",
+              "", "`lockstep <command> --help` describes a command's arguments."]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+def _dispatch(argv: list[str]) -> int:
+    if not argv:  # as argparse with a required argument: usage to stderr, exit 2
+        print(f"{_usage()}\nlockstep: error: a command is required", file=sys.stderr)
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command in ("-h", "--help", "help"):
         print(_usage())
         return 0
-    command, rest = argv[0], argv[1:]
     if command in ("-V", "--version"):
         from lockstep import __version__
 
-        print(__version__)
+        print(f"lockstep {__version__}")
         return 0
     if command not in SUBCOMMANDS:
-        print(f"lockstep: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"{_usage()}\nlockstep: error: unknown command {command!r}", file=sys.stderr)
         return 2
     module_name, function_name, _ = SUBCOMMANDS[command]
     handler = getattr(importlib.import_module(module_name), function_name)
     return int(handler(rest) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _dispatch(argv)
+        sys.stdout.flush()  # inside the try: buffered output meets a closed pipe here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # The reader went (`lockstep plan ... | head`). Python's recipe (docs: signal, "Note on SIGPIPE"):
+        # point stdout at /dev/null so the interpreter's own flush at exit cannot raise again, exit 1.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -212,13 +213,27 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, env: dict | None
     return DistEnv(dist.get_rank(), launch.local_rank, dist.get_world_size(), device, backend)
 
 
+# Called by shutdown() before the group goes, in registration order: the diagnostics register here
+# (the trace writes a window the run never closed) so this module needs to know none of them.
+_BEFORE_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def on_shutdown(callback: Callable[[], None]) -> None:
+    """Have ``shutdown()`` call ``callback`` (which must not raise) before it tears the group down."""
+    if callback not in _BEFORE_SHUTDOWN:
+        _BEFORE_SHUTDOWN.append(callback)
+
+
 def shutdown() -> None:
     """Tear the default group down; safe to call when none exists (use it in ``finally``).
 
     Collects garbage first and after: a DDP model lives in a reference cycle (its hooks point back
     at the reducer), and a process group freed only during interpreter teardown has been seen to
-    abort the process at exit ("terminate called without an active exception").
+    abort the process at exit ("terminate called without an active exception"). The callbacks of
+    ``on_shutdown`` run first, while the DDP objects they may hold weakly are still alive.
     """
+    for callback in list(_BEFORE_SHUTDOWN):
+        callback()
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -115,9 +115,11 @@ class GradIntake:
                 mode = COPY  # this slot as torch's default: copy_back's recorded copy_ (it is not fast now)
         if mode == VIEW:
             if grad.data_ptr() != view.data_ptr():
-                # A fresh grad (first step, or zero_grad(set_to_none=True)): one copy, then alias.
+                # A fresh grad (first step, or zero_grad(set_to_none=True)): one copy, then alias, and let go of
+                # the fresh one now, as torch's reducer does (``_let_go``).
                 view.copy_(grad)
                 self.params[index].grad = view
+                self._let_go(bucket, slot, view)
             return
         # The average's scaling fused into the copy. A multiply by the reciprocal, as torch's reducer does
         # (bit-equal to it at any world size) and cheaper than a divide. A comm hook gets the plain local
@@ -141,8 +143,19 @@ class GradIntake:
         if mode == ALIAS:
             if hooked:
                 self.params[index].grad = view  # the all-reduce will leave the average here: no copy back
+                self._let_go(bucket, slot, view)
             else:
                 self._fixups += 1
+
+    def _let_go(self, bucket: Any, slot: int, view: torch.Tensor) -> None:
+        """``.grad`` has just become its slot: the bucket stops holding the gradient autograd made, so it is freed
+        now, not at the end of backward. Held to then, those fresh gradients (every one after ``zero_grad()``'s
+        set_to_none) were one model's worth of memory on top of the buckets at the peak (issue #30); torch's reducer
+        re-points ``.grad`` at the bucket view in its hook and keeps nothing. The slot stands in for it
+        (``copy_back`` and the non-finite check read an aliased entry as "averaged in place"), except where the
+        non-finite check is on, which may read the local values after the all-reduce to name an offender."""
+        if self.nonfinite is None:
+            bucket.grads[slot] = view
 
     def _sparse_in(self, index: int, bucket: Any, grad: torch.Tensor | None, hooked: bool) -> None:
         """A sparse bucket's gradient, divided in place by the divisor (torch's reducer divides it so: the

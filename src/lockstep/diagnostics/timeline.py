@@ -160,12 +160,18 @@ def plot_step(per_rank: list[dict], path: Path, step: int | None = None) -> int:
     return step
 
 
-def write_outputs(per_rank: list[dict], trace_dir: Path, world_size: int, link_name: str, quiet: bool = False):
-    """Rank 0, once the window closes: trace.json, summary.json, timeline.png; the summary printed."""
+def write_outputs(per_rank: list[dict], trace_dir: Path, world_size: int, link_name: str, quiet: bool = False,
+                  window: dict | None = None):
+    """Rank 0, once the window closes: trace.json, summary.json, timeline.png; the summary printed.
+
+    ``window``: the steps asked for and recorded, what closed it, and any ranks missing (kept in the summary).
+    """
     trace_dir.mkdir(parents=True, exist_ok=True)
     paths = {"trace": trace_dir / "trace.json", "summary": trace_dir / "summary.json", "png": trace_dir / "timeline.png"}
     paths["trace"].write_text(json.dumps(chrome_trace(per_rank)))
     summary = summarise(per_rank, world_size, link_name)
+    if window is not None:
+        summary["window"] = window
     summary["png_step"] = plot_step(per_rank, paths["png"])
     paths["summary"].write_text(json.dumps(summary, indent=1))
     if not quiet:

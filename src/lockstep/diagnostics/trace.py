@@ -14,6 +14,13 @@ is the end-of-backward wait, timed on the training thread. The callbacks are reg
 the window and have all run before its backward ends, so none is left for interpreter exit (see
 ``ddp/lifetime.py`` on what gloo's thread must not do then).
 
+A window that the run never closes (it ends at or before the window's last step) is written when the
+run ends: at ``lockstep.shutdown()``, at interpreter exit (``atexit``), or on the way out of a failure (a
+shutdown or exit with an exception in flight waits only ``FAILURE_GATHER_TIMEOUT_S`` for the other ranks,
+and the trace says which ranks it lacks). A window that never opened writes nothing and says so in one
+line on rank 0, naming LOCKSTEP_TRACE_STEPS and the steps the run took. Open recorders are held weakly:
+a DDP object dropped (and collected) before the run ends takes its unwritten window with it.
+
 Cost while recording: a ``perf_counter`` and a list append per event, a done-callback per bucket, and a
 ``torch.profiler.record_function`` range per phase while a profiler runs; outside the window each
 event is one integer comparison, and after it the recorder detaches itself.
@@ -21,10 +28,13 @@ event is one integer comparison, and after it the recorder detaches itself.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import os
+import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,6 +45,12 @@ from lockstep.diagnostics.ranges import ProfilerRanges
 
 _COUNTER = itertools.count()  # one per recorder built in this process: ranks build theirs in the same order
 GATHER_TIMEOUT_S = 120.0
+# At shutdown or exit with an exception in flight, a peer may be stuck in a collective and never hand in its
+# events: rank 0 writes what it has after this long rather than hold the failure's exit back.
+FAILURE_GATHER_TIMEOUT_S = 10.0
+# Recorders whose window is not written yet, by creation order (every rank closes them in the same order).
+_OPEN: "weakref.WeakValueDictionary[int, TraceRecorder]" = weakref.WeakValueDictionary()
+_hooks_installed = False
 
 
 def window_from_env(text: str | None, default: tuple[int, int]) -> tuple[int, int]:
@@ -71,9 +87,11 @@ class TraceRecorder(ProfilerRanges):
         self.first, self.last = first, last
         self.on_finish, self.quiet = on_finish, quiet
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.global_rank = dist.get_rank()  # kept: at exit the group may be gone
         self.link = link
         ranks = dist.get_process_group_ranks(group)
-        self.prefix = f"lockstep/trace/{next(_COUNTER)}/{ranks[0]}-{ranks[-1]}-{len(ranks)}"
+        self.index = next(_COUNTER)
+        self.prefix = f"lockstep/trace/{self.index}/{ranks[0]}-{ranks[-1]}-{len(ranks)}"
         self.store = default_store(group)
         self.offset_s, self.rtt_s = offset_to_rank0_s(self.store, self.prefix, self.rank, self.world_size)
         self.events: list[dict] = []
@@ -85,6 +103,8 @@ class TraceRecorder(ProfilerRanges):
         self._inflight: dict[int, list] = {}  # bucket -> [launch time, numel, nbytes, done time or None, seq]
         self._t: dict[str, float] = {}
         self._marks_since_backward = False
+        _OPEN[self.index] = self
+        _install_hooks()
 
     # ------------------------------------------------------------------ recording
     def _span(self, name: str, cat: str, start: float, end: float, **args: Any) -> None:
@@ -190,25 +210,77 @@ class TraceRecorder(ProfilerRanges):
             self._span(f"all-reduce bucket {b}", "comm", launch, end, bucket=b, numel=numel, nbytes=nbytes, seq=seq)
 
     # ------------------------------------------------------------------ writing
-    def write(self) -> dict[str, Path]:
-        """Close the window: every rank of the group calls it (at its next forward, or explicitly); rank 0 writes."""
+    def write(self, closed_by: str | None = None, gather_timeout_s: float = GATHER_TIMEOUT_S,
+              wait_for_rank0: bool = False) -> dict[str, Path]:
+        """Close the window: every rank of the group calls it; rank 0 gathers the events through the store and writes.
+
+        Called at the first forward after the window, by the Trainer at the end of ``fit``, and by
+        ``close_open_traces`` when the run ends first (``closed_by`` names when: "lockstep.shutdown()",
+        "exit", with "on failure" added when an exception is in flight). Rank 0 waits at most
+        ``gather_timeout_s`` for the others and writes the ranks it has, naming the missing ones. With
+        ``wait_for_rank0`` (on failure) the other ranks stay until rank 0 has written, at most as long:
+        the launcher stops every rank once one exits with an error, rank 0 in the middle of writing too.
+        """
         if self.finished:
             return self.paths
         self.finished, self.recording = True, False
+        _OPEN.pop(self.index, None)
         self.close_ranges()
-        mine = {"rank": dist.get_rank(), "group_rank": self.rank, "offset_s": self.offset_s, "rtt_s": self.rtt_s,
+        steps_run = self.reducer.num_syncs
+        mine = {"rank": self.global_rank, "group_rank": self.rank, "offset_s": self.offset_s, "rtt_s": self.rtt_s,
                 "events": [dict(e, start=e["start"] + self.offset_s, end=e["end"] + self.offset_s) for e in self.events]}
-        self.store.set(f"{self.prefix}/events/{self.rank}", json.dumps(mine))
-        if self.rank == 0:
-            keys = [f"{self.prefix}/events/{r}" for r in range(self.world_size)]
-            self.store.wait(keys, _timedelta(GATHER_TIMEOUT_S))
-            per_rank = [json.loads(self.store.get(k)) for k in keys]
-            from lockstep.diagnostics.timeline import write_outputs
+        try:
+            if self.rank != 0:
+                self.store.set(f"{self.prefix}/events/{self.rank}", json.dumps(mine))
+                if wait_for_rank0:
+                    try:
+                        self.store.wait([f"{self.prefix}/written"], _timedelta(gather_timeout_s))
+                    except Exception:  # rank 0 is stuck or gone: our exit must not wait longer
+                        pass
+            elif not self.events:  # the window never opened: nothing to gather, one line to say so
+                _say(f"nothing written to {self.trace_dir}: the run ended after {steps_run} synchronised step(s), "
+                     f"before the trace window {self.first}:{self.last} opened (LOCKSTEP_TRACE_STEPS or trace_steps; "
+                     f"steps count from 1)")
+            else:
+                per_rank, missing = self._gather(mine, gather_timeout_s)
+                recorded = sorted({e["step"] for e in self.events})
+                window = {"requested": [self.first, self.last], "recorded": [recorded[0], recorded[-1]],
+                          "missing_ranks": missing,
+                          "closed_by": closed_by or ("the first forward after it" if recorded[-1] >= self.last else "write()")}
+                from lockstep.diagnostics.timeline import write_outputs
 
-            self.paths, self.summary = write_outputs(per_rank, self.trace_dir, self.world_size, self._link_name(), self.quiet)
-        if self.on_finish is not None:
-            self.on_finish()
+                self.paths, self.summary = write_outputs(per_rank, self.trace_dir, self.world_size, self._link_name(),
+                                                         self.quiet, window=window)
+                if recorded[-1] < self.last or missing:
+                    _say(_window_note(window, steps_run, self.trace_dir))
+        finally:
+            if self.rank == 0:
+                try:
+                    self.store.set(f"{self.prefix}/written", "1")  # the ranks waiting on failure may go
+                except Exception:
+                    pass
+            if self.on_finish is not None:
+                self.on_finish()
         return self.paths
+
+    def _gather(self, mine: dict, timeout_s: float) -> tuple[list[dict], list[int]]:
+        """Rank 0: every rank's events, in rank order, waiting at most ``timeout_s``; and the ranks that never came."""
+        keys = {r: f"{self.prefix}/events/{r}" for r in range(1, self.world_size)}
+        if keys:
+            try:
+                self.store.wait(list(keys.values()), _timedelta(timeout_s))
+            except Exception:  # DistStoreError on timeout: write the ranks that did hand theirs in
+                pass
+        per_rank, missing = [mine], []
+        for r, key in keys.items():
+            try:
+                per_rank.append(json.loads(self.store.get(key)) if self.store.check([key]) else None)
+            except Exception:
+                per_rank.append(None)
+            if per_rank[-1] is None:
+                per_rank.pop()
+                missing.append(r)
+        return per_rank, missing
 
     def _link_name(self) -> str:
         if self.link:
@@ -220,3 +292,58 @@ def _timedelta(seconds: float):
     import datetime
 
     return datetime.timedelta(seconds=seconds)
+
+
+def _say(text: str) -> None:
+    print(f"lockstep trace: {text}", file=sys.stderr, flush=True)
+
+
+def _window_note(window: dict, steps_run: int, trace_dir: Path) -> str:
+    first, last = window["requested"]
+    lo, hi = window["recorded"]
+    parts = []
+    if hi < last:
+        parts.append(f"the run ended after {steps_run} synchronised step(s), inside the window {first}:{last} "
+                     f"(LOCKSTEP_TRACE_STEPS or trace_steps): steps {lo}..{hi} written at {window['closed_by']}")
+    if window["missing_ranks"]:
+        parts.append(f"ranks {window['missing_ranks']} did not hand in their events in time (failed or stuck?): "
+                     f"the trace in {trace_dir} lacks them")
+    return "; ".join(parts)
+
+
+def close_open_traces(closed_by: str, failing: bool) -> None:
+    """Write every window this process has not written yet (each rank calls it at shutdown and at exit).
+
+    Never raises: it runs in ``lockstep.shutdown()`` and ``atexit``, where an error would hide the run's own.
+    """
+    timeout_s = FAILURE_GATHER_TIMEOUT_S if failing else GATHER_TIMEOUT_S
+    label = f"{closed_by} on failure" if failing else closed_by
+    for index in sorted(_OPEN.keys()):
+        recorder = _OPEN.get(index)
+        if recorder is None or recorder.finished:
+            continue
+        try:
+            recorder.write(label, timeout_s, wait_for_rank0=failing)
+        except Exception as e:  # the store is gone (rank 0 ended first), the directory is not writable...
+            _say(f"could not write the trace to {recorder.trace_dir} at {label}: {type(e).__name__}: {e}")
+
+
+def _close_at_shutdown() -> None:
+    close_open_traces("lockstep.shutdown()", failing=sys.exc_info()[1] is not None)  # called in a `finally`
+
+
+def _close_at_exit() -> None:
+    # An uncaught exception is printed (and stored in sys.last_value) before atexit runs.
+    close_open_traces("exit", failing=getattr(sys, "last_value", None) is not None)
+
+
+def _install_hooks() -> None:
+    """Once per process: write open windows at ``lockstep.shutdown()`` and at interpreter exit."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    from lockstep.process_group import on_shutdown
+
+    on_shutdown(_close_at_shutdown)
+    atexit.register(_close_at_exit)
+    _hooks_installed = True

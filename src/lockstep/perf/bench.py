@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from lockstep.perf.costmodel import ALGORITHMS, bus_bandwidth_gb_s, fit_link
-from lockstep.perf.spawn import report_to_parent, spawn_and_collect
+from lockstep.perf.spawn import DEFAULT_OUT, OUT_HELP, report_to_parent, results_dir, spawn_and_collect
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 RATIO_MIN_NBYTES = 4 << 20
@@ -199,25 +199,30 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--budget-s", type=float, default=6.0, help="time budget per size; fewer iters for big sizes (min 3)")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated subset of native,ring,tree")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
-    p.add_argument("--out", default="benchmarks/results", help="directory for JSON, markdown and PNG ('' for none)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP)
     args = parser.parse_args(argv)
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     bad = [a for a in algorithms if a not in ALGORITHMS]
     if bad or not algorithms:
-        parser.error(f"--algorithms: {bad or algorithms} not in {list(ALGORITHMS)}")
-    if not 2 <= args.nproc <= 64:
-        parser.error(f"--nproc must be between 2 and 64, got {args.nproc}")
-    if args.factor < 2 or args.min_size < 1 or args.max_size < args.min_size or args.iters < 1:
-        parser.error("need --factor >= 2, --iters >= 1 and 1 <= --min-size <= --max-size")
+        p.error(f"argument --algorithms: {bad or algorithms} not in {list(ALGORITHMS)}")
+    for flag, ok, need in (("--nproc", 2 <= args.nproc <= 64, "between 2 and 64"), ("--factor", args.factor >= 2, ">= 2"),
+                           ("--iters", args.iters >= 1, ">= 1"), ("--min-size", args.min_size >= 1, ">= 1 byte"),
+                           ("--max-size", args.max_size >= args.min_size, ">= --min-size"),
+                           ("--budget-s", args.budget_s > 0, "> 0")):
+        if not ok:
+            p.error(f"argument {flag}: must be {need}, got {getattr(args, flag[2:].replace('-', '_'))}")
+    out = results_dir(p, args.out)
     sizes = sizes_between(args.min_size, args.max_size, args.factor)
-    rows = run(sizes, algorithms, args.nproc, iters=args.iters, min_iters=min(3, args.iters),
-               budget_s=args.budget_s, dtype=args.dtype)
+    try:
+        rows = run(sizes, algorithms, args.nproc, iters=args.iters, min_iters=min(3, args.iters),
+                   budget_s=args.budget_s, dtype=args.dtype)
+    except RuntimeError as e:  # a rank died or timed out: spawn_and_collect names which
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 1
     summary = summarise(rows, args.nproc)
     report = format_report(rows, summary, args.nproc)
     print(report)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         stem = out / f"allreduce_{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d_%H%M%S}_n{args.nproc}"
         meta = {"world_size": args.nproc, "dtype": args.dtype, "backend": "gloo", "host_cpus": os.cpu_count(),
                 "python": sys.version.split()[0], "argv": argv,

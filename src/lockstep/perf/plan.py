@@ -39,6 +39,14 @@ BACKWARD_SHARE = 2.0 / 3.0
 SCALING_WORLD_SIZES = [2**k for k in range(11)]  # 1 .. 1024
 
 
+class PlanConfigError(ValueError):
+    """A bad ``PlanConfig`` field; ``field`` names it, so ``lockstep plan`` can name its flag instead."""
+
+    def __init__(self, field: str, problem: str):
+        self.field, self.problem = field, problem
+        super().__init__(f"PlanConfig.{field} {problem}")
+
+
 @dataclass
 class PlanConfig:
     """What ``lockstep plan`` needs to know about a job."""
@@ -59,8 +67,9 @@ class PlanConfig:
     """A preset name (see ``lockstep.perf.costmodel.LINKS``) or a ``Link``."""
     compute_ms: float | None = None
     """Forward + backward time of one step on one device; None: no step-time prediction."""
-    activation_gb: float = 0.0
-    """Activation memory per replica, 1e9 bytes (not derived: it depends on batch and sequence)."""
+    activation_gb: float | None = None
+    """Activation memory per replica, 1e9 bytes (not derived: it depends on batch and sequence). None: not
+    known; counted as 0, and every verdict says it is before activations."""
     bucket_cap_mb: float = 25.0
     """DDP's gradient bucket size, MiB: each bucket pays the all-reduce latency once."""
 
@@ -69,30 +78,30 @@ class PlanConfig:
             raise ValueError("PlanConfig: give exactly one of `params` and `model`")
         if self.model is not None:
             if not isinstance(self.model, str) or self.model.count(":") != 1 or not all(self.model.split(":")):
-                raise ValueError(f"PlanConfig.model must look like 'package.module:factory', got {self.model!r}")
+                raise PlanConfigError("model", f"must look like 'package.module:factory', got {self.model!r}")
             self.params = count_parameters(self.model)
         if not (isinstance(self.params, (int, float)) and math.isfinite(self.params) and self.params > 0):
-            raise ValueError(f"PlanConfig.params must be a number > 0, got {self.params!r}")
+            raise PlanConfigError("params", f"must be a number > 0, got {self.params!r}")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"PlanConfig.precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+            raise PlanConfigError("precision", f"must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"PlanConfig.optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}")
+            raise PlanConfigError("optimizer", f"must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}")
         if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
-            raise ValueError(f"PlanConfig.world_size must be an integer >= 1, got {self.world_size!r}")
-        if not self.device_memory_gb > 0:
-            raise ValueError(f"PlanConfig.device_memory_gb must be > 0, got {self.device_memory_gb!r}")
+            raise PlanConfigError("world_size", f"must be an integer >= 1, got {self.world_size!r}")
+        if not (self.device_memory_gb > 0 and math.isfinite(self.device_memory_gb)):
+            raise PlanConfigError("device_memory_gb", f"must be a finite number > 0, got {self.device_memory_gb!r}")
         if isinstance(self.link, str):
             if self.link not in LINKS:
-                raise ValueError(f"PlanConfig.link must be one of {sorted(LINKS)} or a Link, got {self.link!r}")
+                raise PlanConfigError("link", f"must be one of {sorted(LINKS)} or a Link, got {self.link!r}")
             self.link = LINKS[self.link]
         elif not isinstance(self.link, Link):
-            raise ValueError(f"PlanConfig.link must be a preset name or a Link, got {type(self.link).__name__}")
-        if self.compute_ms is not None and not self.compute_ms > 0:
-            raise ValueError(f"PlanConfig.compute_ms must be > 0 (or None), got {self.compute_ms!r}")
-        if not self.activation_gb >= 0:
-            raise ValueError(f"PlanConfig.activation_gb must be >= 0, got {self.activation_gb!r}")
-        if not self.bucket_cap_mb > 0:
-            raise ValueError(f"PlanConfig.bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+            raise PlanConfigError("link", f"must be a preset name or a Link, got {type(self.link).__name__}")
+        if self.compute_ms is not None and not (self.compute_ms > 0 and math.isfinite(self.compute_ms)):
+            raise PlanConfigError("compute_ms", f"must be a finite number > 0 (or None), got {self.compute_ms!r}")
+        if self.activation_gb is not None and not (self.activation_gb >= 0 and math.isfinite(self.activation_gb)):
+            raise PlanConfigError("activation_gb", f"must be a finite number >= 0 (or None), got {self.activation_gb!r}")
+        if not (self.bucket_cap_mb > 0 and math.isfinite(self.bucket_cap_mb)):
+            raise PlanConfigError("bucket_cap_mb", f"must be a finite number > 0, got {self.bucket_cap_mb!r}")
 
 
 def count_parameters(spec: str) -> int:
@@ -101,10 +110,10 @@ def count_parameters(spec: str) -> int:
     try:
         factory = getattr(importlib.import_module(module_name), factory_name)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"PlanConfig.model {spec!r}: cannot load it ({e})") from e
+        raise PlanConfigError("model", f"{spec!r}: cannot load it ({e})") from e
     model = factory()
     if not hasattr(model, "parameters"):
-        raise ValueError(f"PlanConfig.model {spec!r}: the factory returned a {type(model).__name__}, not a torch module")
+        raise PlanConfigError("model", f"{spec!r}: the factory returned a {type(model).__name__}, not a torch module")
     return sum(p.numel() for p in model.parameters())
 
 
@@ -120,6 +129,8 @@ class Plan:
     step_ms: dict[str, float] | None
     scaling: list[dict] = field(default_factory=list)
     recommendation: str = ""
+    activations_counted: bool = True
+    """False when ``activation_gb`` was not given: ``fits`` is then before activations."""
 
 
 def memory_by_component_gb(config: PlanConfig) -> dict[str, float]:
@@ -130,7 +141,7 @@ def memory_by_component_gb(config: PlanConfig) -> dict[str, float]:
         "gradients": p * grad / GB,
         "master_weights": p * master / GB,
         "optimizer_state": p * state * OPTIMIZERS[config.optimizer] / GB,
-        "activations": config.activation_gb,
+        "activations": config.activation_gb or 0.0,
     }
     parts["total"] = sum(parts.values())
     return parts
@@ -185,9 +196,33 @@ def make_plan(config: PlanConfig) -> Plan:
         plain, overlapped = step_time_s(config, comm[best] / 1e3)
         step_ms = {"compute": config.compute_ms, "no_overlap": plain * 1e3, "overlap": overlapped * 1e3,
                    "efficiency": config.compute_ms / (overlapped * 1e3), "algorithm": best}
-    plan = Plan(config, memory, fits, sharded, comm, step_ms, scaling)
+    plan = Plan(config, memory, fits, sharded, comm, step_ms, scaling, activations_counted=config.activation_gb is not None)
     plan.recommendation = recommend(plan)
     return plan
+
+
+# How to get each sharding stage with lockstep: printed beside a recommendation that names the stage.
+# ZeRO-1 is torch's ZeroRedundancyOptimizer over lockstep's DDP (each rank steps its shard of the optimizer
+# state and broadcasts its parameters; parameters equal to torch's DDP + the same optimizer:
+# tests/test_zero.py). Sharded gradients or weights need torch's FSDP in place of lockstep's DDP.
+HOW = {
+    "zero1": "opt = torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters(), "
+             "optimizer_class=torch.optim.AdamW, lr=...) with model = lockstep.DistributedDataParallel(...)",
+    "zero2": "lockstep's DDP does not shard gradients: torch's FSDP, torch.distributed.fsdp.fully_shard(model, "
+             "reshard_after_forward=False), in place of lockstep.DistributedDataParallel",
+    "zero3_fsdp": "torch's FSDP, torch.distributed.fsdp.fully_shard(model), in place of lockstep.DistributedDataParallel",
+}
+STAGE_NAMES = {"zero1": "ZeRO-1 (shard optimizer state)", "zero2": "ZeRO-2 (shard gradients and optimizer state)",
+               "zero3_fsdp": "ZeRO-3 / FSDP (shard everything)"}
+
+
+def _fits_text(plan: Plan) -> str:
+    """"Fits (16.0 of 80 GB)", or, with activations unknown, says the verdict is before them."""
+    c, mem = plan.config, plan.memory_gb
+    if c.activation_gb is None:
+        return (f"Fits before activations ({mem['total']:.1f} of {c.device_memory_gb:g} GB, "
+                f"{c.device_memory_gb - mem['total']:.1f} GB left for them; pass --activation-gb)")
+    return f"Fits ({mem['total']:.1f} of {c.device_memory_gb:g} GB)"
 
 
 def recommend(plan: Plan) -> str:
@@ -195,27 +230,29 @@ def recommend(plan: Plan) -> str:
     if not plan.fits:
         for stage, need in plan.sharded_memory_gb.items():
             if need <= c.device_memory_gb:
-                name = {"zero1": "ZeRO-1 (shard optimizer state)", "zero2": "ZeRO-2 (shard gradients and optimizer state)",
-                        "zero3_fsdp": "ZeRO-3 / FSDP (shard everything)"}[stage]
+                before = "" if c.activation_gb is not None else \
+                    "\n  (that is before activations, which are not counted: pass --activation-gb)"
                 return (f"Does not fit: {mem['total']:.1f} GB per replica > {c.device_memory_gb:g} GB. "
-                        f"Use {name}: {need:.1f} GB per rank at N={c.world_size}.")
+                        f"Use {STAGE_NAMES[stage]}: {need:.1f} GB per rank at N={c.world_size}.{before}"
+                        f"\n  how: {HOW[stage]}")
         whole = mem["total"] - mem["activations"]
         free = c.device_memory_gb - mem["activations"]
         need_n = math.ceil(whole / free) if free > 0 else None
         more = f"FSDP needs N >= {need_n} devices" if need_n else "the activations alone exceed a device"
-        return (f"Does not fit even fully sharded at N={c.world_size}: {more}; or add tensor/pipeline "
-                f"parallelism or activation checkpointing.")
+        return (f"Does not fit even fully sharded at N={c.world_size}: {more} ({HOW['zero3_fsdp']}); or add "
+                f"tensor/pipeline parallelism or activation checkpointing.")
+    fits = _fits_text(plan)
     if plan.step_ms is None:
-        return f"Fits ({mem['total']:.1f} of {c.device_memory_gb:g} GB): plain DDP. Pass --compute-ms to check scaling."
+        return f"{fits}: plain DDP. Pass --compute-ms to check scaling."
     eff = plan.step_ms["efficiency"]
     if eff >= 0.8:
-        return f"Fits ({mem['total']:.1f} of {c.device_memory_gb:g} GB): plain DDP, predicted efficiency {eff:.0%}."
+        return f"{fits}: plain DDP, predicted efficiency {eff:.0%}."
     exposed = plan.step_ms["overlap"] - c.compute_ms  # communication the backward could not hide
     for k in range(2, 257):  # k micro-steps per all-reduce (no_sync on the first k-1)
         if k * c.compute_ms / (k * c.compute_ms + exposed) >= 0.9:
-            return (f"Fits, but communication-bound (efficiency {eff:.0%}): accumulate gradients over {k} "
+            return (f"{fits}, but communication-bound (efficiency {eff:.0%}): accumulate gradients over {k} "
                     f"micro-steps (DDP no_sync) for >= 90%, or use a faster link / compressed gradients.")
-    return f"Fits, but communication dominates (efficiency {eff:.0%}): use a faster link or fewer replicas."
+    return f"{fits}, but communication dominates (efficiency {eff:.0%}): use a faster link or fewer replicas."
 
 
 def format_plan(plan: Plan) -> str:
@@ -223,11 +260,20 @@ def format_plan(plan: Plan) -> str:
     out = [f"{c.params:.3g} parameters, {c.precision} precision, {c.optimizer}, N={c.world_size}, "
            f"{c.device_memory_gb:g} GB per device, link {c.link.name} "
            f"(alpha {c.link.alpha_s * 1e6:g} us, {c.link.bandwidth_gb_s:g} GB/s)", "", "memory per replica (GB):"]
+    unknown = c.activation_gb is None
     for k, v in plan.memory_gb.items():
         per_param = "" if k == "activations" else f"   {v * GB / c.params:5.1f} B/param"
         out.append(f"  {k:<16}{v:10.2f}{per_param}")
-    out.append(f"  fits in {c.device_memory_gb:g} GB: {'yes' if plan.fits else 'NO'}")
+    verdict = "yes" if plan.fits else "NO"
+    if unknown and plan.fits:  # never a bare "yes": activations often outweigh the rest (batch x sequence x layers)
+        verdict += f", before activations ({c.device_memory_gb - plan.memory_gb['total']:.2f} GB left for them)"
+    out.append(f"  fits in {c.device_memory_gb:g} GB: {verdict}")
+    if unknown:
+        out.append("  activations are not counted: unknown (pass --activation-gb; torch.cuda.max_memory_allocated() "
+                   "after one step, less the rest, measures them)")
     out.append("  sharded, per rank: " + ", ".join(f"{k} {v:.2f}" for k, v in plan.sharded_memory_gb.items()))
+    out.append(f"  ZeRO-1 with lockstep: {HOW['zero1']}")
+    out.append(f"  ZeRO-2/3: {HOW['zero3_fsdp']}")
     out.append(f"\ngradient all-reduce per step at N={c.world_size}: ring {plan.comm_ms['ring']:.2f} ms, "
                f"tree {plan.comm_ms['tree']:.2f} ms ({c.bucket_cap_mb:g} MiB buckets)")
     if plan.step_ms:
@@ -240,6 +286,12 @@ def format_plan(plan: Plan) -> str:
         out.append(f"{row['world_size']:6d} {row['ring_ms']:10.2f} {row['tree_ms']:10.2f}   {eff}")
     out.append(f"\nrecommendation: {plan.recommendation}")
     return "\n".join(out)
+
+
+# PlanConfig field -> the flag that sets it, for errors that name what the user typed.
+FLAGS = {"params": "--params", "model": "--model", "precision": "--precision", "optimizer": "--optimizer",
+         "world_size": "--world-size", "device_memory_gb": "--device-memory-gb", "link": "--link",
+         "compute_ms": "--compute-ms", "activation_gb": "--activation-gb", "bucket_cap_mb": "--bucket-cap-mb"}
 
 
 def cli_main(argv: list[str]) -> int:
@@ -255,23 +307,30 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--alpha-us", type=float, help="override the link's latency, microseconds")
     p.add_argument("--bandwidth-gb-s", type=float, help="override the link's bandwidth, GB/s")
     p.add_argument("--compute-ms", type=float, help="forward+backward time of one step on one device")
-    p.add_argument("--activation-gb", type=float, default=0.0)
+    p.add_argument("--activation-gb", type=float, default=None,
+                   help="activation memory per replica, GB (default: not counted, and the verdict says so)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = p.parse_args(argv)
     if args.model and "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # `--model mymodels:build` from the project directory, like `python -m`
     link = LINKS[args.link]
+    if args.alpha_us is not None and not (args.alpha_us >= 0 and math.isfinite(args.alpha_us)):
+        p.error(f"argument --alpha-us: must be a finite number >= 0, got {args.alpha_us:g}")
+    if args.bandwidth_gb_s is not None and not (args.bandwidth_gb_s > 0 and math.isfinite(args.bandwidth_gb_s)):
+        p.error(f"argument --bandwidth-gb-s: must be a finite number > 0, got {args.bandwidth_gb_s:g}")
+    if args.alpha_us is not None or args.bandwidth_gb_s is not None:
+        link = dataclasses.replace(link, name=f"{link.name} (overridden)", source="command line",
+                                   alpha_s=link.alpha_s if args.alpha_us is None else args.alpha_us * 1e-6,
+                                   bandwidth_gb_s=link.bandwidth_gb_s if args.bandwidth_gb_s is None else args.bandwidth_gb_s)
     try:
-        if args.alpha_us is not None or args.bandwidth_gb_s is not None:
-            link = dataclasses.replace(link, name=f"{link.name} (overridden)", source="command line",
-                                       alpha_s=link.alpha_s if args.alpha_us is None else args.alpha_us * 1e-6,
-                                       bandwidth_gb_s=args.bandwidth_gb_s or link.bandwidth_gb_s)
         config = PlanConfig(params=args.params, model=args.model, precision=args.precision, optimizer=args.optimizer,
                             world_size=args.world_size, device_memory_gb=args.device_memory_gb, link=link,
                             compute_ms=args.compute_ms, activation_gb=args.activation_gb, bucket_cap_mb=args.bucket_cap_mb)
-    except ValueError as e:
-        p.error(str(e))
+    except PlanConfigError as e:
+        p.error(f"argument {FLAGS.get(e.field, e.field)}: {e.problem}")
+    except Exception as e:  # the --model factory itself failed: its error, on one line, naming the flag
+        p.error(f"argument --model: {args.model}: {type(e).__name__}: {e}")
     plan = make_plan(config)
     if args.json:
         print(json.dumps(dataclasses.asdict(plan), indent=1, default=str))

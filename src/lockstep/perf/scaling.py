@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from lockstep.perf.spawn import report_to_parent, spawn_and_collect
+from lockstep.perf.spawn import DEFAULT_OUT, OUT_HELP, report_to_parent, results_dir, spawn_and_collect
 from lockstep.perf.costmodel import LINKS
 from lockstep.perf.plan import PlanConfig, make_plan
 
@@ -141,6 +141,19 @@ def _worker(rank: int, world_size: int, port: int, cfg: dict, queue) -> None:
                          "tensors": sum(1 for _ in model.parameters())})
 
 
+def modes_to_run(world_size: int, modes: list[str]) -> list[str]:
+    """At N = 1 strong and weak scaling are the same run (the whole batch on one rank): measure it once."""
+    return modes[:1] if world_size == 1 else modes
+
+
+def reuse_single_rank_run(rows: list[dict], modes: list[str]) -> list[dict]:
+    """The rows of one world size, with the N = 1 measurement copied to every mode it stands for."""
+    if len(rows) == 1 and rows[0]["world_size"] == 1 and len(modes) > 1:
+        measured = rows[0]["mode"]
+        rows = [dict(rows[0], mode=mode, measured_as=measured) for mode in modes]
+    return rows
+
+
 def run_world(world_size: int, cfg: dict) -> list[dict]:
     """Spawn ``world_size`` ranks and return their rows (one per mode)."""
     from lockstep.process_group import free_port
@@ -182,6 +195,10 @@ def format_table(rows: list[dict], meta: dict) -> str:
         lines.append(f"| {r['mode']} | {r['world_size']} | {r['batch_per_rank']} | {r['step_s'] * 1e3:.2f} | "
                      f"{r['samples_per_s']:.0f} | {fmt(r['efficiency'], '.2f')} | {r['comm_share']:.1%} | "
                      f"{fmt(r['predicted_step_s'] and r['predicted_step_s'] * 1e3, '.2f')} | {fmt(r['predicted_efficiency'], '.2f')} |")
+    shared = sorted({r["measured_as"] for r in rows if "measured_as" in r})
+    if shared:
+        lines.append(f"\nN=1 is measured once and used for every mode: with one rank, strong and weak scaling are "
+                     f"the same run ({shared[0]})")
     for note in meta["skipped"]:
         lines.append(f"\nnot run: {note}")
     return "\n".join(lines)
@@ -244,15 +261,20 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU); default 1")
     p.add_argument("--link", default=None, choices=sorted(LINKS), help="the plan's link (default loopback on CPU, nvlink on GPU)")
     p.add_argument("--oversubscribe", action="store_true", help="run world sizes beyond the cores / GPUs anyway")
-    p.add_argument("--out", default="benchmarks/results", help="directory for JSON, markdown and PNG ('' for none)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP)
     p.add_argument("--timeout-s", type=float, default=900.0)
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.threads < 1:
-        p.error("need --steps >= 1, --warmup >= 0, --batch >= 1, --threads >= 1")
+    for flag, ok, need in (("--steps", args.steps >= 1, ">= 1"), ("--warmup", args.warmup >= 0, ">= 0"),
+                           ("--batch", args.batch >= 1, ">= 1"), ("--threads", args.threads >= 1, ">= 1"),
+                           ("--timeout-s", args.timeout_s > 0, "> 0")):
+        if not ok:
+            p.error(f"argument {flag}: must be {need}, got {getattr(args, flag[2:].replace('-', '_'))}")
     try:
         build_model(args.model)  # fail here, with its message, not in every rank
-    except (ValueError, ImportError, AttributeError) as e:
-        p.error(f"--model {args.model}: {e}")
+    except ValueError as e:
+        p.error(f"argument --model: {str(e).removeprefix('--model ')}")
+    except Exception as e:  # the module or factory does not import or build
+        p.error(f"argument --model: {args.model}: {type(e).__name__}: {e}")
     import torch
 
     capacity = torch.cuda.device_count() if torch.cuda.is_available() else max(1, (os.cpu_count() or 1) // args.threads)
@@ -260,9 +282,9 @@ def cli_main(argv: list[str]) -> int:
         try:
             requested = sorted({int(v) for v in args.nproc.split(",") if v.strip()})
         except ValueError:
-            p.error(f"--nproc must be a comma-separated list of integers, got {args.nproc!r}")
+            p.error(f"argument --nproc: must be a comma-separated list of integers, got {args.nproc!r}")
         if not requested or requested[0] < 1:
-            p.error(f"--nproc values must be >= 1, got {args.nproc!r}")
+            p.error(f"argument --nproc: values must be >= 1, got {args.nproc!r}")
     else:
         requested = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= capacity]
     if 1 not in requested:
@@ -270,15 +292,20 @@ def cli_main(argv: list[str]) -> int:
     modes = list(MODES) if args.mode == "both" else [args.mode]
     sizes, skipped, cuda, _ = world_sizes(requested, args.threads, args.oversubscribe)
     if "strong" in modes and any(args.batch % n for n in sizes):
-        p.error(f"--batch {args.batch} (the global batch of strong scaling) must divide by every N in {sizes}")
+        p.error(f"argument --batch: {args.batch} (the global batch of strong scaling) must divide by every N in {sizes}")
     for note in skipped:
         print(f"lockstep bench scaling: not running {note}", file=sys.stderr)
     link = args.link or ("nvlink" if cuda else "loopback")
     cfg = dict(model=args.model, modes=modes, batch=args.batch, steps=args.steps, warmup=args.warmup,
                threads=args.threads, cuda=cuda, timeout_s=args.timeout_s)
+    out = results_dir(p, args.out)
     rows = []
-    for n in sizes:
-        rows += run_world(n, cfg)
+    try:
+        for n in sizes:
+            rows += reuse_single_rank_run(run_world(n, dict(cfg, modes=modes_to_run(n, modes))), modes)
+    except RuntimeError as e:  # a rank died or timed out: spawn_and_collect names which
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 1
     rows.sort(key=lambda r: (MODES.index(r["mode"]), r["world_size"]))
     add_efficiency_and_prediction(rows, link)
     meta = {"model": args.model, "backend": "nccl" if cuda else "gloo", "threads": args.threads, "host_cpus": os.cpu_count(),
@@ -286,9 +313,7 @@ def cli_main(argv: list[str]) -> int:
             "torch": torch.__version__, "load_average_1_5_15": os.getloadavg()}
     table = format_table(rows, meta)
     print(table)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         name = args.model.replace(":", "_").replace(".", "_")
         stem = out / f"scaling_{name}_{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d_%H%M%S}"
         stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

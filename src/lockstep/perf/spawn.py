@@ -1,10 +1,34 @@
-"""Run a benchmark worker on a few spawned processes of this host and collect its result."""
+"""Run a benchmark worker on a few spawned processes of this host and collect its result; where results go."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import os
 import time
+from pathlib import Path
 from typing import Any, Iterator
+
+DEFAULT_OUT = "benchmarks/results"
+OUT_HELP = (f"directory for the JSON, markdown and PNG (default: {DEFAULT_OUT} under the current directory; "
+            "'' writes none)")
+
+
+def results_dir(parser: argparse.ArgumentParser, out: str) -> Path | None:
+    """The absolute directory results go to, made now and checked writable (a bad --out fails before the
+    benchmark runs, not after it), said on stdout; None for ``--out ''``."""
+    if not out:
+        print(f"{parser.prog}: no files written (--out '')")
+        return None
+    path = Path(out).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"argument --out: cannot create {path}: {e.strerror or e}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        parser.error(f"argument --out: {path} is not writable")
+    print(f"{parser.prog}: results go to {path} (--out DIR to change)", flush=True)
+    return path
 
 
 def spawn_and_collect(worker, world_size: int, port: int, cfg: dict, timeout_s: float, what: str):
