@@ -156,3 +156,28 @@ def test_console_shows_one_prefix_and_a_traceback_every_rank_raised_once(capsys)
                        "[rank2]: NonfiniteGradientError: non-finite gradient on rank 1 (the same traceback as rank 0)",
                        "[rank2]: INFO lockstep: a log line",
                        "[rank1]: Traceback (most recent call last):", '[rank1]:   File "train.py", line 3']
+
+
+def test_report_prefers_the_error_file_over_a_stderr_that_holds_only_log_lines(tmp_path):
+    # launch_function (and @record scripts): the traceback goes to torch's error.json, while the rank's stderr
+    # holds only lockstep's INFO line. The report shows the exception, not that line.
+    import json
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from lockstep.launch.output import failure_report
+
+    callstack = ('Traceback (most recent call last):\n  File "/job/train.py", line 6, in work\n'
+                 "    import no_such_module\nModuleNotFoundError: No module named 'no_such_module'\n")
+    error_file = tmp_path / "0" / "error.json"
+    error_file.parent.mkdir()
+    error_file.write_text(json.dumps({"message": {"message": "ModuleNotFoundError: No module named 'no_such_module'",
+                                                  "extraInfo": {"py_callstack": callstack, "timestamp": "1"}}}))
+    stderr = tmp_path / "0" / "stderr.log"
+    stderr.write_text("[rank0] INFO lockstep.process_group: gloo uses interface lo\n")
+    logs = SimpleNamespace(last_dest=SimpleNamespace(stderrs={0: str(stderr)}, tee_stderrs={0: str(stderr)}))
+    failure = ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(error_file))
+    text = str(failure_report(ChildFailedError("work", {0: failure}), logs))
+    assert "ModuleNotFoundError: No module named 'no_such_module'" in text and 'train.py", line 6' in text, text
+    assert "gloo uses interface" not in text
