@@ -72,3 +72,18 @@ def test_wine_under_lockstep_launch_then_resumed_under_torchrun(tmp_path):
     a = load_checkpoint(whole / "ckpt-000000150.pt")["model"]
     b = load_checkpoint(split / "ckpt-000000150.pt")["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_elastic_loop_goes_on_at_another_world_size(tmp_path):
+    # 20 steps of global batch 64 on 2 ranks (4 micro-batches each), then the rest on 1 rank (8 each):
+    # the epoch continues at sample 20 x 64 = 1280 of its 1792, with the same global batch
+    _run(LOCKSTEP_LAUNCH + ["examples/elastic_loop.py", str(tmp_path), "--max-steps", "20"])
+    one = [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "1", "examples/elastic_loop.py", str(tmp_path),
+           "--epochs", "2"]
+    proc = subprocess.run(one, cwd=REPO, capture_output=True, text=True, timeout=240)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert "resumed from step 20 (epoch 0) at world size 1, 8 micro-batches per step; saved by 2 ranks" in text
+    assert "epoch 0 done at step 28" in text and "epoch 1 done at step 56" in text  # 28 steps per epoch, kept
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert state["step"] == 55 and state["sampler"]["num_replicas"] == 1

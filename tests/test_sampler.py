@@ -191,10 +191,16 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="advance: 6 consumed exceeds the 5 indices rank 0"):
         s.advance(6)
     state = s.state_dict()
-    with pytest.raises(ValueError, match="saved num_replicas=2 but this sampler has num_replicas=3"):
-        DistributedSampler(data, 3, 0).load_state_dict(state)
     with pytest.raises(ValueError, match="saved dataset_len=10 but this sampler has dataset_len=11"):
         DistributedSampler(Indexed(11), 2, 0).load_state_dict(state)
+    with pytest.raises(ValueError, match="saved drop_last=False but this sampler has drop_last=True"):
+        DistributedSampler(data, 3, 0, drop_last=True).load_state_dict(state)
+    # pad=False: 10 over 4 ranks gives shards of 3, 3, 2, 2; past 2 the ranks stood apart
+    late = DistributedSampler(data, 4, 0, pad=False).state_dict(consumed=3)
+    with pytest.raises(ValueError, match=r"pad=False state at num_replicas=2 \(saved 4\): consumed=3 is past"):
+        DistributedSampler(data, 2, 0, pad=False).load_state_dict(late)
+    with pytest.raises(ValueError, match="position=99 is outside this epoch"):
+        DistributedSampler(data, 2, 0).load_state_dict({**state, "position": 99, "num_replicas": 2})
     with pytest.raises(KeyError, match="'consumed'"):
         DistributedSampler(data, 2, 0).load_state_dict({"epoch": 0, "seed": 0})
 
@@ -212,3 +218,74 @@ def test_defaults_come_from_the_process_group():
             DistributedSampler(Indexed(4), rank=3)
     finally:
         dist.destroy_process_group()
+
+
+# -- resuming at another world size ------------------------------------------------------------
+def _interleave(shards):
+    """Global order from per-rank lists: round j takes each rank's j-th index, in rank order."""
+    out = []
+    for j in range(max(map(len, shards), default=0)):
+        out += [s[j] for s in shards if j < len(s)]
+    return out
+
+
+def _resize_case(n, old, new, seed, drop_last, pad, rng):
+    data = Indexed(n)
+    kw = {"shuffle": True, "seed": seed, "drop_last": drop_last, "pad": pad}
+    before = [DistributedSampler(data, old, r, **kw) for r in range(old)]
+    for s in before:
+        s.set_epoch(3)
+    shortest = min(s.num_samples for s in before)
+    consumed = rng.randint(0, shortest)  # a DDP loop keeps every rank at the same count
+    heads = [list(s)[:consumed] for s in before]
+    states = [s.state_dict(consumed=consumed) for s in before]
+    assert len({st["position"] for st in states}) == 1  # every rank saves the same global position
+    after = [DistributedSampler(data, new, r, seed=12345, shuffle=True, drop_last=drop_last, pad=pad) for r in range(new)]
+    for s, st in zip(after, [states[0]] * new):  # any rank's state will do: the position is global
+        s.load_state_dict(st)
+        s.set_epoch(3)
+    tails = [list(s) for s in after]
+    assert len({len(t) for t in tails}) == 1 or not pad  # DDP needs equal steps: padded/dropped layouts give them
+    consumed_order = _interleave(heads) + _interleave(tails)
+    g = torch.Generator()
+    g.manual_seed(seed + 3)
+    order = torch.randperm(n, generator=g).tolist()
+    case = f"n={n} {old}->{new} seed={seed} drop_last={drop_last} pad={pad} consumed={consumed}"
+    # the global order, from its start, with no gap and nothing twice ...
+    assert consumed_order == [order[i % n] for i in range(len(consumed_order))], case
+    if drop_last:  # ... less a tail shorter than a round of either world size ...
+        assert n - len(consumed_order) < max(old, new), case
+    elif pad:  # ... or with fewer than a round of repeats from the epoch's start, as torch pads
+        assert 0 <= len(consumed_order) - n < max(old, new), case
+    else:
+        assert len(consumed_order) == n, case
+    return consumed
+
+
+@pytest.mark.parametrize("old,new", [(4, 2), (2, 4), (3, 2), (2, 3), (4, 3), (3, 3)])
+def test_resize_uses_every_sample_of_the_epoch_once(old, new):
+    import random
+
+    rng = random.Random(old * 10 + new)
+    positions = set()
+    for _ in range(150):
+        n = rng.randint(max(old, new), 90)
+        drop_last = rng.random() < 0.3
+        pad = drop_last or rng.random() < 0.8
+        positions.add(_resize_case(n, old, new, rng.randint(0, 10**6), drop_last, pad, rng))
+    assert len(positions) > 10  # the draw did reach positions across the epoch
+
+
+def test_resize_then_next_epoch_is_the_new_world_sizes_own_layout():
+    data = Indexed(37)
+    s = DistributedSampler(data, 4, 1, seed=2)
+    s.set_epoch(0)
+    state = s.state_dict(consumed=5)
+    t = DistributedSampler(data, 2, 1, seed=2)
+    t.load_state_dict(state)
+    t.set_epoch(0)
+    assert state["position"] == 20 and len(t) == 9 and list(t) == t.indices(10, 19)
+    t.set_epoch(1)
+    ref = TorchSampler(data, 2, 1, seed=2)
+    ref.set_epoch(1)
+    assert list(t) == list(ref) and len(t) == len(ref)

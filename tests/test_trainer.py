@@ -158,9 +158,9 @@ def _scenarios(rank, world_size, root):
     before = _params(model)  # after DDP's start-up broadcast of rank 0's parameters
     t.fit()
     out["clipped_step_norm"] = torch.cat([(a - b).flatten() for a, b in zip(_params(model), before)]).norm().item()
-    # 10. resuming a checkpoint written by another number of ranks is refused on every rank
-    save_atomic({"format": "lockstep-trainer-v1", "step": 1, "world_size": 3}, os.path.join(root, "ckpt-000000001.pt")) \
-        if rank == 0 else None
+    # 10. a checkpoint from 3 ranks whose global batch (24) 2 ranks of batch_size 8 cannot make is refused on every rank
+    save_atomic({"format": "lockstep-trainer-v1", "step": 1, "world_size": 3, "global_batch": 24, "batch_size": 8},
+                os.path.join(root, "ckpt-000000001.pt")) if rank == 0 else None
     try:
         _train(root, resume=True, checkpoint_dir=root)
         out["world_size_error"] = None
@@ -365,7 +365,8 @@ def test_clipping_caps_the_averaged_gradient(results):
 def test_resume_refuses_a_checkpoint_from_another_world_size(results):
     _, out = results
     for rank in range(2):
-        assert "was written by 3 ranks; this run has 2" in out[rank]["world_size_error"]
+        assert "global batch 24 cannot be made at world size 2 with batch_size=8" in out[rank]["world_size_error"]
+        assert "(3 ranks)" in out[rank]["world_size_error"] and "\n" not in out[rank]["world_size_error"]
 
 
 def test_config_errors_name_the_field():

@@ -24,6 +24,8 @@ _EXPORTS = {
     "DistributedSampler": "sampler",
     "Trainer": "train.trainer",
     "TrainerConfig": "train.config",
+    "accumulation_steps": "train.resize",
+    "resume": "train.resize",
     "use_as_torch_ddp": "integrations.torch_ddp",
     "check_replicas": "diagnostics.checks",
     "ReplicaMismatchError": "diagnostics.checks",

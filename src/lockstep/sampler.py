@@ -7,6 +7,18 @@ arguments, so a saved position is just (epoch, seed, how many of this rank's ind
 the training loop has consumed) — a few integers that ``torch.load(weights_only=True)``
 reads back — and resuming means skipping that many.
 
+Resuming at another world size: ranks take the epoch's global order round-robin
+(rank r gets global positions r, r + R, r + 2R, ...), so after every rank has consumed
+c indices the consumed part is exactly the prefix [0, c * R) of the global order. The
+state carries that global ``position``; a sampler with R' replicas continues the same
+order from it (rank r' gets position + r', position + r' + R', ...), so across the resize
+every sample of the epoch is used once. ``pad``: the new layout's last round is padded by
+repeating the epoch's first indices, as torch pads (at most R' - 1 repeats).
+``drop_last``: the remainder that does not fill a round of R' is dropped (fewer than R'
+samples; which ones depends on where the resize happened). ``pad=False`` shards differ in
+length by one, so a position past the shortest shard is not the same on every rank: such
+a state is refused at another world size.
+
 Counting consumption honestly: a DataLoader with workers pulls indices from the
 sampler ``prefetch_factor * num_workers`` batches ahead of the loop body, so "how many
 indices were yielded" over-counts. Tell the sampler what the loop really consumed,
@@ -93,12 +105,19 @@ class DistributedSampler(Sampler[int]):
         self._start = 0  # position the next __iter__ starts from (set by load_state_dict)
         self._yielded = 0  # indices handed out in this epoch, counted from position 0
         self._advanced: int | None = None  # what advance() reported for this epoch, if used
+        self._phase = 0  # global position of this layout's position 0 (load_state_dict at another world size)
+        self._resumed = False  # a loaded position waits for the next __iter__
 
     # -- sizes -------------------------------------------------------------------------
     @property
     def num_samples(self) -> int:
         """Indices this rank gets per epoch (torch's attribute of the same name)."""
-        n, r = len(self.dataset), self.num_replicas
+        return self._count(self._phase)
+
+    def _count(self, phase: int) -> int:
+        # phase: the global position this layout's position 0 sits at; 0 except in an epoch
+        # resumed at another world size (position 0 of rank r is global position phase + r).
+        n, r = len(self.dataset) - phase, self.num_replicas
         if self.drop_last:
             return n // r  # the tail that does not fill a round is dropped
         if not self.pad:
@@ -107,11 +126,11 @@ class DistributedSampler(Sampler[int]):
 
     @property
     def total_size(self) -> int:
-        return self.num_samples * self.num_replicas if self.pad else len(self.dataset)
+        return self._phase + self.num_samples * self.num_replicas if self.pad else len(self.dataset)
 
     def __len__(self) -> int:
         """How many indices the next ``__iter__`` yields: ``num_samples`` less a resumed position."""
-        return self.num_samples - self._start
+        return self._count(self._phase) - self._start if self._resumed else self._count(0)
 
     # -- iteration ---------------------------------------------------------------------
     def _order(self) -> list[int]:
@@ -126,14 +145,17 @@ class DistributedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         order = self._order()
         n = len(order)
-        start, self._start = self._start, 0  # a resumed position applies to one iteration only
+        if not self._resumed:
+            self._phase = 0  # a loaded position (and its phase) applies to one iteration only
+        start, self._start, self._resumed = self._start, 0, False
         self._yielded = start
         self._advanced = None if start == 0 else start
-        # Position j of this rank is global position rank + j * num_replicas of the list
+        # Position j of this rank is global position phase + rank + j * num_replicas of the list
         # padded by wrapping around (order[i % n]): exactly torch's padding, never built.
+        first = self._phase + self.rank
         for j in range(start, self.num_samples):
             self._yielded = j + 1  # counted as it is handed out: the generator pauses at the yield
-            yield order[(self.rank + j * self.num_replicas) % n]
+            yield order[(first + j * self.num_replicas) % n]
 
     @property
     def consumed(self) -> int:
@@ -149,8 +171,8 @@ class DistributedSampler(Sampler[int]):
         cached = getattr(self, "_order_cache", None)
         if cached is None or cached[0] != key:
             cached = self._order_cache = (key, self._order())
-        order, n = cached[1], len(cached[1])
-        return [order[(self.rank + j * self.num_replicas) % n] for j in range(start, min(stop, self.num_samples))]
+        order, n, first = cached[1], len(cached[1]), self._phase + self.rank
+        return [order[(first + j * self.num_replicas) % n] for j in range(start, min(stop, self.num_samples))]
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's shuffle. Re-setting the epoch just loaded keeps the resumed position."""
@@ -160,6 +182,7 @@ class DistributedSampler(Sampler[int]):
             self._start = 0
             self._yielded = 0
             self._advanced = None
+            self._phase, self._resumed = 0, False
         self.epoch = epoch
 
     # -- resumable state ---------------------------------------------------------------
@@ -181,14 +204,16 @@ class DistributedSampler(Sampler[int]):
         self._advanced = total
 
     def state_dict(self, consumed: int | None = None) -> dict:
-        """Plain ints and bools: epoch, seed, consumed (this rank, this epoch) and the layout to check.
+        """Plain ints and bools: epoch, seed, the global position, this rank's count and the layout to check.
 
+        ``position`` is the number of the epoch's global order consumed by all ranks together
+        (every rank is at the same count in a DDP loop); ``consumed`` is this rank's count.
         ``consumed`` overrides the count; otherwise ``advance()``'s total is used if it was
         called this epoch, else the number of indices yielded.
         """
         if consumed is None:
             consumed = self._advanced if self._advanced is not None else self._yielded
-        if not 0 <= consumed <= self.num_samples:
+        if isinstance(consumed, bool) or not isinstance(consumed, int) or not 0 <= consumed <= self.num_samples:
             raise ValueError(
                 f"DistributedSampler.state_dict: consumed={consumed} is outside [0, {self.num_samples}] "
                 f"for rank {self.rank}"
@@ -197,6 +222,7 @@ class DistributedSampler(Sampler[int]):
             "epoch": self.epoch,
             "seed": self.seed,
             "consumed": int(consumed),
+            "position": self._phase + int(consumed) * self.num_replicas,
             "rank": self.rank,
             "num_replicas": self.num_replicas,
             "dataset_len": len(self.dataset),
@@ -206,17 +232,17 @@ class DistributedSampler(Sampler[int]):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume: the next ``__iter__`` yields exactly the indices not yet consumed.
+        """Resume: the next ``__iter__`` yields exactly the indices of the epoch not yet consumed.
 
-        Epoch and seed come from the state. The layout (num_replicas, dataset length,
-        shuffle, drop_last, pad) must match, because a different layout sends different
-        indices to each rank and the run could no longer continue exactly.
+        Epoch and seed come from the state. The dataset length, shuffle, drop_last and pad
+        must match (they decide the global order). ``num_replicas`` may differ: the run goes
+        on from the saved global position (module docstring), except for a ``pad=False``
+        state past the shortest shard, where ranks stood at different positions.
         """
         for key in ("epoch", "seed", "consumed"):
             if key not in state:
                 raise KeyError(f"DistributedSampler.load_state_dict: state has no {key!r}")
         current = {
-            "num_replicas": self.num_replicas,
             "dataset_len": len(self.dataset),
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
@@ -226,15 +252,30 @@ class DistributedSampler(Sampler[int]):
             if key in state and state[key] != mine:
                 raise ValueError(
                     f"DistributedSampler.load_state_dict: saved {key}={state[key]!r} but this sampler has "
-                    f"{key}={mine!r}; an exact resume needs the same layout"
+                    f"{key}={mine!r}; the epoch's global order would differ, so no exact resume"
                 )
+        saved_replicas = int(state.get("num_replicas", self.num_replicas))
         consumed = int(state["consumed"])
+        position = int(state.get("position", consumed * saved_replicas))  # states before lockstep 0.x had no position
+        n = len(self.dataset)
+        if saved_replicas == self.num_replicas:
+            phase, start = position % saved_replicas, position // saved_replicas
+        else:
+            if not self.pad and consumed > (n - position % saved_replicas) // saved_replicas:
+                raise ValueError(
+                    f"DistributedSampler.load_state_dict: cannot resume a pad=False state at num_replicas="
+                    f"{self.num_replicas} (saved {saved_replicas}): consumed={consumed} is past the shortest "
+                    f"shard, where ranks stood at different positions and no global position is shared"
+                )
+            position = min(position, n)  # past n: only the padding of the last round was left
+            phase, start = position % self.num_replicas, position // self.num_replicas
+        if position < 0 or start > self._count(phase):
+            raise ValueError(
+                f"DistributedSampler.load_state_dict: position={position} is outside this epoch "
+                f"(dataset_len={n}, num_replicas={self.num_replicas})"
+            )
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
-        if not 0 <= consumed <= self.num_samples:
-            raise ValueError(
-                f"DistributedSampler.load_state_dict: consumed={consumed} is outside [0, {self.num_samples}]"
-            )
-        self._start = consumed
-        self._yielded = consumed
+        self._phase, self._start, self._resumed = phase, start, True
+        self._yielded = start
         self._advanced = None

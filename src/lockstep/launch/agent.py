@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from lockstep.launch import console, orphan, rendezvous
+from lockstep.launch import console, elastic, orphan, rendezvous
 from lockstep.launch.output import RANK_PREFIX_TEMPLATE, LaunchError, RankLogsSpecs, failure_report
 from lockstep.network import pick_gloo_interface, route_source_addr
 from lockstep.slurm import PREEMPT_DIR_ENV, REQUEUE_EXIT_CODE
@@ -46,7 +46,7 @@ class LaunchOptions:
     """Where and how many workers this node's agent starts; validated on construction."""
 
     nproc_per_node: int
-    nnodes: int = 1
+    nnodes: int = 1  # the most nodes (torchrun's MAX in --nnodes MIN:MAX)
     node_rank: int = 0  # which node hosts the rendezvous store (node 0); worker ranks are assigned by the rendezvous
     master_addr: str = LOOPBACK_ADDR
     master_port: int = 0  # 0: the OS picks a free port (single node only)
@@ -76,6 +76,9 @@ class LaunchOptions:
     duplicate_stderr_filters: tuple[str, ...] = ()
     virtual_local_rank: bool = False
     numa_binding: str | None = None
+    # --nnodes MIN:MAX: the job runs on MIN to nnodes nodes and re-forms when one leaves or joins
+    # (launch/elastic.py); None: exactly nnodes
+    min_nodes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.monitor_interval_s > 0:
@@ -91,6 +94,8 @@ class LaunchOptions:
             raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
         if self.nnodes < 1:
             raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nnodes:
+            raise ValueError(f"--nnodes {self.min_nodes}:{self.nnodes}: MIN must be in [1, MAX]")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}")
         if not 0 <= self.master_port < 65536:
@@ -146,8 +151,10 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
         # Every node must name the same rendezvous: derive it from what they share. One node can be unique.
         run_id = f"lockstep-{uuid.uuid4().hex[:12]}" if single else f"lockstep-{options.master_addr}-{options.master_port}"
     kwargs: dict[str, Any] = dict(
-        min_nodes=options.nnodes,
-        max_nodes=options.nnodes,  # fixed size: the rendezvous closes as soon as every node joined
+        # fixed size (min_nodes None): the rendezvous closes as soon as every node joined; MIN:MAX: once MIN
+        # joined and the last call passed (launch/elastic.py)
+        min_nodes=options.min_nodes or options.nnodes,
+        max_nodes=options.nnodes,
         nproc_per_node=options.nproc_per_node,
         run_id=run_id,
         # torch's c10d rendezvous wrapped by lockstep's (launch/rendezvous.py): nodes numbered by --node-rank,
@@ -167,6 +174,7 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
             "lockstep_port": options.master_port,
             "lockstep_node_timeout": options.node_timeout_s,
             **dict(options.rdzv_conf),
+            **({"last_call_timeout": int(elastic.DEFAULT_LAST_CALL_S)} if options.min_nodes not in (None, options.nnodes) else {}),
         },
         max_restarts=options.max_restarts,
         monitor_interval=options.monitor_interval_s,
@@ -321,7 +329,7 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
             logs.every_exit_recorded = True
             # Each worker dies with this launcher, even a kill -9 of it (orphan.py): torch's agent cannot.
             entrypoint, args = orphan.guarded_command(entrypoint, args)
-        with (_agent_environment(options, log_dir, {PREEMPT_DIR_ENV: preempt_dir}), _quiet_agent_failure_log(logs),
+        with (_agent_environment(options, log_dir, {PREEMPT_DIR_ENV: preempt_dir, elastic.REPORT_ENV: "1"}), _quiet_agent_failure_log(logs),
               console.single_prefix()):
             results = elastic_launch(config, entrypoint)(*args)
     except SignalException as e:

@@ -3,8 +3,8 @@
 The one idea: a torchrun command line must run unchanged under ``lockstep launch``. Every option of
 ``torch.distributed.run.get_args_parser()`` is either accepted here with torch's meaning or listed in
 ``TORCHRUN_NOT_SUPPORTED`` with the reason, and ``tests/test_launch_flags.py`` compares the two parsers,
-so a flag that a new torch adds fails that test until it is handled. ``parse_nnodes`` is kept small and
-alone: elastic ``--nnodes MIN:MAX`` replaces it.
+so a flag that a new torch adds fails that test until it is handled. ``--nnodes`` (N or MIN:MAX) is read
+by ``launch/elastic.parse_nnodes``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 from typing import Any
+
+from lockstep.launch.elastic import parse_nnodes
 
 # torchrun options that lockstep launch refuses, and why (a one-line error names the reason).
 TORCHRUN_NOT_SUPPORTED = {
@@ -25,23 +27,6 @@ TORCHRUN_NOT_SUPPORTED = {
 RDZV_CONF_KEYS = frozenset({"join_timeout", "timeout", "last_call_timeout", "close_timeout", "read_timeout",
                             "keep_alive_interval", "keep_alive_max_attempt", "heartbeat", "use_libuv", "store_type"})
 RDZV_BACKENDS = ("c10d", "static")  # both meet through lockstep's wrapper of torch's c10d rendezvous
-
-
-def parse_nnodes(value: str) -> tuple[int, int]:
-    """``--nnodes N`` or ``MIN:MAX`` (torchrun's form) as (min_nodes, max_nodes). Raises ValueError naming the flag."""
-    parts = value.split(":")
-    try:
-        if len(parts) == 1:
-            low = high = int(parts[0])
-        elif len(parts) == 2:
-            low, high = int(parts[0]), int(parts[1])
-        else:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"--nnodes must be N or MIN:MAX (torchrun's form), got {value!r}") from None
-    if not 1 <= low <= high:
-        raise ValueError(f"--nnodes needs 1 <= MIN <= MAX, got {value!r}")
-    return low, high
 
 
 def parse_nproc(value: str) -> int:
@@ -122,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--nproc-per-node", "--nproc_per_node", type=_nproc_form, default="auto",
         help="workers on this node: an integer, 'auto' = one per GPU, else 2; 'cpu', 'gpu', 'xpu' as torchrun "
         "(default: auto)")
-    add("--nnodes", default=None, help="number of nodes (default: 1, or SLURM's)")
+    add("--nnodes", type=parse_nnodes, default=None, metavar="N|MIN:MAX",
+        help="number of nodes, or MIN:MAX for an elastic job that goes on with the nodes still there "
+        "and grows back when one joins (torchrun's syntax; docs/preemptible.md) (default: 1, or SLURM's)")
     add("--node-rank", "--node_rank", type=int, default=None,
         help="this node's index; node 0 hosts the rendezvous (default: 0, or SLURM_NODEID)")
     add("--master-addr", "--master_addr", default=None,

@@ -51,18 +51,6 @@ def default_nproc_per_node() -> int:
 _build_parser = flags.build_parser  # the parser's old home: tests and helpers import it from here
 
 
-def _fixed_nnodes(value: str | None) -> int | None:
-    """``--nnodes``: a fixed number of nodes. MIN:MAX parses (flags.parse_nnodes) but elastic membership is not
-    here yet, so a range with MIN < MAX is refused by name."""
-    if value is None:
-        return None
-    low, high = flags.parse_nnodes(value)
-    if low != high:
-        raise ValueError(f"--nnodes {value}: a range of nodes (elastic membership) is not supported yet; "
-                         "give a fixed number of nodes")
-    return high
-
-
 def _parse(argv: Sequence[str], env: Mapping[str, str]) -> tuple[LaunchOptions, argparse.Namespace]:
     ns = flags.build_parser().parse_args(list(argv))  # SystemExit on --help or a malformed flag: argparse printed why
     if ns.run_path:
@@ -70,7 +58,7 @@ def _parse(argv: Sequence[str], env: Mapping[str, str]) -> tuple[LaunchOptions, 
     if ns.logs_specs is not None:
         raise ValueError(f"--logs-specs is not supported: {flags.TORCHRUN_NOT_SUPPORTED['--logs-specs']}")
     nproc = flags.parse_nproc(ns.nproc_per_node)
-    nnodes_flag = _fixed_nnodes(ns.nnodes)
+    nodes_range = ns.nnodes  # (MIN, MAX) from elastic.parse_nnodes, or None
     conf = flags.parse_rdzv_conf(ns.rdzv_conf)
     rdzv_timeout_s = ns.rdzv_timeout
     for key in ("join_timeout", "timeout"):  # torch's c10d rendezvous reads join_timeout; both mean the same here
@@ -82,9 +70,9 @@ def _parse(argv: Sequence[str], env: Mapping[str, str]) -> tuple[LaunchOptions, 
                          "lockstep launch meets through torch's c10d rendezvous)")
     if ns.standalone:
         # torchrun's --standalone: one node, a fresh rendezvous on loopback; explicit --rdzv-* are ignored.
-        if nnodes_flag not in (None, 1):
-            raise ValueError(f"--standalone runs one node, but --nnodes is {ns.nnodes}")
-        nnodes_flag, ns.rdzv_endpoint, ns.run_id, ns.master_addr, ns.master_port = 1, None, "", None, None
+        if nodes_range not in (None, (1, 1)):
+            raise ValueError(f"--standalone runs one node, but --nnodes is {':'.join(map(str, nodes_range))}")
+        nodes_range, ns.rdzv_endpoint, ns.run_id, ns.master_addr, ns.master_port = (1, 1), None, "", None, None
     if ns.rdzv_endpoint:
         host, sep, port = ns.rdzv_endpoint.rpartition(":")
         if not sep or not host or not port.isdigit():
@@ -122,8 +110,8 @@ def _parse(argv: Sequence[str], env: Mapping[str, str]) -> tuple[LaunchOptions, 
     )
 
     slurm = None if ns.standalone else slurm_launch_env(env)
-    layout_flags = (nnodes_flag, ns.node_rank, ns.master_addr, ns.master_port)
-    if slurm is not None and slurm.nnodes > 1 and nnodes_flag in (None, slurm.nnodes):
+    layout_flags = (ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port)
+    if slurm is not None and slurm.nnodes > 1 and nodes_range in (None, (slurm.nnodes, slurm.nnodes)):
         options = LaunchOptions(
             nnodes=slurm.nnodes,
             node_rank=slurm.node_rank if ns.node_rank is None else ns.node_rank,
@@ -135,7 +123,7 @@ def _parse(argv: Sequence[str], env: Mapping[str, str]) -> tuple[LaunchOptions, 
         )
     else:
         # One node (also a one-node SLURM job): loopback and a free port unless told otherwise.
-        nnodes = 1 if nnodes_flag is None else nnodes_flag
+        min_nodes, nnodes = (1, 1) if nodes_range is None else nodes_range
         multi = nnodes > 1
         default_port = _MULTI_NODE_DEFAULT_PORT if multi else 0
         options = LaunchOptions(
@@ -145,6 +133,7 @@ def _parse(argv: Sequence[str], env: Mapping[str, str]) -> tuple[LaunchOptions, 
             master_port=default_port if ns.master_port is None else ns.master_port,
             run_id=ns.run_id,
             source="flags" if any(f is not None for f in layout_flags) else "single",
+            min_nodes=min_nodes if min_nodes != nnodes else None,
             **common,
         )
     if options.nnodes > 1 and options.master_addr == LOOPBACK_ADDR:
@@ -226,8 +215,9 @@ def cli_main(argv: Sequence[str]) -> int:
         print(f"lockstep launch: error: {e}", file=sys.stderr)
         return 2
     if options.nnodes > 1:
+        nodes = f"{options.min_nodes}:{options.nnodes}" if options.min_nodes else f"{options.nnodes}"
         print(
-            f"lockstep launch: node {options.node_rank} of {options.nnodes} ({options.source}), "
+            f"lockstep launch: node {options.node_rank} of {nodes} ({options.source}), "
             f"{options.nproc_per_node} workers here; rendezvous at {options.master_addr}:{options.master_port}",
             file=sys.stderr,
             flush=True,

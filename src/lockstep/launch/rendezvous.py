@@ -38,6 +38,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
+from lockstep.launch import elastic
 from lockstep.launch.liveness import READ_TIMEOUT_S, Liveness, Poller, answers, connect, worker_pids
 from lockstep.network import route_source_addr, serve_store
 
@@ -75,6 +76,12 @@ class LockstepRendezvous(RendezvousHandler):
         self.single = params.max_nodes == 1
         self.local_addr = "127.0.0.1" if self.single else route_source_addr(self.master_addr)
         self.lost_reason: str | None = None  # set when a node was lost; the launcher's report names it
+        self.min_nodes, self.max_nodes = int(params.min_nodes), int(params.max_nodes)
+        # --nnodes as given: "2", or "1:2" for an elastic job (launch/elastic.py); every node must say the same
+        self.nnodes_spec = str(self.max_nodes) if self.min_nodes == self.max_nodes else f"{self.min_nodes}:{self.max_nodes}"
+        self.group_rank = self.node_rank  # this node's index among the nodes of the round (elastic: fewer may be there)
+        self._last_nodes: list[dict] | None = None  # the previous round's nodes, for the membership line
+        self._report: elastic.ResumeReport | None = None
         self._worker_store: dist.TCPStore | None = None
         self._watchdog: Liveness | None = None
         self._poller: Poller | None = None
@@ -96,6 +103,9 @@ class LockstepRendezvous(RendezvousHandler):
             raise
         store, world_size = info.store, info.world_size
         nodes = self._exchange(store, info.rank, world_size)
+        # numbered by --node-rank among the nodes present: node 0 (the store's host) holds global rank 0
+        self.group_rank = [n["node_rank"] for n in nodes].index(self.node_rank)
+        self.lost_reason = None  # the round re-formed without the lost node (or with it back)
         if self.node_rank == 0:
             self._worker_store = None  # the last round's server goes first (and with it, its keys)
             host = "127.0.0.1" if self.single else self.master_addr
@@ -109,15 +119,20 @@ class LockstepRendezvous(RendezvousHandler):
             self._watchdog.start()
             self._poller.start()
         master = "127.0.0.1" if self.single else self.master_addr
-        return RendezvousInfo(store, self.node_rank, world_size, RendezvousStoreInfo(master, int(meta["port"])))
+        change = elastic.describe_change(self._last_nodes, nodes, self.nproc)
+        self._last_nodes = nodes
+        if change is not None:  # one line once the workers say which step they resumed from
+            self._report = elastic.ResumeReport(change, master, int(meta["port"]))
+            self._report.start()
+        return RendezvousInfo(store, self.group_rank, world_size, RendezvousStoreInfo(master, int(meta["port"])))
 
     def _check_layout(self) -> None:
         """Nodes with different --nnodes never complete torch's round (each waits for its own count): the
         first node to arrive records its count, a node that disagrees says so and closes the rendezvous."""
-        run_id, nnodes = self._params.run_id, int(self._params.max_nodes)
+        run_id, nnodes = self._params.run_id, self.nnodes_spec
         me = f"{nnodes} {self.local_addr} {socket.gethostname()}"
         first = self._store.compare_set(f"lockstep/{run_id}/nnodes", "", me).decode()
-        if first.split()[0] != str(nnodes):
+        if first.split()[0] != nnodes:
             count, addr, host = first.split()
             message = (f"the nodes disagree on --nnodes: {addr} ({host}) --nnodes {count}, "
                        f"{self.local_addr} ({socket.gethostname()}) --nnodes {nnodes}")
@@ -133,16 +148,16 @@ class LockstepRendezvous(RendezvousHandler):
             raise NodesDisagree(message)
 
     def _exchange(self, store: dist.Store, rank: int, world_size: int) -> list[dict]:
-        me = {"node_rank": self.node_rank, "nnodes": int(self._params.max_nodes), "addr": self.local_addr,
+        me = {"node_rank": self.node_rank, "nnodes": self.nnodes_spec, "addr": self.local_addr,
               "host": socket.gethostname()}
         store.set(f"lockstep/node/{rank}", json.dumps(me))
         nodes = [json.loads(store.get(f"lockstep/node/{i}")) for i in range(world_size)]
-        said = sorted({n["nnodes"] for n in nodes})
-        if said != [world_size]:
+        said = sorted({str(n["nnodes"]) for n in nodes})
+        if said != [self.nnodes_spec] or not self.min_nodes <= world_size <= self.max_nodes:
             each = ", ".join(f"{n['addr']} ({n['host']}) --nnodes {n['nnodes']}" for n in nodes)
             raise NodesDisagree(f"the nodes disagree on --nnodes: {each}; {world_size} nodes joined")
         ranks = sorted(n["node_rank"] for n in nodes)
-        if ranks != list(range(world_size)):
+        if len(set(ranks)) != len(ranks) or (self.min_nodes == self.max_nodes and ranks != list(range(world_size))):
             twice = sorted({r for r in ranks if ranks.count(r) > 1})
             each = ", ".join(f"{n['addr']} ({n['host']}) --node-rank {n['node_rank']}" for n in nodes)
             raise NodesDisagree(f"--node-rank {twice} given to more than one node: {each}")
@@ -167,7 +182,7 @@ class LockstepRendezvous(RendezvousHandler):
 
     def _lose(self, reason: str) -> None:
         self.lost_reason = reason
-        first = self.node_rank * self.nproc
+        first = self.group_rank * self.nproc
         print(f"lockstep launch: {reason} (a cut link or a dead node); stopping ranks {first}-{first + self.nproc - 1} "
               f"on this node (node {self.node_rank})", file=sys.stderr, flush=True)
         for pid in worker_pids():
@@ -177,10 +192,10 @@ class LockstepRendezvous(RendezvousHandler):
                 pass
 
     def _stop_watchdog(self) -> None:
-        for thread in (self._watchdog, self._poller):
+        for thread in (self._watchdog, self._poller, self._report):
             if thread is not None:
                 thread.stop.set()
-        self._watchdog = self._poller = None
+        self._watchdog = self._poller = self._report = None
 
     # ------------------------------------------------------------------ delegated
     def get_backend(self) -> str:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lockstep.train import resize
 from lockstep.train.checkpoint_files import (  # noqa: F401  (re-exported: the public file API)
     FORMAT,
     UNFINISHED,
@@ -100,6 +101,7 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
         scheduler = trainer.scheduler
         payload = {"format": FORMAT, "run_id": trainer.run_id, "step": trainer.step, "epoch": trainer.epoch,
                    "batches_done": trainer.batches_done, "world_size": trainer.world_size,
+                   "global_batch": trainer.global_batch, "batch_size": trainer.config.batch_size,
                    "model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
                    "scheduler": scheduler.state_dict() if scheduler is not None else None, "ranks": gathered}
         directory = trainer.config.checkpoint_dir
@@ -196,10 +198,22 @@ def load_trainer_checkpoint(trainer) -> str | None:
                                + "; ".join(f"{bad}: {why}" for bad, why in damaged))
         return None
     payload = load_checkpoint(path)
-    if payload["world_size"] != trainer.world_size:
-        raise ValueError(f"checkpoint {path} was written by {payload['world_size']} ranks; this run has "
-                         f"{trainer.world_size}, and an exact resume needs the same number (each rank's "
-                         f"sampler position and RNG states are saved per rank)")
+    resized = payload["world_size"] != trainer.world_size
+    if resized:  # the same global batch at another world size (train/resize.py); checked before anything changes
+        if "global_batch" not in payload:
+            raise ValueError(f"checkpoint {path} was written by {payload['world_size']} ranks without its global "
+                             f"batch (an older lockstep); this run has {trainer.world_size}: resume it at "
+                             f"{payload['world_size']} ranks")
+        global_batch = payload["global_batch"]
+        if trainer.config.global_batch is not None and trainer.config.global_batch != global_batch:
+            raise ValueError(f"checkpoint {path} trains with global batch {global_batch}; this run's "
+                             f"TrainerConfig.global_batch is {trainer.config.global_batch}")
+        accum = resize.accum_steps_for(global_batch, trainer.config.batch_size, trainer.world_size,
+                                       f"checkpoint {path} ({payload['world_size']} ranks)")
+        shared = resize.global_position(payload["ranks"], path)
+        position = shared.get("position", shared["consumed"] * payload["world_size"])
+        batches_done = resize.batches_done_at(position, payload["batches_done"], trainer.config.batch_size,
+                                              trainer.world_size, path)
     _check_same_model(path, payload["model"], trainer.model)
     if (payload["scheduler"] is None) != (trainer.scheduler is None):
         raise ValueError(f"checkpoint {path} and this Trainer disagree on having an lr scheduler")
@@ -211,9 +225,19 @@ def load_trainer_checkpoint(trainer) -> str | None:
     if payload.get("run_id"):  # the resumed run is that run: its later checkpoints and metrics lines join it
         trainer.run_id = payload["run_id"]
     trainer._saved_step = trainer.step
-    mine = payload["ranks"][trainer.rank]
-    trainer.sampler.load_state_dict(mine["sampler"])
-    trainer._loss_sum, trainer._loss_count = mine["loss_sum"], mine["loss_count"]
-    restore_rng_state(mine["rng"])  # last: nothing after this may draw randomness
+    if resized:
+        trainer.grad_accum_steps, trainer.global_batch, trainer.batches_done = accum, global_batch, batches_done
+        trainer.sampler.load_state_dict(shared)  # the global position: every rank continues the same order
+        trainer._loss_sum, trainer._loss_count = resize.merge_epoch_loss(payload["ranks"], trainer.rank)
+        if trainer.rank < len(payload["ranks"]):  # rank r keeps old rank r's stream (dropout differs anyway:
+            restore_rng_state(payload["ranks"][trainer.rank]["rng"])  # its samples are other ones now)
+        else:
+            resize.derived_rng_state(trainer.config.seed, trainer.step, trainer.rank)
+        trainer.resized_from = payload["world_size"]
+    else:
+        mine = payload["ranks"][trainer.rank]
+        trainer.sampler.load_state_dict(mine["sampler"])
+        trainer._loss_sum, trainer._loss_count = mine["loss_sum"], mine["loss_count"]
+        restore_rng_state(mine["rng"])  # last: nothing after this may draw randomness
     trainer.last_checkpoint = trainer.resumed_from = path
     return path

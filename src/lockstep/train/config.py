@@ -16,6 +16,11 @@ class TrainerConfig:
     epochs: int = 1  # passes over the training set
     batch_size: int = 32  # samples per micro-batch, per rank
     grad_accum_steps: int = 1  # micro-batches per optimizer step; all but the last run under no_sync
+    # Samples per optimizer step over all ranks. Set, it decides grad_accum_steps
+    # (global_batch / (batch_size * world_size)), so the run keeps its batch when it resumes at another
+    # world size (docs/preemptible.md); a world size that cannot make it is refused. None: the batch is
+    # batch_size * grad_accum_steps * world_size, and a resize keeps the checkpoint's.
+    global_batch: int | None = None
     eval_batch_size: int | None = None  # defaults to batch_size
     grad_clip_norm: float | None = None  # clip the all-reduced gradient's total norm to this
     autocast_dtype: str | None = None  # "bfloat16": autocast forward and loss (CPU and CUDA)
@@ -46,7 +51,7 @@ class TrainerConfig:
 
     def __post_init__(self):
         positive = ["epochs", "batch_size", "grad_accum_steps", "keep_last", "log_every_steps"]
-        optional_positive = ["eval_batch_size", "save_every_steps", "lr_scale_base_batch", "max_steps", "check_replicas_every"]
+        optional_positive = ["global_batch", "eval_batch_size", "save_every_steps", "lr_scale_base_batch", "max_steps", "check_replicas_every"]
         for name in positive + optional_positive:
             value = getattr(self, name)
             if value is None and name in optional_positive:
@@ -75,6 +80,12 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.trace_steps must be (first, last) with 1 <= first <= last, got {steps!r}")
         if self.on_save_error not in ("raise", "continue"):
             raise ValueError(f"TrainerConfig.on_save_error must be 'raise' or 'continue', got {self.on_save_error!r}")
+        if self.global_batch is not None and self.grad_accum_steps != 1:
+            raise ValueError(f"TrainerConfig.global_batch={self.global_batch} decides grad_accum_steps; "
+                             f"leave grad_accum_steps at 1 (got {self.grad_accum_steps})")
+        if self.global_batch is not None and self.global_batch % self.batch_size:
+            raise ValueError(f"TrainerConfig.global_batch={self.global_batch} is not a multiple of "
+                             f"batch_size={self.batch_size}")
         if self.resume and self.overwrite:
             raise ValueError("TrainerConfig.resume and TrainerConfig.overwrite exclude each other: "
                              "resume continues the run in checkpoint_dir, overwrite replaces it")

@@ -32,6 +32,7 @@ from lockstep.train.faults import install_kill_hooks, kill_point_from_env
 from lockstep.train.metrics import comm_report, comm_wait_share
 from lockstep.train.preempt import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch, leave_marker
 from lockstep.train.progress import progress_bar, step_postfix
+from lockstep.train.resize import accum_steps_for
 from lockstep.train.run_identity import claim_checkpoint_dir
 
 __all__ = ["Trainer", "TrainerConfig"]
@@ -54,7 +55,9 @@ class Trainer:
 
     Resume is exact (same parameters, bit for bit, on CPU) at the same world size, as long
     as the dataset draws no randomness of its own inside DataLoader workers: after a
-    resume the remaining batches are dealt to the workers from worker 0 again.
+    resume the remaining batches are dealt to the workers from worker 0 again. At another
+    world size (a node lost or back, docs/preemptible.md) it continues with the same global
+    batch and the same samples; only the summation order differs (train/resize.py).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
@@ -87,20 +90,26 @@ class Trainer:
             raise ValueError(f"Trainer: train_data has {len(train_data)} samples, fewer than the {self.world_size} "
                              f"ranks; every rank needs at least one sample of its own")
         self.sampler = DistributedSampler(train_data, self.world_size, self.rank, shuffle=True, seed=cfg.seed)
-        self.global_batch = cfg.batch_size * cfg.grad_accum_steps * self.world_size
+        # micro-batches per optimizer step: from the configured global batch, or the configured count; a resume
+        # at another world size recomputes it from the checkpoint's global batch (train/resize.py)
+        self.grad_accum_steps = (cfg.grad_accum_steps if cfg.global_batch is None else
+                                 accum_steps_for(cfg.global_batch, cfg.batch_size, self.world_size, "TrainerConfig.global_batch"))
+        self.global_batch = cfg.batch_size * self.grad_accum_steps * self.world_size
         if cfg.warmup_steps or cfg.lr_scale_base_batch:
             if scheduler is not None:
                 raise ValueError("Trainer: pass either scheduler= or TrainerConfig.warmup_steps/lr_scale_base_batch, not both")
-            scale = self.global_batch / cfg.lr_scale_base_batch if cfg.lr_scale_base_batch else 1.0
-            warmup = cfg.warmup_steps
-            # lr(step) = base_lr * scale * min(1, (step + 1) / (warmup + 1)): a linear ramp to the scaled lr
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: scale * min(1.0, (s + 1) / (warmup + 1)))
+            base, warmup = cfg.lr_scale_base_batch, cfg.warmup_steps
+            # lr(step) = base_lr * scale * min(1, (step + 1) / (warmup + 1)): a linear ramp to the scaled lr;
+            # the scale reads global_batch when called, which a resize keeps equal to the checkpoint's
+            scheduler = torch.optim.lr_scheduler.LambdaLR(
+                optimizer, lambda s: (self.global_batch / base if base else 1.0) * min(1.0, (s + 1) / (warmup + 1)))
         self.scheduler = scheduler
         self.step, self.epoch, self.batches_done = 0, 0, 0  # batches_done: micro-batches consumed this epoch
         self._loss_sum, self._loss_count = 0.0, 0  # this rank's training loss this epoch (kept in checkpoints)
         self._train_time_s, self._samples_seen = 0.0, 0
         self.history: list[dict] = []
         self.last_checkpoint, self._saved_step, self.resumed_from = None, None, None
+        self.resized_from: int | None = None  # the world size of a checkpoint resumed at another size
         self.run_id: str | None = None  # set by open_writer_files (rank 0's, on every rank); a resume adopts the checkpoint's
         self.metrics = ckpt.open_writer_files(self)  # rank 0's files checked on every rank alike
         self.save_errors: list[str] = []  # checkpoints that failed under on_save_error="continue"
@@ -136,6 +145,10 @@ class Trainer:
         self.metrics.run_id = self.run_id
         self.metrics.write({"event": "start", "step": self.step,
                             "resumed_from": str(self.resumed_from) if self.resumed_from else None})
+        # under lockstep launch: the launcher's membership line names the step the workers resumed from
+        from lockstep.launch.elastic import report_resume  # lazy: lockstep.launch imports torch's elastic agent
+
+        report_resume(self.step if self.resumed_from else None, self.world_size, self.resized_from)
         watch = PreemptionWatch(self.group, self.device) if cfg.checkpoint_dir and cfg.preempt_on_sigterm else None
         self._watch = watch
         try:
@@ -180,7 +193,7 @@ class Trainer:
 
     def _train_epoch(self) -> bool:
         """One pass over this rank's shard, from the resumed position; False if max_steps cut it short."""
-        cfg, accum = self.config, self.config.grad_accum_steps
+        cfg, accum = self.config, self.grad_accum_steps
         self.sampler.set_epoch(self.epoch)
         loader = self._loader(self.train_data, self.sampler, cfg.batch_size, self.epoch)
         n_batches = self.batches_done + len(loader)
@@ -264,7 +277,7 @@ class Trainer:
             self.on_step_end(self)
 
     def _progress_bar(self, n_batches: int):
-        accum = self.config.grad_accum_steps
+        accum = self.grad_accum_steps
         return progress_bar(math.ceil(n_batches / accum), self.batches_done // accum, f"epoch {self.epoch}",
                             enabled=self.is_writer and self.config.progress)
 

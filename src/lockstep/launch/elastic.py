@@ -1,0 +1,107 @@
+"""Elastic membership for ``lockstep launch --nnodes MIN:MAX``: parsing, numbering, and the one-line report.
+
+torch's elastic agent and its c10d rendezvous already re-form the group with the nodes
+still alive (torchrun's ``--nnodes MIN:MAX``): a lost node makes the survivors' workers
+fail, the agent restarts them (counted against ``--max-restarts``, as torchrun counts it),
+and the next round completes with whoever joined once ``MIN`` nodes are there and the
+last call has passed; a node that arrives while the job runs makes every agent restart its
+workers at the next re-rendezvous (not counted, as in torchrun). What this module adds:
+the nodes of a round are numbered by ``--node-rank`` among those present (node 0, which
+serves the rendezvous store, must stay), and after every round but the first the launcher
+prints one line saying which node left or joined, the old and new world size and the step
+the workers resumed from, which the Trainer (or ``lockstep.resume``) reports through the
+workers' store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+
+REPORT_ENV = "LOCKSTEP_REPORT_RESUME"  # set by the launcher: workers report the step they resumed from
+RESUME_KEY = "lockstep/resumed"  # in the workers' store of the round (MASTER_ADDR:MASTER_PORT)
+DEFAULT_LAST_CALL_S = 5.0  # how long a round waits for more nodes once MIN joined (torchrun's default: 30)
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``"N"`` -> (N, N); ``"MIN:MAX"`` -> (MIN, MAX), torchrun's syntax; argparse's error otherwise."""
+    pieces = value.split(":")
+    try:
+        if len(pieces) not in (1, 2):
+            raise ValueError
+        low, high = (int(pieces[0]), int(pieces[-1]))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX (integers), got {value!r}") from None
+    if low < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: the number of nodes must be >= 1, got {low}")
+    if low > high:
+        raise argparse.ArgumentTypeError(f"{value!r}: MIN {low} is larger than MAX {high}")
+    return low, high
+
+
+def describe_change(old: list[dict] | None, new: list[dict], nproc: int) -> str | None:
+    """'node 1 (10.0.0.2) left; world size 4 -> 2', or None for the first round. Nodes are the rendezvous
+    records ({"node_rank", "addr", "host"}); every node runs ``nproc`` workers."""
+    if old is None:
+        return None
+    def name(n: dict) -> str:
+        return f"node {n['node_rank']} ({n['addr']})"
+    before, after = {n["node_rank"]: n for n in old}, {n["node_rank"]: n for n in new}
+    left = [name(before[r]) for r in sorted(before.keys() - after.keys())]
+    joined = [name(after[r]) for r in sorted(after.keys() - before.keys())]
+    what = "; ".join([f"{', '.join(left)} left"] * bool(left) + [f"{', '.join(joined)} joined"] * bool(joined))
+    sizes = f"world size {len(old) * nproc} -> {len(new) * nproc}"
+    return f"{what}: {sizes}" if what else f"the same {len(new)} node(s) restarted: {sizes}"
+
+
+class ResumeReport(threading.Thread):
+    """Prints the membership line once the workers of this round have said which step they resumed from.
+
+    Reads ``RESUME_KEY`` from the round's workers' store (a client of its own; polled once a second,
+    nothing else). Stopped by the next round: then the line goes out without a step."""
+
+    def __init__(self, change: str, host: str, port: int):
+        super().__init__(name="lockstep-resume-report", daemon=True)
+        self.change, self.host, self.port = change, host, port
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        from lockstep.launch.liveness import connect
+
+        step = None
+        try:
+            store = connect(self.host, self.port, 10)
+            while not self.stop.wait(1.0):
+                if store.check([RESUME_KEY]):
+                    step = json.loads(store.get(RESUME_KEY))
+                    break
+        except Exception:  # the round ended (store gone): report what is known
+            pass
+        if step is None:
+            tail = "; the workers reported no resume step"
+        elif step.get("step") is None:
+            tail = "; the workers started from the beginning (no checkpoint)"
+        else:
+            tail = f"; resumed from step {step['step']}"
+        print(f"lockstep launch: {self.change}{tail}", file=sys.stderr, flush=True)
+
+
+def report_resume(step: int | None, world_size: int, from_world_size: int | None = None) -> None:
+    """Worker side: tell ``lockstep launch`` the step this run resumed from (None: from the start).
+
+    A no-op outside ``lockstep launch`` or on any rank but global rank 0."""
+    if os.environ.get(REPORT_ENV) != "1" or os.environ.get("RANK") != "0":
+        return
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
+                              datetime.timedelta(seconds=10))
+        store.set(RESUME_KEY, json.dumps({"step": step, "world_size": world_size, "from": from_world_size}))
+    except Exception as e:  # a report only: training goes on without it
+        print(f"lockstep: could not report the resume step to the launcher: {e}", file=sys.stderr, flush=True)
