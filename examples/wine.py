@@ -53,7 +53,7 @@ def main() -> None:
         )
 
         def every_few_epochs(trainer: lockstep.Trainer, record: dict) -> None:
-            epoch = record["epoch"] + 1
+            epoch = record["epoch"]  # 1-based, as the progress bar and metrics.jsonl count
             if epoch % args.save_every == 0:
                 path = trainer.save_checkpoint()  # every rank calls it; global rank 0 writes
                 log.info("epoch %d: train loss %.4f, test accuracy %.3f, saved %s",

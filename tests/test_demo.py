@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from lockstep.train.checkpoint import list_checkpoints, load_checkpoint
+from lockstep.train.checkpoint import list_checkpoints, load_checkpoint, verify
 from lockstep.train.demo import cli_main
 from lockstep.train.metrics import read_metrics
 
@@ -35,6 +38,16 @@ def test_demo_trains_and_reports(demo_run):
     losses = [float(re.search(r"train loss (\S+)", line).group(1)) for line in epoch_lines]
     assert losses[-1] < losses[0]
     assert re.search(r"share of step time spent in communication: \d+\.\d%", proc.stdout)
+    # issue 28, item 8: the bar and the summary in one stream, in order, epochs counted alike from 1, and
+    # the bar's last line carrying the summary's numbers (the epoch's all-rank loss, this epoch's samples/s)
+    assert not re.search(r"epoch \d+: \d+/\d+ steps", proc.stderr), proc.stderr
+    for k, summary in enumerate(epoch_lines, start=1):
+        at = lines.index(summary)
+        bars = [line for line in lines[:at] if re.search(rf"epoch {k}: 23/23 steps", line)]
+        assert bars, f"no bar line for epoch {k} before its summary {summary!r}"
+        assert re.search(r"train_loss=(\S+?),", bars[-1]).group(1) == re.search(r"train loss (\S+)", summary).group(1)
+        assert re.search(r"samples_per_s=(\d+)", bars[-1]).group(1) == re.search(r"samples/s (\d+)", summary).group(1)
+    assert not any(re.search(r"epoch 0\b", line) for line in lines)
     assert re.search(r"\d+ samples/s", proc.stdout)
 
 
@@ -43,7 +56,7 @@ def test_demo_writes_metrics_checkpoint_and_plot(demo_run):
     assert proc.returncode == 0, proc.stderr
     records = read_metrics(out / "metrics.jsonl")
     epochs = [r for r in records if r["event"] == "epoch"]
-    assert [r["epoch"] for r in epochs] == list(range(EPOCHS))
+    assert [r["epoch"] for r in epochs] == list(range(1, EPOCHS + 1))  # 1-based, as printed
     assert all(r["eval_samples"] == 359 for r in epochs)  # the whole test split, each image once
     train = [r for r in records if r["event"] == "train"]
     assert train and all(0.0 <= r["comm_share"] <= 1.0 for r in train)  # from ddp.comm_stats(), every logged step
@@ -75,3 +88,67 @@ def test_a_second_run_into_the_same_folder_stops_before_training(demo_run):
     assert f"ckpt-{before[-1][0]:09d}.pt" in line
     assert "--resume" in line and "a new --out" in line and "--overwrite" in line
     assert [(step, path.read_bytes()) for step, path in list_checkpoints(out)] == before  # untouched
+
+
+def _demo(*args, env=None, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "lockstep", "demo", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, **kwargs)
+
+
+def test_ctrl_c_is_one_line_exit_130_the_checkpoint_intact_and_resume_continues_without_matplotlib(tmp_path):
+    # issue 28, item 6: Ctrl-C printed SignalException / KeyboardInterrupt tracebacks; matplotlib missing
+    # crashed in plot_curves after training, with no accuracy line
+    out = tmp_path / "run"
+    # Ctrl-C reaches the whole foreground process group: the demo, its agent and the ranks
+    proc = _demo("--epochs", 40, "--out", out, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list_checkpoints(out) or verify(list_checkpoints(out)[-1][1]) is not None:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stdout + stderr
+    for noise in ("Traceback", "KeyboardInterrupt", "SignalException", "death signal", "Closing process"):
+        assert noise not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("lockstep demo: stopped by SIGINT; the last checkpoint ") and "--resume" in last, last
+    (step, path), = list_checkpoints(out)
+    assert f"ckpt-{step:09d}.pt is intact" in last and verify(path) is None
+    interrupted = load_checkpoint(path)["run_id"]
+    # resume it with matplotlib unimportable: a note up front, training, the accuracy line last, no plot
+    blocked = tmp_path / "no_matplotlib" / "matplotlib"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError(\"No module named 'matplotlib' (blocked by the test)\")\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocked.parent), os.environ.get("PYTHONPATH", "")]))
+    epochs = step // 23 + 1  # one more epoch than the checkpoint holds
+    resumed = _demo("--epochs", epochs, "--out", out, "--resume", env=env)
+    stdout, stderr = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, stdout + stderr
+    assert "matplotlib is not installed, so no curves.png" in stderr and "Traceback" not in stderr
+    assert re.fullmatch(r"test accuracy \d\.\d\d", stdout.strip().splitlines()[-1])
+    assert not (out / "curves.png").exists()
+    (new_step, new_path), = list_checkpoints(out)
+    assert new_step == step + 23 and load_checkpoint(new_path)["run_id"] == interrupted  # the same run, continued
+    runs = {r.get("run") for r in read_metrics(out / "metrics.jsonl")}
+    assert runs == {interrupted}
+
+
+def test_read_only_out_is_one_line_before_any_rank_starts(tmp_path):
+    # issue 28, item 6: an OSError traceback from mkdir
+    target = tmp_path / "ro"
+    target.mkdir()
+    if os.geteuid() == 0:
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(target)]).returncode != 0:
+            pytest.skip("root without mount: no way to make a folder read-only")
+    else:
+        target.chmod(0o555)
+    try:
+        proc = _demo("--out", target / "run")
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", str(target)])
+    assert proc.returncode == 2, stdout + stderr
+    assert stderr.strip().splitlines() == [f"lockstep demo: --out {target / 'run'} is not writable: "
+                                           + ("Read-only file system" if os.geteuid() == 0 else "Permission denied")]
+    assert stdout == ""

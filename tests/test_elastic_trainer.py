@@ -159,7 +159,7 @@ def test_every_sample_of_each_epoch_once_across_the_resize(runs):
     root, *_ = runs
     before = _ids_by_epoch(os.path.join(root, "S"), 4, set(range(1, K + 1)))
     after = _ids_by_epoch(os.path.join(root, "S1"), 2, set(range(K + 1, 100)))
-    for epoch in range(EPOCHS):
+    for epoch in range(1, EPOCHS + 1):  # the sample log counts epochs from 1
         ids = before.get(epoch, []) + after.get(epoch, [])
         assert sorted(ids) == list(range(N)), f"epoch {epoch}: duplicates or gaps across the 4 -> 2 resize at step {K}"
 
@@ -170,7 +170,7 @@ def test_growing_back_to_four_ranks_is_deterministic(runs):
     assert sorted(g1) == list(range(K + 1, STEPS_PER_EPOCH * EPOCHS + 1)) and _same(g1, g2)
     before = _ids_by_epoch(os.path.join(root, "G"), 2, set(range(1, K + 1)))
     after = _ids_by_epoch(os.path.join(root, "G1"), 4, set(range(K + 1, 100)))
-    for epoch in range(EPOCHS):
+    for epoch in range(1, EPOCHS + 1):  # the sample log counts epochs from 1
         assert sorted(before.get(epoch, []) + after.get(epoch, [])) == list(range(N))
 
 

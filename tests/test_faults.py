@@ -188,7 +188,7 @@ def test_reference_run_sees_every_sample_once_per_epoch(runs):
         assert len(attempts) == 1 and sorted(steps) == list(range(1, STEPS + 1))
         for epoch, ids in steps.values():
             by_epoch.setdefault(epoch, []).extend(ids)
-    assert sorted(by_epoch) == [0, 1, 2]
+    assert sorted(by_epoch) == [1, 2, 3]  # epochs count from 1 in every log (issue 28, item 8)
     for epoch, ids in by_epoch.items():
         assert sorted(ids) == list(range(N_TRAIN)), f"epoch {epoch}"  # 150 over 2 ranks: no padding
 

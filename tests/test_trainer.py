@@ -168,6 +168,21 @@ def _scenarios(rank, world_size, root):
         out["world_size_error"] = str(e)
     out.update(_fault_scenarios(rank, root))
     out.update(_run_identity_scenarios(rank, root))
+    # 11. a NaN loss on rank 1 at the 3rd step of the 2nd epoch: the error names the step and the epoch
+    calls = []
+
+    def nan_on_rank_1(outputs, targets):
+        loss = nn.functional.cross_entropy(outputs, targets)
+        calls.append(1)
+        return loss * float("nan") if rank == 1 and len(calls) == 8 + 3 else loss  # 8 steps per epoch
+
+    model = _model(9, dropout=0.0)
+    try:
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nan_on_rank_1, _data(128, 2), None,
+                TrainerConfig(epochs=2, batch_size=8, progress=False)).fit()
+        out["nan_error"] = None
+    except Exception as e:
+        out["nan_error"] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -379,7 +394,11 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match=r"TrainerConfig.grad_clip_norm must be a number > 0"):
         TrainerConfig(grad_clip_norm=0.0)
     with pytest.raises(ValueError, match=r"TrainerConfig.autocast_dtype must be None or one of"):
-        TrainerConfig(autocast_dtype="float16")
+        TrainerConfig(autocast_dtype="float8")  # float16 is accepted now, with a GradScaler
+    with pytest.raises(ValueError, match=r"TrainerConfig.overwrite needs TrainerConfig.checkpoint_dir"):
+        TrainerConfig(overwrite=True)
+    with pytest.raises(ValueError, match=r"TrainerConfig.resume and TrainerConfig.overwrite exclude each other"):
+        TrainerConfig(resume=True, overwrite=True, checkpoint_dir="x")
     with pytest.raises(ValueError, match=r"TrainerConfig.resume needs TrainerConfig.checkpoint_dir"):
         TrainerConfig(resume=True)
     with pytest.raises(ValueError, match=r"TrainerConfig.save_every_steps needs TrainerConfig.checkpoint_dir"):
@@ -504,6 +523,15 @@ def test_a_resumed_run_keeps_its_run_id(results):
         crashed_id, resumed_id = out[rank]["b_run_ids"]
         assert crashed_id and resumed_id == crashed_id
     assert out[0]["b_run_ids"] == out[1]["b_run_ids"]
+
+
+def test_nonfinite_error_names_the_step_and_the_epoch(results):
+    # issue 28, item 8: the error named the rank and the parameter, not when
+    _, out = results
+    for rank in range(2):
+        error = out[rank]["nan_error"]
+        assert error.startswith("NonfiniteGradientError: at optimizer step 11 (epoch 2, batch 3 of 8): "
+                                "non-finite gradient on rank 1"), error
 
 
 def test_dataset_smaller_than_the_world_is_refused(results):

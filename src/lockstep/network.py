@@ -27,7 +27,8 @@ _libuv_takes_fd: bool | None = None  # learnt on the first server (torch < 2.5: 
 
 def resolve_ipv4(host: str) -> str:
     """The IPv4 address ``host`` names (a literal address is returned as is). Raises OSError."""
-    return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    address = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    return str(address)  # AF_INET's sockaddr is (str, int): str() only tells the type checker
 
 
 def is_loopback(host: str) -> bool:

@@ -14,8 +14,8 @@ import gc
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -118,10 +118,13 @@ def detect_launch_env(env: dict | None = None) -> LaunchEnv:
                 "environment variable MASTER_ADDR is missing; OpenMPI does not set it: pass "
                 "`-x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=<port>` to mpirun"
             )
-        port = _int_var(env, "MASTER_PORT", "the user (`mpirun -x MASTER_PORT=...`)") if env.get("MASTER_PORT") else _DEFAULT_PORT
+        port = _DEFAULT_PORT
+        if env.get("MASTER_PORT"):
+            port = _int_var(env, "MASTER_PORT", "the user (`mpirun -x MASTER_PORT=...`)")
         launcher = "openmpi"
     else:
-        return LaunchEnv("single", 0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", _DEFAULT_PORT)))
+        addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", _DEFAULT_PORT))
+        return LaunchEnv("single", 0, 1, 0, addr, port)
 
     if world_size < 1:
         raise RuntimeError(f"world size must be >= 1, got {world_size} (from the {launcher} environment)")
@@ -141,7 +144,8 @@ def _gloo_interface(master_addr: str) -> str:
     """Point gloo at the interface that reaches the master unless the user did; the log line says which."""
     picked_by_launch = os.environ.get("LOCKSTEP_GLOO_IFNAME_PICKED")
     if picked_by_launch and os.environ.get("GLOO_SOCKET_IFNAME") == picked_by_launch:
-        return f"gloo uses interface {picked_by_launch}, the one that reaches the master {master_addr} (chosen by lockstep launch)"
+        return (f"gloo uses interface {picked_by_launch}, the one that reaches the master {master_addr} "
+                "(chosen by lockstep launch)")
     return ensure_gloo_interface(master_addr)
 
 

@@ -44,7 +44,7 @@ def _expand_one(host: str, whole: str) -> list[str]:
         return [host]
     prefix, body, rest = m.group("prefix"), m.group("body"), m.group("rest")
     suffixes = _expand_one(rest, whole) if rest else [""]
-    names = []
+    names: list[str] = []
     for item in body.split(","):
         item = item.strip()
         if "-" in item:

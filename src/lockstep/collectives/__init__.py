@@ -21,7 +21,9 @@ from lockstep.collectives.tree import tree_all_reduce
 
 ALGORITHMS = ("native", "ring", "tree")
 
-__all__ = ["ALGORITHMS", "DEFAULT_SEGMENT_NBYTES", "Peers", "all_reduce", "chunk_bounds", "ring_all_reduce", "tree_all_reduce"]
+__all__ = [
+    "ALGORITHMS", "DEFAULT_SEGMENT_NBYTES", "Peers", "all_reduce", "chunk_bounds", "ring_all_reduce", "tree_all_reduce",
+]
 
 
 def all_reduce(tensor: torch.Tensor, algorithm: str = "native", group=None) -> torch.Tensor:

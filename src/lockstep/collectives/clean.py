@@ -16,7 +16,8 @@ in place, and can abort so at exit (``ddp.lifetime``).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,14 +26,17 @@ _TLS_KEY = "context"  # what torch's _engine_run_backward stashes (torch >= 2.13
 _is_key_in_tls = getattr(torch._C, "_is_key_in_tls", None)
 _remove_obj_from_tls = getattr(torch._C, "_remove_obj_from_tls", None)
 _HAS_ASYNC_OP = hasattr(dist.AllreduceOptions(), "asyncOp")  # torch >= 2.7
+_T = TypeVar("_T")
+# What pybind makes of ReduceOp.SUM when it is assigned to opts.reduceOp: made once, copied into each opts.
+_SUM = dist.ReduceOp(dist.ReduceOp.SUM)
 
 
-def launch_clean(launch: Any, *args: Any, **kwargs: Any) -> Any:
+def launch_clean(launch: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     """``launch(*args, **kwargs)`` (a collective inside backward) without the Python object that backward
     stashes in torch's thread-local state, so the work does not capture it: freeing such a work then
     needs no GIL, whichever thread lets go of it last. Four C calls (~1 us) when the key is there, one when not.
     """
-    if _remove_obj_from_tls is None or not _is_key_in_tls(_TLS_KEY):
+    if _is_key_in_tls is None or _remove_obj_from_tls is None or not _is_key_in_tls(_TLS_KEY):
         return launch(*args, **kwargs)
     stashed = torch._C._get_obj_in_tls(_TLS_KEY)
     _remove_obj_from_tls(_TLS_KEY)
@@ -42,7 +46,7 @@ def launch_clean(launch: Any, *args: Any, **kwargs: Any) -> Any:
         torch._C._stash_obj_in_tls(_TLS_KEY, stashed)
 
 
-def all_reduce_sum_clean(tensor: torch.Tensor, group: Any) -> Any:
+def all_reduce_sum_clean(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work | None:
     """``launch_clean(dist.all_reduce, tensor, group=group, async_op=True)``, straight to the group's C++ method.
 
     ``dist.all_reduce`` spends ~50-100 us of Python per call on checks that cannot fail for a reducer's own
@@ -53,7 +57,7 @@ def all_reduce_sum_clean(tensor: torch.Tensor, group: Any) -> Any:
     if group is None or type(tensor) is not torch.Tensor or tensor.is_complex():
         return launch_clean(dist.all_reduce, tensor, group=group, async_op=True)
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
+    opts.reduceOp = _SUM
     if _HAS_ASYNC_OP:
         opts.asyncOp = True  # as dist.all_reduce(async_op=True) sets it (NCCL: the work runs on its own stream)
     return launch_clean(group.allreduce, [tensor], opts)

@@ -13,6 +13,7 @@ message even when many are in flight between the same two ranks.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -23,13 +24,13 @@ import torch.distributed as dist
 class Peers:
     """The calling rank's view of a process group for point-to-point messages."""
 
-    group: object
+    group: dist.ProcessGroup | None
     rank: int
     world_size: int
     global_ranks: list[int]
 
     @classmethod
-    def of(cls, group=None) -> "Peers":
+    def of(cls, group: dist.ProcessGroup | None = None) -> Peers:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "lockstep.collectives needs an initialised default process group "
@@ -42,17 +43,24 @@ class Peers:
                 f"global rank {dist.get_rank()} is not a member of the process group passed as `group`"
             )
         world_size = dist.get_world_size(group)
-        if group is dist.group.WORLD:
+        if group is None or group is dist.group.WORLD:  # (None only to the type checker: WORLD is set once initialised)
             global_ranks = list(range(world_size))
         else:
             global_ranks = [dist.get_global_rank(group, r) for r in range(world_size)]
         return cls(group, rank, world_size, global_ranks)
 
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int):
-        return dist.isend(tensor, dst=self.global_ranks[peer], group=self.group, tag=tag)
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        return _posted(dist.isend(tensor, dst=self.global_ranks[peer], group=self.group, tag=tag))
 
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
-        return dist.irecv(tensor, src=self.global_ranks[peer], group=self.group, tag=tag)
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        return _posted(dist.irecv(tensor, src=self.global_ranks[peer], group=self.group, tag=tag))
+
+
+def _posted(work: dist.Work | None) -> dist.Work:
+    # torch returns None only to a rank outside the group, which Peers.of refused: never seen here.
+    if work is None:
+        raise RuntimeError("torch.distributed returned no work for a message (is this rank in the group?)")
+    return work
 
 
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -63,7 +71,8 @@ def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     zero-byte message is ever sent).
     """
     base, extra = divmod(numel, parts)
-    bounds, start = [], 0
+    bounds: list[tuple[int, int]] = []
+    start = 0
     for i in range(parts):
         stop = start + base + (1 if i < extra else 0)
         bounds.append((start, stop))
@@ -76,6 +85,6 @@ def segments(start: int, stop: int, segment_numel: int) -> list[tuple[int, int]]
     return [(a, min(a + segment_numel, stop)) for a in range(start, stop, segment_numel)]
 
 
-def wait_all(works) -> None:
+def wait_all(works: Iterable[dist.Work]) -> None:
     for work in works:
         work.wait()

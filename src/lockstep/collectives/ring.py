@@ -22,6 +22,7 @@ import threading
 from collections import deque
 
 import torch
+import torch.distributed as dist
 
 from lockstep.collectives.peers import Peers, chunk_bounds, segments, wait_all
 
@@ -133,7 +134,7 @@ def ring_all_reduce(
             send_first(k)
     pool_numel = min(segment_numel, max_chunk)
     pool = receive_scratch(flat, depth * pool_numel).split(pool_numel)
-    posted = deque()
+    posted: deque[dist.Work] = deque()
 
     def post(i: int) -> None:
         step, k, a, b = items[i]

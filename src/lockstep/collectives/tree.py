@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 
 import torch
+import torch.distributed as dist
 
 from lockstep.collectives.peers import Peers, segments, wait_all
 from lockstep.collectives.ring import RECV_DEPTH
@@ -66,14 +67,17 @@ def tree_all_reduce(
         wait_all([peers.isend(flat[a:b], r + p, fold_out_tag * stride + k) for k, (a, b) in enumerate(pieces)])
 
 
-def _exchange_add(flat, pool, pieces, peers: Peers, partner: int, tag0: int, send: bool) -> None:
+def _exchange_add(
+    flat: torch.Tensor, pool: list[torch.Tensor], pieces: list[tuple[int, int]], peers: Peers, partner: int,
+    tag0: int, send: bool,
+) -> None:
     """Add the partner's buffer into ``flat`` (sending ours to it at the same time if ``send``).
 
     Segment k is added as soon as it lands, overlapping the transfer of k+1; a
     segment of ``flat`` is only overwritten after our own send of it completed.
     """
     depth = len(pool)
-    sends = []
+    sends: list[dist.Work] = []
 
     def post_send(k: int) -> None:
         # Paced `depth` ahead of the receives, as in ring.py: a deep queue of
@@ -82,7 +86,7 @@ def _exchange_add(flat, pool, pieces, peers: Peers, partner: int, tag0: int, sen
             a, b = pieces[k]
             sends.append(peers.isend(flat[a:b], partner, tag0 + k))
 
-    def post_recv(k: int):
+    def post_recv(k: int) -> dist.Work:
         a, b = pieces[k]
         return peers.irecv(pool[k % depth][: b - a], partner, tag0 + k)
 

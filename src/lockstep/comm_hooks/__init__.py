@@ -37,7 +37,14 @@ average itself, with the same bits and less work (``lockstep.ddp.fused_compress`
 # No `from __future__ import annotations` in this package: torch's DDP compares a hook's annotations
 # with dist.GradBucket and Future[torch.Tensor] by value, and a postponed annotation is a string.
 from lockstep.comm_hooks.base import (
-    BucketLike, Future, Hook, Stage, averages_in, collectives_up_front, compressed_average_dtype, issues_collectives_up_front,
+    BucketLike,
+    Future,
+    Hook,
+    Stage,
+    averages_in,
+    collectives_up_front,
+    compressed_average_dtype,
+    issues_collectives_up_front,
 )
 from lockstep.comm_hooks.powersgd import PowerSGDState, powersgd_hook
 from lockstep.comm_hooks.stages import (
@@ -53,6 +60,7 @@ from lockstep.comm_hooks.stages import (
 
 __all__ = [
     "BucketLike", "ErrorFeedback", "Future", "Hook", "PowerSGDState", "Stage", "allreduce_hook", "averages_in",
-    "bf16_compress", "bf16_compress_hook", "chain", "collectives_up_front", "compressed_average_dtype", "fp16_compress", "fp16_compress_hook",
+    "bf16_compress", "bf16_compress_hook", "chain", "collectives_up_front", "compressed_average_dtype", "fp16_compress",
+    "fp16_compress_hook",
     "issues_collectives_up_front", "powersgd_hook", "stage",
 ]

@@ -7,7 +7,8 @@ know of each other: hooks import nothing from ``lockstep.ddp``.
 """
 
 import inspect
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ import torch.distributed as dist
 Future = torch.futures.Future
 Hook = Callable[[Any, Any], Future]
 Stage = Callable[[Hook], Hook]
+_H = TypeVar("_H", bound=Callable[..., Any])  # a hook, or a factory of hooks like allreduce_hook
 
 
 class BucketLike(Protocol):
@@ -49,7 +51,9 @@ def contract_error(hook: Any) -> Exception | None:
     name = getattr(hook, "__qualname__", type(hook).__name__)
     params = list(signature.parameters.values())
     bucket = signature.parameters.get("bucket") or (params[1] if len(params) > 1 else None)
-    if bucket is not None and not _names(bucket.annotation, "GradBucket", lambda a: isinstance(a, type) and "GradBucket" in a.__name__):
+    if bucket is not None and not _names(
+        bucket.annotation, "GradBucket", lambda a: isinstance(a, type) and "GradBucket" in a.__name__
+    ):
         return ValueError(f"Communication hook: bucket annotation should be dist.GradBucket; {name}'s "
                           f"{bucket.name!r} is annotated {bucket.annotation!r}")
     returned = signature.return_annotation
@@ -71,7 +75,7 @@ def _names(annotation: Any, word: str, matches: Callable[[Any], bool]) -> bool:
 _UP_FRONT = "_lockstep_collectives_up_front"
 
 
-def collectives_up_front(hook: Hook) -> Hook:
+def collectives_up_front(hook: _H) -> _H:
     """Declare that ``hook`` issues every collective from the call itself, none from a Future callback.
 
     Such a hook issues its collectives in bucket order on every rank (buckets are handed to hooks
@@ -110,7 +114,7 @@ def issues_collectives_up_front(hook: Any) -> bool:
 _AVERAGES_IN = "_lockstep_averages_in"
 
 
-def averages_in(dtype: torch.dtype, hook: Hook) -> Hook:
+def averages_in(dtype: torch.dtype, hook: _H) -> _H:
     """Declare that ``hook`` averages a ``dtype`` copy of the bucket over ``group_of(state)`` and nothing else:
     cast, divide by the group's size, sum, cast back (torch's fp16/bf16 compress hooks, bit for bit).
 
@@ -122,7 +126,7 @@ def averages_in(dtype: torch.dtype, hook: Hook) -> Hook:
 
 
 def compressed_average_dtype(hook: Any) -> torch.dtype | None:
-    """The dtype ``hook`` averages a copy of the bucket in (``averages_in``; torch's fp16/bf16 compress hooks), else None."""
+    """The dtype in which ``hook`` averages a copy of its bucket (``averages_in``; torch's compress hooks), or None."""
     dtype = getattr(hook, _AVERAGES_IN, None)
     if dtype is not None:
         return dtype

@@ -13,6 +13,7 @@ too fast for a low-rank approximation to track (the paper's warm-up).
 """
 
 from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 
@@ -137,7 +138,7 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> Future[torch
     if matrices:
         _compress_matrices(state, matrices, group, world_size)
 
-    if plain_work is not None:
+    if plain_work is not None and plain_flat is not None:  # set together
         plain_work.wait()
         offset = 0
         for g in plain:

@@ -10,8 +10,18 @@ import torch
 import torch.distributed as dist
 
 from lockstep.comm_hooks.base import (
-    BucketLike, Future, Hook, Stage, average_async, averages_in, collectives_up_front, completed, gradient_offsets, group_of,
-    issues_collectives_up_front, tensor_of,
+    BucketLike,
+    Future,
+    Hook,
+    Stage,
+    average_async,
+    averages_in,
+    collectives_up_front,
+    completed,
+    gradient_offsets,
+    group_of,
+    issues_collectives_up_front,
+    tensor_of,
 )
 
 # No `from __future__ import annotations` here: torch's DDP compares a hook's annotations with
@@ -44,7 +54,13 @@ def _allreduce_with(algorithm: str) -> Hook:
 
 
 @collectives_up_front
-def allreduce_hook(state: Any = None, bucket: dist.GradBucket = None, *, algorithm: str | None = None):
+def allreduce_hook(
+    state: Any = None,
+    # Exactly dist.GradBucket, not Optional: torch's register_comm_hook compares the annotation by value.
+    bucket: dist.GradBucket = None,  # type: ignore[assignment]
+    *,
+    algorithm: str | None = None,
+):
     """Average the bucket over the group: what DDP does without a hook, as a hook.
 
     Two uses: as a hook, ``register_comm_hook(group, allreduce_hook)``; or as a

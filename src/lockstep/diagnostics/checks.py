@@ -5,14 +5,14 @@ optimizer step. A rank that edits a weight, skips a step or loads other state dr
 loss looks fine and the ranks train different models. The check is one small collective: each rank
 fingerprints every parameter (a wrapping integer checksum of its bits and its float sum: two passes at
 memory speed, on its device) and all ranks gather the ``num_params x 2`` table; equal replicas give
-equal fingerprints, and any changed element changes the checksum. Only on a mismatch a second round (a broadcast of the first
-differing parameter from rank 0 and a gather of one number per rank) finds the largest difference, so
-every rank raises the same error, naming the parameter, the ranks that disagree and by how much.
+equal fingerprints, and any changed element changes the checksum. Only on a mismatch a second round (a
+broadcast of the first differing parameter from rank 0 and a gather of one number per rank) finds the
+largest difference, so every rank raises the same error, naming the parameter, the ranks that disagree and by how much.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -89,8 +89,10 @@ def check_replicas(model: nn.Module, group: dist.ProcessGroup | None = None, *, 
     ranks = differs[:, first].nonzero().flatten().tolist()
     largest = _largest_difference(param, group, world_size, device)
     worst = max(range(world_size), key=lambda r: largest[r])
-    others = f"; {len(bad_params) - 1} more parameter(s) differ: " + ", ".join(
-        repr(named[i][0]) for i in bad_params[1:6]) + (" ..." if len(bad_params) > 6 else "") if len(bad_params) > 1 else ""
+    others = ""
+    if len(bad_params) > 1:
+        others = f"; {len(bad_params) - 1} more parameter(s) differ: " + ", ".join(
+            repr(named[i][0]) for i in bad_params[1:6]) + (" ..." if len(bad_params) > 6 else "")
     raise ReplicaMismatchError(
         f"replicas differ{' ' + where if where else ''}: parameter {name!r} on rank(s) {ranks} differs from rank 0 "
         f"(largest absolute difference {largest[worst]:.6g}, on rank {worst}){others}. The ranks no longer train "
@@ -106,7 +108,10 @@ def _largest_difference(param: torch.Tensor, group, world_size: int, device: tor
     dist.broadcast(reference, src=dist.get_global_rank(group, 0), group=group)
     with torch.no_grad():
         diff = (param.detach().to(device).double() - reference.double()).abs()
-        mine = diff.nan_to_num(nan=float("inf")).max().reshape(1) if diff.numel() else torch.zeros(1, dtype=torch.float64, device=device)
+        if diff.numel():
+            mine = diff.nan_to_num(nan=float("inf")).max().reshape(1)
+        else:
+            mine = torch.zeros(1, dtype=torch.float64, device=device)
     out = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(out, mine, group=group)
     return [float(t.item()) for t in out]
@@ -138,7 +143,9 @@ class PeriodicReplicaCheck:
     def __init__(self, every: int | None, model: nn.Module, group: dist.ProcessGroup, first: bool = False,
                  ignored: Sequence[str] = ()):
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ValueError(f"DistributedDataParallel: check_replicas_every must be an int >= 1 or None, got {every!r}")
+            raise ValueError(
+                f"DistributedDataParallel: check_replicas_every must be an int >= 1 or None, got {every!r}"
+            )
         self.every = every
         self.model = model
         self.group = group
@@ -156,5 +163,5 @@ class PeriodicReplicaCheck:
         if self.every is None or num_syncs == 0 or num_syncs % self.every or num_syncs == self._last_checked:
             return
         self._last_checked = num_syncs
-        check_replicas(self.model, self.group, where=f"after {num_syncs} synchronised steps (checked at the next forward)",
-                       ignored=self.ignored)
+        where = f"after {num_syncs} synchronised steps (checked at the next forward)"
+        check_replicas(self.model, self.group, where=where, ignored=self.ignored)

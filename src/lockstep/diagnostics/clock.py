@@ -22,7 +22,9 @@ def default_store(group: dist.ProcessGroup | None = None):
     return dist.distributed_c10d._get_default_store()
 
 
-def offset_to_rank0_s(store, prefix: str, group_rank: int, world_size: int, rounds: int = PING_ROUNDS) -> tuple[float, float]:
+def offset_to_rank0_s(
+    store: dist.Store, prefix: str, group_rank: int, world_size: int, rounds: int = PING_ROUNDS
+) -> tuple[float, float]:
     """(seconds to add to this rank's ``perf_counter`` to read rank 0's, the best round trip in seconds).
 
     Every rank of the group calls it together; rank 0 answers the others' pings in turn (a few store

@@ -73,13 +73,14 @@ def collect(environ: dict[str, str] | None = None) -> dict:
     # The package itself (always loaded before any of its modules; no import: diagnostics sit below it).
     lockstep = sys.modules["lockstep"]
     environ = dict(os.environ if environ is None else environ)
+    usable_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?"
     info: dict = {
-        "lockstep": f"{lockstep.__version__} ({os.path.dirname(lockstep.__file__)})",
+        "lockstep": f"{lockstep.__version__} ({lockstep.__path__[0]})",  # the package folder
         "torch": f"{torch.__version__} ({os.path.dirname(torch.__file__)})",
         "torch CUDA build": torch.version.cuda,
         "Python": f"{platform.python_version()} ({sys.executable})",
         "OS": platform.platform(),
-        "CPUs": f"{os.cpu_count()} ({len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'} usable by this process)",
+        "CPUs": f"{os.cpu_count()} ({usable_cpus} usable by this process)",
         "host name": socket.gethostname(),
     }
     info["packages"] = {p: v for p in RELATED_PACKAGES if (v := _version(p))}
@@ -93,7 +94,8 @@ def collect(environ: dict[str, str] | None = None) -> dict:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
-            gpus.append(f"{i}: {props.name}, {props.total_memory / 2**30:.1f} GiB, compute capability {props.major}.{props.minor}")
+            memory_gib = props.total_memory / 2**30
+            gpus.append(f"{i}: {props.name}, {memory_gib:.1f} GiB, compute capability {props.major}.{props.minor}")
     info["CUDA available"] = torch.cuda.is_available()
     info["GPUs"] = gpus
     if backends.get("nccl"):
@@ -125,8 +127,11 @@ def format_info(info: dict) -> str:
 
 
 def cli_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="lockstep env", description="print what a bug report needs: versions, backends, "
-                                "GPUs, network interfaces and the relevant environment variables (starts no process group)")
+    p = argparse.ArgumentParser(
+        prog="lockstep env",
+        description="print what a bug report needs: versions, backends, GPUs, network interfaces and the relevant "
+        "environment variables (starts no process group)",
+    )
     p.add_argument("--json", action="store_true", help="print it as JSON")
     args = p.parse_args(argv)
     info = collect()

@@ -9,12 +9,15 @@ process group, samplers, checkpoints, teardown). Importing this module registers
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-try:  # the unified package first, then the older standalone one
+if TYPE_CHECKING:  # one package for the type checker: with both installed, their classes are distinct types
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-except ImportError:  # pragma: no cover - depends on what the user installed
-    from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
+else:
+    try:  # the unified package first, then the older standalone one
+        from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+    except ImportError:  # pragma: no cover - depends on what the user installed
+        from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 
 from lockstep.ddp.wrapper import DistributedDataParallel
 

@@ -33,8 +33,8 @@ from lockstep.train.checkpoint_files import (  # noqa: F401  (re-exported: the p
     meta_path,
     newest_good_checkpoint,
     probe_writable,
-    remove_stale_temporaries,
     prune_checkpoints,
+    remove_stale_temporaries,
     save_atomic,
     verify,
 )
@@ -103,7 +103,8 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
                    "batches_done": trainer.batches_done, "world_size": trainer.world_size,
                    "global_batch": trainer.global_batch, "batch_size": trainer.config.batch_size,
                    "model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-                   "scheduler": scheduler.state_dict() if scheduler is not None else None, "ranks": gathered}
+                   "scheduler": scheduler.state_dict() if scheduler is not None else None, "ranks": gathered,
+                   "scaler": trainer.precision.state_dict()}  # fp16's GradScaler: scale and growth tracker
         directory = trainer.config.checkpoint_dir
         kill = trainer._kill if trainer._kill is not None and trainer._kill.phase.startswith("ckpt") else None
         try:
@@ -221,6 +222,7 @@ def load_trainer_checkpoint(trainer) -> str | None:
     trainer.optimizer.load_state_dict(payload["optimizer"])
     if trainer.scheduler is not None:
         trainer.scheduler.load_state_dict(payload["scheduler"])
+    trainer.precision.load_state_dict(payload.get("scaler"), path)
     trainer.step, trainer.epoch, trainer.batches_done = payload["step"], payload["epoch"], payload["batches_done"]
     if payload.get("run_id"):  # the resumed run is that run: its later checkpoints and metrics lines join it
         trainer.run_id = payload["run_id"]

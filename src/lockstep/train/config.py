@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-import torch
-
-_AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+from lockstep.train.precision import AUTOCAST_DTYPES as _AUTOCAST_DTYPES
 
 
 @dataclass
@@ -23,7 +22,9 @@ class TrainerConfig:
     global_batch: int | None = None
     eval_batch_size: int | None = None  # defaults to batch_size
     grad_clip_norm: float | None = None  # clip the all-reduced gradient's total norm to this
-    autocast_dtype: str | None = None  # "bfloat16": autocast forward and loss (CPU and CUDA)
+    # "bfloat16": autocast forward and loss (CPU and CUDA); "float16": the same with a GradScaler (precision.py),
+    # which skips steps with an Inf/NaN gradient, so DDP's detect_nonfinite check is off then
+    autocast_dtype: str | None = None
     warmup_steps: int = 0  # linear warm-up of the learning rate over this many optimizer steps
     lr_scale_base_batch: int | None = None  # linear-scaling rule: lr *= global batch / this (Goyal et al. 2017)
     seed: int = 0  # the samplers' shuffle seed (the same on every rank)
@@ -36,6 +37,10 @@ class TrainerConfig:
     overwrite: bool = False
     metrics_path: str | None = None  # JSON lines written by global rank 0
     log_every_steps: int = 10  # a metrics line every N steps
+    # per-run logs in <log_dir>/<run id>/: metrics.csv always, TensorBoard event files when `tensorboard` is installed
+    # (loggers.py); None: <folder of metrics_path>/logs, else <checkpoint_dir>/logs, else no log files
+    log_dir: str | None = None
+    tensorboard: bool = True  # write TensorBoard event files when the tensorboard package is importable
     progress: bool = True  # a tqdm bar on global rank 0
     num_workers: int = 0  # DataLoader workers per rank
     max_steps: int | None = None  # stop after this many optimizer steps in total (resumed ones included)
@@ -72,7 +77,7 @@ class TrainerConfig:
         if self.autocast_dtype is not None and self.autocast_dtype not in _AUTOCAST_DTYPES:
             raise ValueError(
                 f"TrainerConfig.autocast_dtype must be None or one of {sorted(_AUTOCAST_DTYPES)}, "
-                f"got {self.autocast_dtype!r} (float16 would need a GradScaler, which the Trainer does not run)"
+                f"got {self.autocast_dtype!r}"
             )
         steps = self.trace_steps
         if not (isinstance(steps, (tuple, list)) and len(steps) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in steps)
@@ -92,3 +97,11 @@ class TrainerConfig:
         for name in ("resume", "save_every_steps", "overwrite"):
             if getattr(self, name) and self.checkpoint_dir is None:
                 raise ValueError(f"TrainerConfig.{name} needs TrainerConfig.checkpoint_dir to be set")
+
+    def resolved_log_dir(self) -> str | None:
+        """Where the per-run CSV / TensorBoard folders go (TrainerConfig.log_dir's default spelled out)."""
+        if self.log_dir is not None:
+            return self.log_dir
+        if self.metrics_path is not None:
+            return os.path.join(os.path.dirname(self.metrics_path) or ".", "logs")
+        return os.path.join(self.checkpoint_dir, "logs") if self.checkpoint_dir is not None else None

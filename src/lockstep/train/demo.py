@@ -9,8 +9,10 @@ curves from ``metrics.jsonl`` and prints ``test accuracy 0.97`` as its last line
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -36,11 +38,13 @@ class DigitsCNN(nn.Module):
         return self.head(self.features(x))
 
 
-def _print_epoch(trainer, record: dict) -> None:
+def _end_epoch(trainer, record: dict) -> None:
     if trainer.is_writer:
-        print(f"epoch {record['epoch'] + 1:>2}  train loss {record['train_loss']:.4f}  "
+        print(f"epoch {record['epoch']:>2}  train loss {record['train_loss']:.4f}  "
               f"test loss {record['eval_loss']:.4f}  test accuracy {record['eval_accuracy']:.4f}  "
               f"samples/s {record['samples_per_s']:.0f}", flush=True)
+    # a checkpoint per epoch (keep_last=1: one file): Ctrl-C loses at most the epoch under way
+    trainer.save_checkpoint()
 
 
 def train_worker(out_dir: str, epochs: int, batch_size: int, lr: float, seed: int, resume: bool = False,
@@ -64,7 +68,7 @@ def train_worker(out_dir: str, epochs: int, batch_size: int, lr: float, seed: in
             progress=True,  # off a terminal (under the launcher) a line per epoch and every 10 s, with step time
         )
         trainer = Trainer(model, optimizer, nn.functional.cross_entropy, train_data, test_data, config,
-                                   device=torch.device("cpu"), on_epoch_end=_print_epoch)
+                                   device=torch.device("cpu"), on_epoch_end=_end_epoch)
         summary = trainer.fit()
         if not trainer.history:  # a resumed run with no epoch left: evaluate what it has
             summary["eval_accuracy"] = trainer.evaluate()["eval_accuracy"]
@@ -91,7 +95,7 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
 
     # this run's records only (an older run in the same file is another curve); a resumed epoch: last wins
     epochs = {r["epoch"]: r for r in select_run(read_metrics(metrics_path)) if r.get("event") == "epoch"}
-    xs = [e + 1 for e in sorted(epochs)]
+    xs = sorted(epochs)  # 1-based, as printed
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.5))
     ax_loss.plot(xs, [epochs[e]["train_loss"] for e in sorted(epochs)], marker="o", label="train")
     ax_loss.plot(xs, [epochs[e]["eval_loss"] for e in sorted(epochs)], marker="o", label="test")
@@ -102,6 +106,34 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
+
+
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401  (~0.1 s; asked before training, not after it)
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _quiet_signal_shutdown():
+    """Drop torch's elastic-agent warnings about shutting workers down on a signal ("Received 2 death signal",
+    "Closing process ... via signal SIGINT"): the demo says it in one line of its own."""
+    import logging
+
+    def chatter(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("Received %s death signal", "Closing process %s via signal"))
+
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic.agent.server.api",
+                                                      "torch.distributed.elastic.multiprocessing.api")]
+    for logger in loggers:
+        logger.addFilter(chatter)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(chatter)
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -131,10 +163,19 @@ def cli_main(argv: Sequence[str]) -> int:
         ns = _parse(argv)
     except SystemExit as e:
         return int(e.code or 0)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from lockstep.launch.launcher import LaunchError, launch_function
+    from lockstep.train.checkpoint_files import newest_good_checkpoint, probe_writable
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = Path(ns.out) if ns.out else Path("runs") / stamp
+    try:  # before any rank starts: a folder nobody can write to is one line, not a traceback 30 s in
+        probe_writable(out_dir)
+    except OSError as e:
+        cause = e.__cause__ if isinstance(e.__cause__, OSError) else e  # probe_writable's message names the config
+        print(f"lockstep demo: --out {out_dir} is not writable: {cause.strerror or cause}", file=sys.stderr)
+        return 2
     if not (ns.resume or ns.overwrite):  # checked here too, so the answer comes before any rank starts
         from lockstep.train.run_identity import conflict_message, foreign_checkpoints
 
@@ -143,19 +184,33 @@ def cli_main(argv: Sequence[str]) -> int:
             print("lockstep demo: " + conflict_message(out_dir, foreign, "continue it with --resume, choose a new "
                                                        "--out, or replace it with --overwrite"), file=sys.stderr)
             return 2
-    out_dir.mkdir(parents=True, exist_ok=True)
+    plotting = _have_matplotlib()
     print(f"lockstep demo: CNN on scikit-learn digits, {ns.nproc} CPU processes, {ns.epochs} epochs -> {out_dir}",
           flush=True)
+    if not plotting:
+        print("lockstep demo: matplotlib is not installed, so no curves.png (pip install matplotlib); "
+              "training goes on", file=sys.stderr, flush=True)
     try:
-        results = launch_function(train_worker, args=(str(out_dir.resolve()), ns.epochs, ns.batch_size, ns.lr, ns.seed,
-                                                          ns.resume, ns.overwrite),
-                                  nproc_per_node=ns.nproc, log_rank=0)
+        with _quiet_signal_shutdown():
+            results = launch_function(train_worker, args=(str(out_dir.resolve()), ns.epochs, ns.batch_size, ns.lr, ns.seed,
+                                                              ns.resume, ns.overwrite),
+                                      nproc_per_node=ns.nproc, log_rank=0)
     except LaunchError as e:
         print(f"lockstep demo: training failed: {e}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, SignalException) as e:  # Ctrl-C (or a kill): the agent has stopped the workers
+        sig = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.Signals(e.sigval)
+        good, _ = newest_good_checkpoint(out_dir)
+        kept = (f"the last checkpoint {good} is intact: continue with --resume --out {out_dir}" if good
+                else "no checkpoint was written yet")
+        print(f"lockstep demo: stopped by {sig.name}; {kept}", file=sys.stderr)
+        return 128 + sig.value
     result = results[0]
     png = out_dir / "curves.png"
-    plot_curves(out_dir / "metrics.jsonl", png)
-    print(f"wrote {out_dir / 'metrics.jsonl'}, {result['summary']['last_checkpoint']}, {png}")
+    written = [str(out_dir / "metrics.jsonl"), str(result["summary"]["last_checkpoint"])]
+    if plotting:
+        plot_curves(out_dir / "metrics.jsonl", png)
+        written.append(str(png))
+    print(f"wrote {', '.join(written)}")
     print(f"test accuracy {result['summary']['eval_accuracy']:.2f}")
     return 0

@@ -31,6 +31,7 @@ class MetricsLog:
     def __init__(self, path: str | os.PathLike | None, enabled: bool):
         self.path = Path(path) if path is not None else None
         self.run_id: str | None = None
+        self.sinks: list = []  # per-run CSV / TensorBoard loggers (loggers.py), handed each record
         self._file = None
         if enabled and self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -42,8 +43,13 @@ class MetricsLog:
                 record = {**record, "run": self.run_id}
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
             self._file.flush()  # a crash loses at most the line being written
+        for sink in self.sinks:
+            sink.write(record)
 
     def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
         if self._file is not None:
             self._file.close()
             self._file = None

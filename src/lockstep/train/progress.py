@@ -32,10 +32,17 @@ def _forwarded_bar_class():
     from tqdm import tqdm
 
     class ForwardedBar(tqdm):
-        """Always ends with the final line, even for an epoch shorter than the refresh interval."""
+        """Always ends with the final line, even for an epoch shorter than the refresh interval, and with the
+        final numbers (the Trainer sets the epoch's all-rank loss just before closing)."""
+
+        _shown: tuple | None = None
+
+        def display(self, *args, **kwargs):
+            self._shown = (self.n, self.postfix)
+            return super().display(*args, **kwargs)
 
         def close(self) -> None:
-            if not self.disable and self.last_print_n != self.n:
+            if not self.disable and self._shown != (self.n, self.postfix):
                 self.refresh()
             super().close()
 
@@ -44,10 +51,15 @@ def _forwarded_bar_class():
 
 def progress_bar(total: int, initial: int, desc: str, enabled: bool, stream: TextIO | None = None,
                  forwarded_interval_s: float = 10.0) -> Any:
-    """A tqdm bar on ``stream`` (default stderr); off a terminal, a line per refresh every ``forwarded_interval_s``."""
+    """A tqdm bar on ``stream`` (default stdout, as Lightning's); off a terminal, a line per refresh every
+    ``forwarded_interval_s``.
+
+    stdout, not tqdm's stderr: the epoch summaries are printed to stdout, and under a launcher the two
+    streams are forwarded separately, so a bar on stderr landed before or after its summary by chance.
+    """
     from tqdm import tqdm
 
-    stream = stream or sys.stderr
+    stream = stream or sys.stdout
     _ForwardedBar = _forwarded_bar_class()
     if stream.isatty():
         return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, leave=False, file=stream)
@@ -58,8 +70,13 @@ def progress_bar(total: int, initial: int, desc: str, enabled: bool, stream: Tex
                 bar_format="{desc}: {n_fmt}/{total_fmt} steps [{elapsed}<{remaining}, {rate_fmt}{postfix}]")
 
 
-def step_postfix(loss: float, samples_per_s: float, step_s: float, comm_share: float | None) -> dict[str, str]:
-    postfix = {"loss": f"{loss:.4f}", "step_ms": f"{step_s * 1e3:.1f}"}
+def step_postfix(train_loss: float, samples_per_s: float, step_s: float | None,
+                 comm_share: float | None) -> dict[str, str]:
+    """The bar's numbers, named as the epoch summary names them: the epoch's mean training loss so far,
+    the epoch's samples/s and communication share (not running totals since the start), the last step's time."""
+    postfix = {"train_loss": f"{train_loss:.4f}"}
+    if step_s is not None:
+        postfix["step_ms"] = f"{step_s * 1e3:.1f}"
     if comm_share is not None:
         postfix["comm"] = f"{comm_share:.0%}"
     postfix["samples_per_s"] = f"{samples_per_s:.0f}"

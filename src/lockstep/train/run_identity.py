@@ -19,10 +19,20 @@ import secrets
 import time
 from pathlib import Path
 
-from lockstep.train.checkpoint_files import checkpoint_run_id, list_checkpoints, meta_path
+from lockstep.train.checkpoint_files import (
+    checkpoint_run_id,
+    list_checkpoints,
+    meta_path,
+)
 
-__all__ = ["RunConflictError", "checkpoint_run_id", "foreign_checkpoints", "new_run_id", "conflict_message",
-           "remove_checkpoints"]
+__all__ = [
+    "RunConflictError",
+    "checkpoint_run_id",
+    "conflict_message",
+    "foreign_checkpoints",
+    "new_run_id",
+    "remove_checkpoints",
+]
 
 
 class RunConflictError(FileExistsError):

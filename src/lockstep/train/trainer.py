@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from typing import Callable
 
 import torch
@@ -22,18 +23,28 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from lockstep.ddp.wrapper import DistributedDataParallel
+from lockstep.diagnostics.nonfinite import NonfiniteGradientError
 from lockstep.diagnostics.progress import set_phase
 from lockstep.sampler import DistributedSampler
 from lockstep.train import checkpoint as ckpt
-from lockstep.train.config import _AUTOCAST_DTYPES, TrainerConfig
+from lockstep.train.config import TrainerConfig
 from lockstep.train.departures import explain_departure, next_fit
+from lockstep.train.epoch_meter import EpochMeter
 from lockstep.train.evaluate import evaluate
 from lockstep.train.faults import install_kill_hooks, kill_point_from_env
-from lockstep.train.metrics import comm_report, comm_wait_share
-from lockstep.train.preempt import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch, leave_marker
+from lockstep.train.loggers import open_run_loggers
+from lockstep.train.metrics import comm_report
+from lockstep.train.precision import Precision
+from lockstep.train.preempt import (
+    REQUEUE_EXIT_CODE,
+    Preempted,
+    PreemptionWatch,
+    leave_marker,
+)
 from lockstep.train.progress import progress_bar, step_postfix
 from lockstep.train.resize import accum_steps_for
 from lockstep.train.run_identity import claim_checkpoint_dir
+from lockstep.train.stragglers import find_straggler, gather_epoch, straggler_line
 
 __all__ = ["Trainer", "TrainerConfig"]
 
@@ -52,6 +63,11 @@ class Trainer:
         on_step_end: called with the Trainer after every optimizer step (and any checkpoint).
         on_epoch_end: called with the Trainer and the epoch's record (train loss, eval metrics)
             on every rank after each epoch's evaluation.
+        scaler: the ``torch.amp.GradScaler`` for TrainerConfig.autocast_dtype="float16" (default: one with
+            torch's defaults); its state is checkpointed.
+        metric_fn: ``metric_fn(outputs, targets)`` -> a float or a dict of floats, each a mean over the
+            batch's samples (MAE, top-5 accuracy...); evaluation weights it by batch size, so the record's
+            ``eval_<name>`` is the mean over the whole eval set, each sample counted once.
 
     Resume is exact (same parameters, bit for bit, on CPU) at the same world size, as long
     as the dataset draws no randomness of its own inside DataLoader workers: after a
@@ -64,7 +80,8 @@ class Trainer:
                  train_data: Dataset, eval_data: Dataset | None = None, config: TrainerConfig | None = None, *,
                  scheduler=None, group: dist.ProcessGroup | None = None, device: torch.device | None = None,
                  on_step_end: Callable[["Trainer"], None] | None = None,
-                 on_epoch_end: Callable[["Trainer", dict], None] | None = None):
+                 on_epoch_end: Callable[["Trainer", dict], None] | None = None,
+                 scaler: torch.amp.GradScaler | None = None, metric_fn: Callable | None = None):
         if not dist.is_initialized():
             raise RuntimeError("Trainer needs an initialised process group: call lockstep.init() first")
         self.config = cfg = config if config is not None else TrainerConfig()
@@ -77,14 +94,15 @@ class Trainer:
             device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.device = torch.device(device)
         model.to(self.device)
+        self.precision = Precision(cfg.autocast_dtype, self.device, scaler)  # autocast, and fp16's GradScaler
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         hang = {} if cfg.hang_timeout_s is None else {"hang_timeout_s": cfg.hang_timeout_s}
         self.ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group,
-                                           detect_nonfinite=cfg.detect_nonfinite, check_replicas_every=cfg.check_replicas_every,
+                                           detect_nonfinite=cfg.detect_nonfinite and self.precision.scaler is None, check_replicas_every=cfg.check_replicas_every,
                                            trace_dir=cfg.trace_dir, trace_steps=tuple(cfg.trace_steps) if cfg.trace_dir else None,
                                            **hang)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.on_step_end, self.on_epoch_end = on_step_end, on_epoch_end
+        self.on_step_end, self.on_epoch_end, self.metric_fn = on_step_end, on_epoch_end, metric_fn
         self.train_data, self.eval_data = train_data, eval_data
         if len(train_data) < self.world_size:  # every rank computes this alike: all raise, no collective needed
             raise ValueError(f"Trainer: train_data has {len(train_data)} samples, fewer than the {self.world_size} "
@@ -115,6 +133,7 @@ class Trainer:
         self.save_errors: list[str] = []  # checkpoints that failed under on_save_error="continue"
         self.preempted, self._watch = False, None
         self._sample_log = None  # opened by fit() when sample_log_path is set
+        self.meter, self._bar = EpochMeter(), None  # this epoch's account (epoch_meter.py) and rank 0's bar
         self._kill = kill_point_from_env(dist.get_rank())  # test-only fault hook (faults.py); None normally
         if self._kill is not None:
             install_kill_hooks(self, self._kill)
@@ -128,9 +147,7 @@ class Trainer:
                           generator=generator, pin_memory=self.device.type == "cuda")
 
     def _autocast(self):
-        if self.config.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=_AUTOCAST_DTYPES[self.config.autocast_dtype])
+        return self.precision.autocast()
 
     # -- training --------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -143,6 +160,11 @@ class Trainer:
             claim_checkpoint_dir(cfg.checkpoint_dir, self.run_id, self.resumed_from is not None, cfg.overwrite,
                                  self.is_writer, self.group)
         self.metrics.run_id = self.run_id
+        if self.is_writer and not self.metrics.sinks and (log_dir := cfg.resolved_log_dir()):
+            try:  # rank 0 alone: a failure here must not end rank 0 and leave the others waiting
+                self.metrics.sinks = open_run_loggers(log_dir, self.run_id, cfg.tensorboard)  # closed with metrics
+            except OSError as e:
+                warnings.warn(f"lockstep: no CSV/TensorBoard logs: {log_dir} cannot be written ({e})", stacklevel=2)
         self.metrics.write({"event": "start", "step": self.step,
                             "resumed_from": str(self.resumed_from) if self.resumed_from else None})
         # under lockstep launch: the launcher's membership line names the step the workers resumed from
@@ -198,24 +220,31 @@ class Trainer:
         loader = self._loader(self.train_data, self.sampler, cfg.batch_size, self.epoch)
         n_batches = self.batches_done + len(loader)
         self.ddp.train()
-        bar = self._progress_bar(n_batches)
+        self._bar = bar = self._progress_bar(n_batches)
+        self.meter = meter = EpochMeter(comm_wait_at_start_s=self._comm_wait_total_s() or 0.0)
         t_group, group_samples = time.perf_counter(), 0
         t_data = t_group
         set_phase("data")  # for a hang report: the Trainer knows its phases, DDP only forward/backward
         step_ids: list[int] | None = [] if self._sample_log is not None else None
         for i, (inputs, targets) in enumerate(loader, start=self.batches_done):
             tracer = self.ddp.trace  # the timeline's data and optimizer phases (None unless tracing)
+            t_batch = time.perf_counter()
+            meter.data_s += t_batch - t_data
             if tracer is not None:
-                tracer.mark("data", t_data, time.perf_counter())
+                tracer.mark("data", t_data, t_batch)
             group_start = i - i % accum  # resumed positions are always at a group boundary
             group_size = min(accum, n_batches - group_start)  # a short last group is averaged over its size
             sync = i + 1 == group_start + group_size
             inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
             # forward too must run under no_sync: DDP decides at forward time whether backward syncs
-            with contextlib.nullcontext() if sync else self.ddp.no_sync():
-                with self._autocast():
-                    loss = self.loss_fn(self.ddp(inputs), targets)
-                (loss / group_size).backward()
+            try:
+                with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                    with self._autocast():
+                        loss = self.loss_fn(self.ddp(inputs), targets)
+                    self.precision.backward(loss / group_size)  # scaled first with fp16
+            except NonfiniteGradientError as e:  # DDP knows the rank and parameter; the Trainer adds when
+                raise NonfiniteGradientError(f"at optimizer step {self.step + 1} (epoch {self.epoch + 1}, batch "
+                                             f"{i + 1} of {n_batches}): {e}") from None
             loss_value = loss.item()  # one host sync per micro-batch (free on CPU) for the bar and the epoch mean
             self._loss_sum += loss_value * len(targets)
             self._loss_count += len(targets)
@@ -230,9 +259,7 @@ class Trainer:
                 set_phase("data")
                 continue
             set_phase("optimizer")
-            if cfg.grad_clip_norm is not None:  # the gradient is already averaged: every rank clips alike
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip_norm)
-            self.optimizer.step()
+            self.precision.step(self.optimizer, self._clip)  # fp16: unscaled, then skipped on an Inf/NaN
             self.optimizer.zero_grad(set_to_none=True)
             if self.scheduler is not None:
                 self.scheduler.step()
@@ -243,9 +270,11 @@ class Trainer:
             step_s, t_group = now - t_group, now
             self._train_time_s += step_s
             self._samples_seen += group_samples * self.world_size  # every rank steps through equal shards
+            meter.add_step(step_s, group_samples * self.world_size)
+            meter.update_comm(self._comm_wait_total_s())
             group_samples = 0
             if step_ids is not None:
-                self._sample_log.write(json.dumps({"step": self.step, "epoch": self.epoch, "ids": step_ids}) + "\n")
+                self._sample_log.write(json.dumps({"step": self.step, "epoch": self.epoch + 1, "ids": step_ids}) + "\n")
                 step_ids = []
             self._after_step(loss_value, bar, step_s)
             t_group = t_data = time.perf_counter()  # logging and checkpoints are not step time
@@ -257,20 +286,27 @@ class Trainer:
             if self._stopped() and self.batches_done < n_batches:
                 bar.close()
                 return False
-        bar.close()
-        return True
+        return True  # the bar stays open: _end_epoch shows the epoch's all-rank loss on its last line
+
+    def _clip(self) -> None:
+        if self.config.grad_clip_norm is not None:  # the gradient is already averaged: every rank clips alike
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip_norm)
+
+    def _comm_wait_total_s(self) -> float | None:
+        stats = getattr(self.ddp, "comm_stats", None)
+        return float(stats()["comm_wait_s"]) if callable(stats) else None
 
     def _after_step(self, loss_value: float, bar, step_s: float) -> None:
-        cfg = self.config
-        samples_per_s = self._samples_seen / self._train_time_s if self._train_time_s else 0.0
-        share = comm_wait_share(self.ddp, self._train_time_s)
-        bar.set_postfix(step_postfix(loss_value, samples_per_s, step_s, share), refresh=False)
+        cfg, meter = self.config, self.meter
+        share = meter.comm_share if self._comm_wait_total_s() is not None else None
+        # the bar: this rank's mean loss so far this epoch (the last line: every rank's, as the summary's)
+        running_loss = self._loss_sum / self._loss_count if self._loss_count else loss_value
+        bar.set_postfix(step_postfix(running_loss, meter.samples_per_s, step_s, share), refresh=False)
         bar.update(1)
         if self.step % cfg.log_every_steps == 0:
             lr = self.optimizer.param_groups[0]["lr"]
-            self.metrics.write({"event": "train", "step": self.step, "epoch": self.epoch, "loss": loss_value,
-                                "lr": lr, "samples_per_s": samples_per_s,
-                                "comm_share": share})
+            self.metrics.write({"event": "train", "step": self.step, "epoch": self.epoch + 1, "loss": loss_value,
+                                "lr": lr, "samples_per_s": meter.samples_per_s, "comm_share": share})
         if cfg.save_every_steps and self.step % cfg.save_every_steps == 0:
             self.save_checkpoint()
         if self.on_step_end is not None:
@@ -278,17 +314,31 @@ class Trainer:
 
     def _progress_bar(self, n_batches: int):
         accum = self.grad_accum_steps
-        return progress_bar(math.ceil(n_batches / accum), self.batches_done // accum, f"epoch {self.epoch}",
+        return progress_bar(math.ceil(n_batches / accum), self.batches_done // accum, f"epoch {self.epoch + 1}",
                             enabled=self.is_writer and self.config.progress)
 
     def _end_epoch(self) -> None:
-        # On the training device: NCCL reduces CUDA tensors only.
         set_phase("eval")
-        totals = torch.tensor([self._loss_sum, float(self._loss_count)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(totals, group=self.group)  # one collective per epoch
-        record = {"event": "epoch", "epoch": self.epoch, "step": self.step,
-                  "train_loss": (totals[0] / totals[1]).item() if totals[1] else float("nan"),
-                  "samples_per_s": self._samples_seen / self._train_time_s if self._train_time_s else 0.0}
+        meter = self.meter
+        meter.update_comm(self._comm_wait_total_s())
+        # one collective per epoch: every rank's loss totals and phases (stragglers.py)
+        ranks = gather_epoch(self._loss_sum, self._loss_count, meter.phases(), self.device, self.group)
+        totals = [sum(r["loss_sum"] for r in ranks), sum(r["loss_count"] for r in ranks)]
+        # epochs count from 1 in everything shown (bar, summary, metrics, curves); self.epoch counts done ones
+        record = {"event": "epoch", "epoch": self.epoch + 1, "step": self.step,
+                  "train_loss": totals[0] / totals[1] if totals[1] else float("nan"),
+                  "samples_per_s": meter.samples_per_s}  # this epoch's, as the bar's
+        share = meter.comm_share if self._comm_wait_total_s() is not None else None
+        if share is not None:
+            record["comm_share"] = share
+        self._bar.set_postfix(step_postfix(record["train_loss"], meter.samples_per_s, meter.last_step_s, share),
+                              refresh=False)
+        self._bar.close()
+        straggler = find_straggler(ranks)  # the same on every rank: computed from the same gathered numbers
+        if straggler is not None:
+            record["straggler"] = {k: straggler[k] for k in ("rank", "cause", "wait_share")}
+            if self.is_writer and self.config.progress:
+                print(straggler_line(self.epoch + 1, straggler), flush=True)  # stdout: the bar's stream
         if self.eval_data is not None:
             record.update(self.evaluate())
         self.history.append(record)
@@ -303,7 +353,8 @@ class Trainer:
     def evaluate(self) -> dict:
         """Loss (and accuracy for class-index targets) over the eval set, each sample counted once."""
         return evaluate(self.model, self.loss_fn, self.eval_data, self._loader, self.world_size, self.rank,
-                        self.config.eval_batch_size or self.config.batch_size, self.device, self._autocast, self.group)
+                        self.config.eval_batch_size or self.config.batch_size, self.device, self._autocast, self.group,
+                        metric_fn=self.metric_fn)
 
     # -- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, on_error: str | None = None):
@@ -323,6 +374,7 @@ class Trainer:
 
     def summary(self) -> dict:
         last = self.history[-1] if self.history else {}
-        return {"steps": self.step, "epochs": self.epoch, "history": self.history,
+        # the last epoch's record first: its samples_per_s is that epoch's, the summary's is the whole run's
+        return {**last, "steps": self.step, "epochs": self.epoch, "history": self.history,
                 "samples_per_s": self._samples_seen / self._train_time_s if self._train_time_s else 0.0,
-                "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None, **last}
+                "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None}

@@ -1,0 +1,69 @@
+"""The straggler line: which rank made the others wait this epoch, and where its time went.
+
+``comm`` on the bar is rank 0's all-reduce wait only; a slow rank shows there as rank 0 waiting,
+with nothing naming it. At each epoch's end every rank's ``EpochMeter`` phases (data loading,
+compute, all-reduce wait: a few floats) ride in the one all-gather the epoch's loss already needs,
+so this costs no extra collective. A rank that waits much less than the others is the one they
+wait for: when the others' extra wait exceeds ``threshold`` (10%) of the step, the line names that
+rank and the phase where it spent more than they did (data loading or compute; communication when
+neither explains the wait, e.g. a slow link).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+FIELDS = ("loss_sum", "loss_count", "data_s", "compute_s", "comm_s", "step_s", "steps")
+_PHASES = {"data_s": "data loading", "compute_s": "compute"}
+
+
+def gather_epoch(loss_sum: float, loss_count: int, phases: dict[str, float], device: torch.device,
+                 group: dist.ProcessGroup | None) -> list[dict[str, float]]:
+    """Every rank's loss totals and phases, in rank order: one all-gather of 7 float64 per rank, once per epoch."""
+    mine = torch.tensor([loss_sum, float(loss_count)] + [phases[k] for k in FIELDS[2:]], dtype=torch.float64,
+                        device=device)  # on the training device: NCCL gathers CUDA tensors only
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return [dict(zip(FIELDS, t.tolist())) for t in gathered]
+
+
+def find_straggler(ranks: list[dict[str, float]], threshold: float = 0.1) -> dict | None:
+    """The rank the others waited for, if their extra wait per step exceeds ``threshold`` of the step; else None.
+
+    ``ranks``: per rank (in rank order) ``data_s``, ``compute_s``, ``comm_s``, ``step_s`` and ``steps``.
+    Pure: the same answer on every rank from the same gathered numbers.
+    """
+    if len(ranks) < 2 or any(r["steps"] < 1 for r in ranks):
+        return None
+    per_step = [{k: r[k] / r["steps"] for k in ("data_s", "compute_s", "comm_s", "step_s")} for r in ranks]
+    slow = min(range(len(ranks)), key=lambda i: per_step[i]["comm_s"])  # it waits least: the others wait for it
+    others = [p for i, p in enumerate(per_step) if i != slow]
+    step_s = statistics.median(p["step_s"] for p in per_step)
+    made_wait_s = statistics.median(p["comm_s"] for p in others) - per_step[slow]["comm_s"]
+    if step_s <= 0 or made_wait_s <= threshold * step_s:
+        return None
+    excess = {k: per_step[slow][k] - statistics.median(p[k] for p in others) for k in _PHASES}
+    phase = max(excess, key=excess.get)
+    cause = _PHASES[phase] if excess[phase] >= 0.5 * made_wait_s else "communication"
+    return {"rank": slow, "cause": cause, "made_wait_ms": 1e3 * made_wait_s, "wait_share": made_wait_s / step_s,
+            "own_ms": {k.removesuffix("_s"): 1e3 * per_step[slow][k] for k in ("data_s", "compute_s", "comm_s")},
+            "others_ms": {k.removesuffix("_s"): 1e3 * statistics.median(p[k] for p in others)
+                          for k in ("data_s", "compute_s", "comm_s")}}
+
+
+def straggler_line(epoch: int, found: dict) -> str:
+    """One line for the progress output, e.g. "epoch 3: straggler rank 1 made the others wait 48 ms per step
+    (41% of the step): its time went to data loading (52 ms per step; the others 1 ms)"."""
+    head = (f"epoch {epoch}: straggler rank {found['rank']} made the others wait {found['made_wait_ms']:.0f} ms per "
+            f"step ({found['wait_share']:.0%} of the step): ")
+    own, others = found["own_ms"], found["others_ms"]
+    if found["cause"] == "communication":  # its own phases do not explain the wait: say so with their numbers
+        return head + (f"its time went to communication or between steps, not to data loading or compute "
+                       f"({own['data']:.0f} and {own['compute']:.0f} ms per step; the others "
+                       f"{others['data']:.0f} and {others['compute']:.0f} ms)")
+    key = "data" if found["cause"] == "data loading" else "compute"
+    return head + (f"its time went to {found['cause']} ({own[key]:.0f} ms per step; "
+                   f"the others {others[key]:.0f} ms)")
