@@ -219,6 +219,11 @@ def test_lockstep_launch_hang_timeout(jobs):
     assert out.count("lockstep hang report:") == 1, out  # once in the launcher's output
     assert f"(in data loading at hang_cases.py:{line_of('data')} in main); rank 0 waits in all-reduce of bucket 0" in out
     assert "exit code 86: its hang watchdog ended it" in out
-    reports = sorted(p.name for p in job["dir"].glob("hang-report-rank*.txt"))
-    assert reports == ["hang-report-rank0.txt", "hang-report-rank1.txt"]
-    assert list(job["dir"].rglob("stderr.log")), "the ranks' logs are kept beside the reports"
+    # the reports go to this job's own folder under --log-dir (its attempt folder, beside the ranks' logs),
+    # which the report line names: a second job into the same --log-dir cannot overwrite them
+    folders = {p.parent for p in job["dir"].glob("*/attempt_0/hang-report-rank*.txt")}
+    assert len(folders) == 1, list(job["dir"].rglob("*"))
+    folder = folders.pop()
+    assert sorted(p.name for p in folder.glob("hang-report-rank*.txt")) == ["hang-report-rank0.txt", "hang-report-rank1.txt"]
+    assert f"(every rank's report: {folder})" in out or f"written to {folder}/hang-report-rank" in out, out
+    assert list(folder.rglob("stderr.log")), "the ranks' logs are kept beside the reports"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 from lockstep.diagnostics.progress import Progress, ProgressObserver, current_collective, user_location
@@ -119,3 +122,19 @@ def test_trainer_config_and_launcher_flag():
     with pytest.raises(ValueError, match="TrainerConfig.hang_timeout_s"):
         TrainerConfig(hang_timeout_s=-1)
     assert _build_parser().parse_args(["--hang-timeout", "12", "x.py"]).hang_timeout == 12.0
+
+
+def test_reports_go_to_a_folder_of_the_job_never_a_shared_one(tmp_path):
+    from lockstep.diagnostics.watchdog import report_folder
+
+    # lockstep launch names the job's (attempt's) log folder
+    assert report_folder({"LOCKSTEP_LOG_DIR": str(tmp_path / "job")}) == str(tmp_path / "job")
+    # torchrun: beside the worker's error file, in torch's per-job attempt folder (a temp folder without --log-dir)
+    torchrun = {"TORCHELASTIC_RUN_ID": "none",
+                "TORCHELASTIC_ERROR_FILE": "/tmp/torchelastic_x1/none_ab12/attempt_2/1/error.json"}
+    assert report_folder(torchrun, ("127.0.0.1", 29500)) == "/tmp/torchelastic_x1/none_ab12/attempt_2"
+    # neither (env://, mpirun): a folder named by the job, not the machine-wide one every job overwrote
+    shared = os.path.join(tempfile.gettempdir(), "lockstep-reports")
+    one = report_folder({"TORCHELASTIC_RUN_ID": "run-a"}, ("127.0.0.1", 29500))
+    other = report_folder({}, ("127.0.0.1", 29501))
+    assert len({one, other, shared}) == 3 and os.path.dirname(one) == shared and "run-a" in one

@@ -86,7 +86,7 @@ def runs(tmp_path_factory):
         }
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
             # --log-rank goes through the `lockstep` console script, the rest through `python -m lockstep`
-            futures = {name: pool.submit(run_launch, argv, 90.0, None, name == "log_rank") for name, argv in jobs.items()}
+            futures = {name: pool.submit(run_launch, argv, 180.0, None, name == "log_rank") for name, argv in jobs.items()}
             results = {name: f.result() for name, f in futures.items()}
     results["port"] = port
     results["tmp"] = tmp
@@ -217,6 +217,9 @@ def test_max_restarts_1_recovers_from_one_failure(runs):
     assert counter.read_text() == "1"
     assert sorted(_attempts(proc.stdout)) == [(0, 0, "3"), (0, 1, "3"), (1, 0, "3"), (1, 1, "3")]
     assert "completed rank=0 after restart=1" in proc.stdout and "completed rank=1 after restart=1" in proc.stdout
+    # the notice says why: which rank, and its exit code and last words
+    assert ("lockstep launch: restarting the workers (restart 1 of 1) because worker rank 1 failed (exit code 3)"
+            in proc.stderr), proc.stderr
 
 
 def test_five_failures_in_a_row_give_five_working_restarts(tmp_path):

@@ -26,6 +26,7 @@ import atexit
 import faulthandler
 import json
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -44,7 +45,8 @@ from lockstep.diagnostics.progress import (DDP_PHASES, PROGRESS, Progress, curre
 HANG_EXIT_CODE = report.HANG_EXIT_CODE  # a hang report was written and the job was ended
 DEFAULT_HANG_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "LOCKSTEP_HANG_TIMEOUT_S"  # the DDP's default, set by `lockstep launch --hang-timeout`
-LOG_DIR_ENV = "LOCKSTEP_LOG_DIR"  # where reports go (`lockstep launch` points it at its log folder)
+LOG_DIR_ENV = "LOCKSTEP_LOG_DIR"  # where reports go (`lockstep launch` points it at the job's log folder)
+LAUNCHER_GONE_GRACE_S = 30.0  # after its launcher died, a worker that outlives SIGTERM this long is ended
 
 
 class _FromEnv:
@@ -76,6 +78,25 @@ def resolve_hang_timeout(value: Any) -> float | None:
     return value or None
 
 
+def report_folder(environ: Any, store: tuple[str, int] | None = None) -> str:
+    """Where this job's reports go: a folder of its own, never one that another job on the machine overwrites.
+
+    ``lockstep launch`` names the job's log folder ($LOCKSTEP_LOG_DIR). torchrun writes each worker's
+    error file into its job's log folder (``<log dir>/<run id>_<random>/attempt_<n>/<local rank>/error.json``,
+    a temporary folder without --log-dir): the reports go beside, in the attempt's folder. Otherwise (env://,
+    SLURM, mpirun) a folder under the temporary directory named by the run id or the store's address and
+    the job's launcher process."""
+    if environ.get(LOG_DIR_ENV):
+        return environ[LOG_DIR_ENV]
+    error_file = environ.get("TORCHELASTIC_ERROR_FILE", "")
+    if error_file and os.path.isabs(error_file):
+        return os.path.dirname(os.path.dirname(error_file))
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "")
+    key = run_id if run_id not in ("", "none") else (f"{store[0]}-{store[1]}" if store else "job")
+    job = environ.get("SLURM_JOB_ID") or f"ppid{os.getppid()}"  # the ranks of one node share their launcher
+    return os.path.join(tempfile.gettempdir(), "lockstep-reports", f"{key}-{job}")
+
+
 def _tcp_store() -> tuple[str, int] | None:
     """Host and port of the default group's TCPStore; None when it is another kind (FileStore, HashStore)."""
     store = dist.distributed_c10d._get_default_store()
@@ -101,6 +122,10 @@ class Watchdog(threading.Thread):
         self.reporting = threading.Lock()
         self.report_started = False
         self.exit_note: dict[str, Any] | None = None  # in the last record: this process is exiting, on what error
+        # Under torchrun or lockstep launch the parent is the agent; if it dies (kill -9) the worker is
+        # reparented and would train on alone (torchrun never tells it): see launcher_gone().
+        self.launcher_pid = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None
+        self.launcher_gone_at: float | None = None
         atexit.register(self._at_exit)
 
     def set_timeout(self, hang_timeout_s: float) -> None:
@@ -123,6 +148,8 @@ class Watchdog(threading.Thread):
             while not self.stopped.wait(self.tick_s):
                 if not dist.is_initialized():
                     return  # the group was destroyed: nothing more to watch
+                if self.launcher_gone():
+                    continue
                 self.publish()
                 if self.exit_note is not None:
                     continue  # exiting on its own error (or cleanly): that is its report, not a hang's exit code
@@ -134,7 +161,25 @@ class Watchdog(threading.Thread):
                         self.store.set("alarm", json.dumps({"rank": self.rank, "reason": reason}))
                     self.report_and_exit(json.loads(self.store.get("alarm")))
         except Exception:
-            return  # the store went away (the job is ending): a watchdog must never break training
+            # The store went away: the job is ending, or (torchrun's store) the launcher died with it.
+            while not self.stopped.wait(self.tick_s) and self.launcher_pid is not None:
+                self.launcher_gone()
+            return  # a watchdog must never break training
+
+    def launcher_gone(self) -> bool:
+        """The agent that started this worker has died: say so once and stop the worker as a preemption would
+        (SIGTERM: a Trainer finishes its step and checkpoints), then end it if it is still there after the grace."""
+        if self.launcher_pid is None or os.getppid() == self.launcher_pid:
+            return False
+        now = time.monotonic()
+        if self.launcher_gone_at is None:
+            self.launcher_gone_at = now
+            print(f"lockstep: rank {self.rank}: its launcher (pid {self.launcher_pid}, the torchrun / lockstep launch "
+                  "agent) is gone; stopping this worker (SIGTERM)", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif now - self.launcher_gone_at > LAUNCHER_GONE_GRACE_S:
+            os._exit(1)
+        return True
 
     def publish(self) -> None:
         self.beat += 1
@@ -201,7 +246,7 @@ class Watchdog(threading.Thread):
         return {r: json.loads(self.store.get(f"p{r}")) for r in range(self.world_size) if self.store.check([f"p{r}"])}
 
     def write(self, text: str, kind: str) -> str:
-        folder = self.report_dir or os.path.join(tempfile.gettempdir(), "lockstep-reports")
+        folder = self.report_dir or report_folder(os.environ)
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"{kind}-report-rank{self.rank}.txt")
         with open(path, "w") as f:
@@ -315,7 +360,7 @@ def watch_for_hangs(process_group: Any, hang_timeout_s: float | None) -> bool:
     group_tag = dist.distributed_c10d._get_default_group().group_name
     store = dist.PrefixStore(f"lockstep/hang/{restart}/{group_tag}/", client)
     _WATCHDOG = Watchdog(store, dist.get_rank(), dist.get_world_size(), hang_timeout_s,
-                         report_dir=os.environ.get(LOG_DIR_ENV) or None)
+                         report_dir=report_folder(os.environ, address))
     _WATCHDOG_KEY = key
     _WATCHDOG.start()
     return True

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from lockstep.launch import elastic, rendezvous
+from lockstep.launch import console, elastic, orphan, rendezvous
 from lockstep.launch.output import RANK_PREFIX_TEMPLATE, LaunchError, RankLogsSpecs, failure_report
 from lockstep.network import pick_gloo_interface, route_source_addr
 from lockstep.slurm import PREEMPT_DIR_ENV, REQUEUE_EXIT_CODE
@@ -61,11 +61,33 @@ class LaunchOptions:
     hang_timeout_s: float | None = None  # the workers' DDP hang_timeout_s (LOCKSTEP_HANG_TIMEOUT_S); None: DDP's default
     # After a SIGTERM (preemption) the workers get this long to finish their step and checkpoint before SIGKILL.
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    # torchrun's options with torchrun's meaning (launch/flags.py parses them).
+    monitor_interval_s: float = 0.1  # how often the agent polls its workers: bounds failure-detection latency
+    start_method: str = "spawn"  # function entry points only; a script is always its own process
+    role: str = "default"
+    event_log_handler: str = "null"
+    local_addr: str | None = None  # this node's address in the rendezvous; None: the one that routes to the master
+    rdzv_conf: tuple[tuple[str, str], ...] = ()  # extra keys for torch's c10d rendezvous (--rdzv-conf)
+    signals_to_handle: str = _SIGNALS_TO_HANDLE
+    redirects: str = "0"  # torchrun's -r: streams kept off the console (files only)
+    tee: str = "0"  # torchrun's -t: streams shown although redirected
+    local_ranks_filter: frozenset[int] = frozenset()  # console shows only these local ranks; empty: all
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    virtual_local_rank: bool = False
+    numa_binding: str | None = None
     # --nnodes MIN:MAX: the job runs on MIN to nnodes nodes and re-forms when one leaves or joins
     # (launch/elastic.py); None: exactly nnodes
     min_nodes: int | None = None
 
     def __post_init__(self) -> None:
+        if not self.monitor_interval_s > 0:
+            raise ValueError(f"--monitor-interval must be > 0 seconds, got {self.monitor_interval_s}")
+        if self.local_ranks_filter and self.log_rank is not None:
+            raise ValueError("--local-ranks-filter and --log-rank both choose the ranks shown: give one")
+        bad = sorted(r for r in self.local_ranks_filter if not 0 <= r < self.nproc_per_node)
+        if bad:
+            raise ValueError(f"--local-ranks-filter: local ranks {bad} do not exist (--nproc-per-node {self.nproc_per_node})")
         if self.hang_timeout_s is not None and not self.hang_timeout_s >= 0:
             raise ValueError(f"--hang-timeout must be >= 0 seconds (0: off), got {self.hang_timeout_s}")
         if self.nproc_per_node < 1:
@@ -151,22 +173,43 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
             "lockstep_master_addr": options.master_addr,
             "lockstep_port": options.master_port,
             "lockstep_node_timeout": options.node_timeout_s,
+            **dict(options.rdzv_conf),
             **({"last_call_timeout": int(elastic.DEFAULT_LAST_CALL_S)} if options.min_nodes not in (None, options.nnodes) else {}),
         },
         max_restarts=options.max_restarts,
-        monitor_interval=0.1,  # how often the agent polls its workers: bounds failure-detection latency
-        start_method="spawn",
+        monitor_interval=options.monitor_interval_s,
+        start_method=options.start_method,
+        role=options.role,
         log_line_prefix_template=RANK_PREFIX_TEMPLATE,
         logs_specs=logs,
         # How this node names itself in the rendezvous (torch would use its FQDN, which hosts may share).
-        local_addr=options.master_addr if single else _local_addr(options.master_addr),
+        local_addr=options.local_addr or (options.master_addr if single else _local_addr(options.master_addr)),
     )
     # Passed only where this torch's LaunchConfig has the field. Without signals_to_handle the agent
     # handles the same four signals (hard-coded, or from TORCHELASTIC_SIGNALS_TO_HANDLE, which
     # _agent_environment sets); without shutdown_timeout it waits torch's default 30 s before SIGKILL
     # (LaunchOptions refuses a --shutdown-timeout it cannot honour). torch's field is an int of seconds.
-    optional = {"signals_to_handle": _SIGNALS_TO_HANDLE, "shutdown_timeout": max(1, round(options.shutdown_timeout_s))}
+    optional: dict[str, Any] = {"signals_to_handle": options.signals_to_handle,
+                                "shutdown_timeout": max(1, round(options.shutdown_timeout_s))}
+    if options.event_log_handler != "null":
+        optional["event_log_handler"] = options.event_log_handler
+    if options.duplicate_stdout_filters:
+        optional["duplicate_stdout_filters"] = list(options.duplicate_stdout_filters)
+    if options.duplicate_stderr_filters:
+        optional["duplicate_stderr_filters"] = list(options.duplicate_stderr_filters)
+    if options.virtual_local_rank:
+        optional["virtual_local_rank"] = True
+    if options.numa_binding is not None:
+        from torch.numa.binding import AffinityMode, NumaOptions
+
+        optional["numa_options"] = NumaOptions(affinity_mode=AffinityMode(options.numa_binding))
     fields = launch_config_fields()
+    missing = sorted(name for name in optional if name not in fields and name not in ("signals_to_handle", "shutdown_timeout"))
+    if missing:
+        import torch
+
+        raise ValueError(f"torch {torch.__version__}'s LaunchConfig has no {', '.join(missing)}: the torchrun flag "
+                         "that sets it needs a newer torch")
     kwargs.update((name, value) for name, value in optional.items() if name in fields)
     return LaunchConfig(**kwargs)
 
@@ -230,16 +273,28 @@ def _agent_environment(options: LaunchOptions, log_dir: str | None = None, extra
 
 
 class _DropAgentFailureDump(logging.Filter):
-    """Drops the agent's own multi-line dump of a failure: our report says the same once, readably."""
+    """Drops the agent's own multi-line dump of a failure (our report says the same once, readably), and hands
+    the failure it names (exit code, local rank) to the logs spec, which says why the workers restart."""
+
+    def __init__(self, logs: RankLogsSpecs | None = None) -> None:
+        super().__init__()
+        self.logs = logs
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("failed (exitcode")
+        if not str(record.msg).startswith("failed (exitcode"):
+            return True
+        if self.logs is not None and isinstance(record.args, tuple) and len(record.args) >= 2:
+            try:
+                self.logs.note_failure(int(record.args[0]), int(record.args[1]))
+            except (TypeError, ValueError):
+                pass
+        return False
 
 
 @contextlib.contextmanager
-def _quiet_agent_failure_log() -> Iterator[None]:
+def _quiet_agent_failure_log(logs: RankLogsSpecs | None = None) -> Iterator[None]:
     api_logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    dump_filter = _DropAgentFailureDump()
+    dump_filter = _DropAgentFailureDump(logs)
     api_logger.addFilter(dump_filter)
     try:
         yield
@@ -262,15 +317,20 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
     if options.log_dir:
         os.makedirs(options.log_dir, exist_ok=True)
     log_dir = options.log_dir or tempfile.mkdtemp(prefix="lockstep_launch_")
-    logs = RankLogsSpecs(log_dir, log_rank=options.log_rank, max_restarts=options.max_restarts)
+    logs = RankLogsSpecs(log_dir, log_rank=options.log_rank, max_restarts=options.max_restarts,
+                         redirects=options.redirects, tee=options.tee, local_ranks_filter=options.local_ranks_filter)
     config = _launch_config(options, logs)
     rendezvous.register()
     keep_logs = bool(options.log_dir)  # the user asked for them
     # Preempted workers leave a file here (train/preempt.py): after a SIGTERM the agent keeps no exit codes
     preempt_dir = tempfile.mkdtemp(prefix="preempted-", dir=log_dir)
     try:
-        with _agent_environment(options, log_dir, {PREEMPT_DIR_ENV: preempt_dir, elastic.REPORT_ENV: "1"}), \
-                _quiet_agent_failure_log():
+        if isinstance(entrypoint, str):
+            logs.every_exit_recorded = True
+            # Each worker dies with this launcher, even a kill -9 of it (orphan.py): torch's agent cannot.
+            entrypoint, args = orphan.guarded_command(entrypoint, args)
+        with (_agent_environment(options, log_dir, {PREEMPT_DIR_ENV: preempt_dir, elastic.REPORT_ENV: "1"}), _quiet_agent_failure_log(logs),
+              console.single_prefix()):
             results = elastic_launch(config, entrypoint)(*args)
     except SignalException as e:
         done = sorted(os.listdir(preempt_dir))

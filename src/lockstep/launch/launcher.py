@@ -17,15 +17,14 @@ import signal
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
+from lockstep.launch import flags
 from lockstep.launch.agent import (
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
     LOOPBACK_ADDR,
     LaunchOptions,
     RendezvousFailed,
     WorkersPreempted,
     run_agent,
 )
-from lockstep.launch.elastic import parse_nnodes
 from lockstep.launch.output import LaunchError
 from lockstep.network import ensure_gloo_interface
 from lockstep.slurm import REQUEUE_EXIT_CODE, sbatch_script, slurm_launch_env
@@ -46,64 +45,103 @@ _MULTI_NODE_DEFAULT_PORT = 29500
 
 def default_nproc_per_node() -> int:
     """``auto``: one worker per GPU when CUDA is available, otherwise 2 CPU workers."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() and torch.cuda.device_count() > 0 else 2
+    return flags.parse_nproc("auto")
 
 
-def _parse_nproc(value: str) -> int | str:
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--nproc-per-node must be an integer or 'auto', got {value!r}") from None
+_build_parser = flags.build_parser  # the parser's old home: tests and helpers import it from here
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="lockstep launch",
-        description="Run SCRIPT on N processes per node with torch's elastic agent. Single node on loopback by "
-        "default; inside a SLURM allocation the node layout comes from SLURM.",
-        allow_abbrev=False,
+def _parse(argv: Sequence[str], env: Mapping[str, str]) -> tuple[LaunchOptions, argparse.Namespace]:
+    ns = flags.build_parser().parse_args(list(argv))  # SystemExit on --help or a malformed flag: argparse printed why
+    if ns.run_path:
+        raise ValueError(f"--run-path is not supported: {flags.TORCHRUN_NOT_SUPPORTED['--run-path']}")
+    if ns.logs_specs is not None:
+        raise ValueError(f"--logs-specs is not supported: {flags.TORCHRUN_NOT_SUPPORTED['--logs-specs']}")
+    nproc = flags.parse_nproc(ns.nproc_per_node)
+    nodes_range = ns.nnodes  # (MIN, MAX) from elastic.parse_nnodes, or None
+    conf = flags.parse_rdzv_conf(ns.rdzv_conf)
+    rdzv_timeout_s = ns.rdzv_timeout
+    for key in ("join_timeout", "timeout"):  # torch's c10d rendezvous reads join_timeout; both mean the same here
+        if key in conf:
+            rdzv_timeout_s = int(float(conf.pop(key))) if rdzv_timeout_s is None else rdzv_timeout_s
+    rdzv_timeout_s = 900 if rdzv_timeout_s is None else rdzv_timeout_s
+    if ns.rdzv_backend is not None and ns.rdzv_backend not in flags.RDZV_BACKENDS:
+        raise ValueError(f"--rdzv-backend {ns.rdzv_backend!r} is not supported (accepted: {', '.join(flags.RDZV_BACKENDS)}: "
+                         "lockstep launch meets through torch's c10d rendezvous)")
+    if ns.standalone:
+        # torchrun's --standalone: one node, a fresh rendezvous on loopback; explicit --rdzv-* are ignored.
+        if nodes_range not in (None, (1, 1)):
+            raise ValueError(f"--standalone runs one node, but --nnodes is {':'.join(map(str, nodes_range))}")
+        nodes_range, ns.rdzv_endpoint, ns.run_id, ns.master_addr, ns.master_port = (1, 1), None, "", None, None
+    if ns.rdzv_endpoint:
+        host, sep, port = ns.rdzv_endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"--rdzv-endpoint must be HOST:PORT, got {ns.rdzv_endpoint!r}")
+        if (ns.master_addr, ns.master_port) not in ((None, None), (host.strip("[]"), int(port))):
+            raise ValueError("--rdzv-endpoint and --master-addr/--master-port name different rendezvous: give one")
+        ns.master_addr, ns.master_port = host.strip("[]"), int(port)
+    std = {"redirects": ns.redirects, "tee": ns.tee}
+    for name, value in std.items():
+        flags.parse_std(f"--{name}", value)  # validated here; RankLogsSpecs applies them
+    common = dict(
+        nproc_per_node=nproc,
+        max_restarts=ns.max_restarts,
+        log_rank=ns.log_rank,
+        rdzv_timeout_s=rdzv_timeout_s,
+        log_dir=ns.log_dir,
+        as_torch_ddp=ns.as_torch_ddp,
+        node_timeout_s=ns.node_timeout,
+        hang_timeout_s=ns.hang_timeout,
+        shutdown_timeout_s=ns.shutdown_timeout,
+        monitor_interval_s=ns.monitor_interval,
+        start_method=ns.start_method,
+        role=ns.role,
+        event_log_handler=ns.event_log_handler,
+        local_addr=ns.local_addr,
+        rdzv_conf=tuple(sorted(conf.items())),
+        signals_to_handle=ns.signals_to_handle,
+        redirects=ns.redirects,
+        tee=ns.tee,
+        local_ranks_filter=flags.parse_local_ranks(ns.local_ranks_filter),
+        duplicate_stdout_filters=tuple(ns.duplicate_stdout_filters),
+        duplicate_stderr_filters=tuple(ns.duplicate_stderr_filters),
+        virtual_local_rank=ns.virtual_local_rank,
+        numa_binding=ns.numa_binding,
     )
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=_parse_nproc, default="auto",
-                   help="workers on this node: an integer, or 'auto' = one per GPU, else 2 (default: auto)")
-    p.add_argument("--nnodes", type=parse_nnodes, default=None, metavar="N|MIN:MAX",
-                   help="number of nodes, or MIN:MAX for an elastic job that goes on with the nodes still there "
-                   "and grows back when one joins (torchrun's syntax; docs/preemptible.md) (default: 1, or SLURM's)")
-    p.add_argument("--node-rank", "--node_rank", type=int, default=None,
-                   help="this node's index; node 0 hosts the rendezvous (default: 0, or SLURM_NODEID)")
-    p.add_argument("--master-addr", "--master_addr", default=None,
-                   help="address of node 0 (default: 127.0.0.1, or the first SLURM host)")
-    p.add_argument("--master-port", "--master_port", type=int, default=None,
-                   help="rendezvous port on node 0 (default: a free port on one node; 29500 or SLURM-derived otherwise)")
-    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
-                   help="restart the whole group up to K times after a worker fails (default: 0)")
-    p.add_argument("--log-rank", "--log_rank", type=int, default=None,
-                   help="show only this global rank's output (default: every rank, prefixed [rankN])")
-    p.add_argument("--run-id", "--run_id", default="", help="rendezvous id shared by all nodes (multi-node)")
-    p.add_argument("--rdzv-timeout", "--rdzv_timeout", type=int, default=900, metavar="SECONDS",
-                   help="how long the nodes wait for each other before failing (default: 900)")
-    p.add_argument("--node-timeout", "--node_timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="several nodes: a node whose heartbeat stops this long is lost; its peers stop their workers "
-                   "and restart (--max-restarts) or fail, naming it (default: 30)")
-    p.add_argument("--log-dir", "--log_dir", default=None,
-                   help="keep every rank's stdout/stderr under this folder (default: a temporary folder, "
-                   "kept only when a worker fails)")
-    p.add_argument("--hang-timeout", "--hang_timeout", type=float, default=None, metavar="SECONDS",
-                   help="a rank stuck this long inside a DDP step makes every rank write a hang report (beside the "
-                   "logs) and ends the job with exit code 86; 0: off (default: DDP's, 300; sets LOCKSTEP_HANG_TIMEOUT_S)")
-    p.add_argument("--shutdown-timeout", "--shutdown_timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                   metavar="SECONDS",
-                   help="after a SIGTERM (preemption), how long the workers get to finish their step and write a "
-                   f"checkpoint before SIGKILL (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g}; whole seconds)")
-    p.add_argument("--as-torch-ddp", "--as_torch_ddp", action="store_true",
-                   help="workers build lockstep's DistributedDataParallel wherever a library (Accelerate, Lightning) "
-                   "or the script builds torch's (sets LOCKSTEP_AS_TORCH_DDP=1; needs torch >= 2.5)")
-    p.add_argument("script", help="the Python script each worker runs")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
-    return p
+
+    slurm = None if ns.standalone else slurm_launch_env(env)
+    layout_flags = (ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port)
+    if slurm is not None and slurm.nnodes > 1 and nodes_range in (None, (slurm.nnodes, slurm.nnodes)):
+        options = LaunchOptions(
+            nnodes=slurm.nnodes,
+            node_rank=slurm.node_rank if ns.node_rank is None else ns.node_rank,
+            master_addr=ns.master_addr or slurm.master_addr,
+            master_port=slurm.master_port if ns.master_port is None else ns.master_port,
+            run_id=ns.run_id or f"lockstep-slurm-{slurm.job_id}",
+            source="slurm",
+            **common,
+        )
+    else:
+        # One node (also a one-node SLURM job): loopback and a free port unless told otherwise.
+        min_nodes, nnodes = (1, 1) if nodes_range is None else nodes_range
+        multi = nnodes > 1
+        default_port = _MULTI_NODE_DEFAULT_PORT if multi else 0
+        options = LaunchOptions(
+            nnodes=nnodes,
+            node_rank=0 if ns.node_rank is None else ns.node_rank,
+            master_addr=ns.master_addr or LOOPBACK_ADDR,
+            master_port=default_port if ns.master_port is None else ns.master_port,
+            run_id=ns.run_id,
+            source="flags" if any(f is not None for f in layout_flags) else "single",
+            min_nodes=min_nodes if min_nodes != nnodes else None,
+            **common,
+        )
+    if options.nnodes > 1 and options.master_addr == LOOPBACK_ADDR:
+        raise ValueError("--master-addr is required with --nnodes > 1 (the address of node 0; not 127.0.0.1)")
+    flags.worker_command(ns, sys.executable)  # raises naming a missing script, or -m with --no-python
+    if options.log_dir:
+        flags.check_log_dir(options.log_dir)
+    return options, ns
 
 
 def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> tuple[LaunchOptions, str, list[str]]:
@@ -114,58 +152,7 @@ def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None)
     Raises ValueError naming the bad flag or file (SystemExit from argparse for --help
     or a malformed flag).
     """
-    env = os.environ if env is None else env
-    parser = _build_parser()
-    ns = parser.parse_args(list(argv))  # SystemExit on --help or a malformed flag: argparse printed why
-    nproc = default_nproc_per_node() if ns.nproc_per_node == "auto" else ns.nproc_per_node
-
-    slurm = slurm_launch_env(env)
-    layout_flags = (ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port)
-    if slurm is not None and slurm.nnodes > 1 and ns.nnodes in (None, (slurm.nnodes, slurm.nnodes)):
-        options = LaunchOptions(
-            nproc_per_node=nproc,
-            nnodes=slurm.nnodes,
-            node_rank=slurm.node_rank if ns.node_rank is None else ns.node_rank,
-            master_addr=ns.master_addr or slurm.master_addr,
-            master_port=slurm.master_port if ns.master_port is None else ns.master_port,
-            max_restarts=ns.max_restarts,
-            log_rank=ns.log_rank,
-            run_id=ns.run_id or f"lockstep-slurm-{slurm.job_id}",
-            rdzv_timeout_s=ns.rdzv_timeout,
-            log_dir=ns.log_dir,
-            source="slurm",
-            as_torch_ddp=ns.as_torch_ddp,
-            node_timeout_s=ns.node_timeout,
-            hang_timeout_s=ns.hang_timeout,
-            shutdown_timeout_s=ns.shutdown_timeout,
-        )
-    else:
-        # One node (also a one-node SLURM job): loopback and a free port unless told otherwise.
-        min_nodes, nnodes = (1, 1) if ns.nnodes is None else ns.nnodes
-        multi = nnodes > 1
-        default_port = _MULTI_NODE_DEFAULT_PORT if multi else 0
-        options = LaunchOptions(
-            nproc_per_node=nproc,
-            nnodes=nnodes,
-            node_rank=0 if ns.node_rank is None else ns.node_rank,
-            master_addr=ns.master_addr or LOOPBACK_ADDR,
-            master_port=default_port if ns.master_port is None else ns.master_port,
-            max_restarts=ns.max_restarts,
-            log_rank=ns.log_rank,
-            run_id=ns.run_id,
-            rdzv_timeout_s=ns.rdzv_timeout,
-            log_dir=ns.log_dir,
-            source="flags" if any(f is not None for f in layout_flags) else "single",
-            as_torch_ddp=ns.as_torch_ddp,
-            node_timeout_s=ns.node_timeout,
-            hang_timeout_s=ns.hang_timeout,
-            shutdown_timeout_s=ns.shutdown_timeout,
-            min_nodes=min_nodes if min_nodes != nnodes else None,
-        )
-    if options.nnodes > 1 and options.master_addr == LOOPBACK_ADDR:
-        raise ValueError("--master-addr is required with --nnodes > 1 (the address of node 0; not 127.0.0.1)")
-    if not os.path.isfile(ns.script):
-        raise ValueError(f"script {ns.script!r} not found (the SCRIPT argument of lockstep launch)")
+    options, ns = _parse(argv, os.environ if env is None else env)
     return options, ns.script, list(ns.script_args)
 
 
@@ -220,7 +207,8 @@ def _exit_code(error: LaunchError) -> int:
 def cli_main(argv: Sequence[str]) -> int:
     """``lockstep launch ...``: returns 0 when every worker succeeded, non-zero otherwise."""
     try:
-        options, script, script_args = parse_launch_args(argv)
+        options, ns = _parse(argv, os.environ)
+        command, command_args = flags.worker_command(ns, sys.executable)
     except SystemExit as e:  # --help, or argparse already printed the usage error
         return int(e.code or 0)
     except ValueError as e:
@@ -238,8 +226,7 @@ def cli_main(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     try:
-        # -u: unbuffered, so a worker's last lines are in its log file even if it is killed.
-        run_agent(options, sys.executable, ["-u", script, *script_args])
+        run_agent(options, command, command_args)
     except LaunchError as e:
         sys.stderr.write(str(e) + "\n")
         if e.exitcode == REQUEUE_EXIT_CODE:

@@ -1,0 +1,99 @@
+"""``lockstep launch`` takes torchrun's command line: every torchrun option, with torchrun's meaning.
+
+In process and without workers (cheap): the two argparse parsers are compared, so an option that a new
+torch adds to ``torch.distributed.run`` fails ``test_every_torchrun_option_is_handled`` until
+``launch/flags.py`` handles it or lists why not. What the flags do to a running job is checked end to
+end in test_launch_reports.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+from torch.distributed.run import get_args_parser
+
+from lockstep.launch import flags
+from lockstep.launch.launcher import _parse, cli_main, parse_launch_args
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_scripts", "allreduce.py")
+
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {s: a for a in parser._actions for s in a.option_strings if s not in ("-h", "--help")}
+
+
+def test_every_torchrun_option_is_handled():
+    ours, theirs = _options(flags.build_parser()), _options(get_args_parser())
+    missing = sorted(set(theirs) - set(ours))
+    assert not missing, f"torchrun options lockstep launch does not accept: {missing} (handle them in launch/flags.py)"
+    for name, action in theirs.items():
+        # Same form: a flag that takes a value in torchrun takes one here, and a switch stays a switch,
+        # so a torchrun command line splits into the same options and the same script arguments.
+        assert (action.nargs == 0) == (ours[name].nargs == 0), name
+    # The two torchrun options refused have a reason, given as a one-line error (not "unrecognized arguments").
+    for flag, argv in (("--run-path", ["--run-path"]), ("--logs-specs", ["--logs-specs", "x"])):
+        with pytest.raises(ValueError, match=f"{flag} is not supported: .+"):
+            parse_launch_args([*argv, SCRIPT], env={})
+    # Positionals: the script, then everything after it goes to the script.
+    opts, script, args = parse_launch_args(["--nproc-per-node", "1", SCRIPT, "--nproc-per-node", "7"], env={})
+    assert (opts.nproc_per_node, script, args) == (1, SCRIPT, ["--nproc-per-node", "7"])
+
+
+def test_torchrun_rendezvous_flags_mean_what_they_mean_in_torchrun():
+    # --standalone: one node on loopback, a free port and a fresh id; explicit --rdzv-* are ignored, as torchrun does
+    opts, _, _ = parse_launch_args(["--standalone", "--rdzv-endpoint", "10.0.0.9:1234", "--rdzv-id", "x",
+                                    "--nproc-per-node", "2", SCRIPT], env={})
+    assert (opts.nnodes, opts.master_addr, opts.master_port, opts.run_id) == (1, "127.0.0.1", 0, "")
+    with pytest.raises(ValueError, match="--standalone runs one node"):
+        parse_launch_args(["--standalone", "--nnodes", "2", SCRIPT], env={})
+    # --rdzv-endpoint HOST:PORT is node 0's address; --rdzv-id is the shared run id; join_timeout is --rdzv-timeout
+    opts, _, _ = parse_launch_args(["--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                    "node0:29400", "--rdzv-id", "job7", "--rdzv-conf", "join_timeout=12,read_timeout=30",
+                                    SCRIPT], env={})
+    assert (opts.master_addr, opts.master_port, opts.run_id, opts.rdzv_timeout_s) == ("node0", 29400, "job7", 12)
+    assert opts.rdzv_conf == (("read_timeout", "30"),)
+    bad = [
+        (["--rdzv-backend", "etcd"], "--rdzv-backend 'etcd' is not supported"),
+        (["--rdzv-conf", "colour=red"], "--rdzv-conf: unknown key 'colour'"),
+        (["--rdzv-endpoint", "node0"], "--rdzv-endpoint must be HOST:PORT"),
+        (["--local-ranks-filter", "5", "--nproc-per-node", "2"], "--local-ranks-filter: local ranks \\[5\\]"),
+        (["--redirects", "9"], "--redirects must be 0-3"),
+        (["-m", "--no-python"], "-m/--module and --no-python"),
+        (["--nproc-per-node", "gpu"], "--nproc-per-node gpu: CUDA is not available"),
+    ]
+    for argv, message in bad:
+        with pytest.raises(ValueError, match=message):
+            parse_launch_args([*argv, SCRIPT], env={})
+    # --nnodes N:N is a fixed size and MIN:MAX an elastic one (torchrun's forms, launch/elastic.py)
+    opts, _, _ = parse_launch_args(["--nnodes", "2:2", "--master-addr", "h", SCRIPT], env={})
+    assert (opts.nnodes, opts.min_nodes) == (2, None)
+    opts, _, _ = parse_launch_args(["--nnodes", "1:2", "--master-addr", "h", SCRIPT], env={})
+    assert (opts.nnodes, opts.min_nodes) == (2, 1)
+
+
+def test_torchrun_worker_and_output_flags_reach_the_options():
+    opts, ns = _parse(["--nproc-per-node", "cpu", "--monitor-interval", "0.5", "--start-method", "fork", "--role", "trainer",
+                       "--local-addr", "10.1.1.1", "-r", "3", "-t", "0:2", "--local-ranks-filter", "0",
+                       "--signals-to-handle", "SIGTERM,SIGUSR1", "--duplicate-stdout-filters", "loss,,acc,step",
+                       "--virtual-local-rank", "-m", "json.tool", "--sort-keys"], env={})
+    assert opts.nproc_per_node == (os.cpu_count() or 1)
+    assert (opts.monitor_interval_s, opts.start_method, opts.role, opts.local_addr) == (0.5, "fork", "trainer", "10.1.1.1")
+    assert (opts.redirects, opts.tee, opts.local_ranks_filter) == ("3", "0:2", frozenset({0}))
+    assert opts.signals_to_handle == "SIGTERM,SIGUSR1" and opts.virtual_local_rank
+    assert opts.duplicate_stdout_filters == ("loss,acc", "step")  # a double comma is a literal comma, as torchrun
+    # -m runs a module the way torchrun does (python -u -m MODULE ARGS); --no-python runs the executable itself
+    import sys
+
+    assert flags.worker_command(ns, sys.executable) == (sys.executable, ["-u", "-m", "json.tool", "--sort-keys"])
+    _, ns = _parse(["--no-python", "/bin/echo", "hi"], env={})
+    assert flags.worker_command(ns, sys.executable) == ("/bin/echo", ["hi"])
+
+
+def test_bad_log_dir_is_one_line_exit_2_before_any_worker(capsys, tmp_path):
+    for bad in ("/proc/nope", str(tmp_path / "file")):
+        (tmp_path / "file").write_text("")
+        assert cli_main(["--log-dir", bad, "--nproc-per-node", "2", SCRIPT]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"lockstep launch: error: --log-dir {bad!r} cannot be created"), err

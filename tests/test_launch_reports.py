@@ -1,0 +1,183 @@
+"""What ``lockstep launch`` shows when a job fails, and that its workers die with it (issue #28).
+
+End to end: real launchers as subprocesses, real workers on gloo. The launches run side by side in one
+fixture, and each test asserts several things about one launch (a launch costs ~15 s on 2 loaded cores).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from test_launch import HERE, clean_env, run_launch, script
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reports")
+    jobs = {
+        "missing_module": ["--nproc-per-node", "2", script("missing_module.py")],
+        "early_exit": ["--nproc-per-node", "2", script("early_exit.py")],
+        # torchrun's flags: --standalone, -m, --local-ranks-filter, -r/-t, and a --log-dir used twice
+        "module": ["--standalone", "--nproc-per-node", "2", "--local-ranks-filter", "1", "--redirects", "3",
+                   "--tee", "1", "--log-dir", str(tmp / "logs"), "-m", "launch_scripts.report_env", "--x", "1"],
+        "module_again": ["--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp / "logs"),
+                         "-m", "launch_scripts.report_env"],
+    }
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = {name: pool.submit(run_launch, argv, 120.0) for name, argv in jobs.items()}
+        results = {name: f.result()[0] for name, f in futures.items()}
+    results["tmp"] = tmp
+    return results
+
+
+def _report(stderr: str) -> list[str]:
+    lines = stderr.splitlines()
+    start = [i for i, line in enumerate(lines) if line.startswith("lockstep launch: worker rank")]
+    assert len(start) == 1, stderr
+    return lines[start[0]:]
+
+
+def test_report_names_the_real_exception_once_with_one_prefix_per_line(runs):
+    proc = runs["missing_module"]
+    assert proc.returncode == 1, proc.stderr
+    report = _report(proc.stderr)
+    # rank 0's own error, not the INFO line it logged first, and not rank 1's consequential gloo error
+    assert report[0].startswith("lockstep launch: worker rank 0 (local rank 0"), report
+    text = "\n".join(report)
+    assert "ModuleNotFoundError: No module named 'no_such_module_for_lockstep_tests'" in text
+    assert 'missing_module.py", line 11' in text  # where it happened
+    assert "gloo uses interface" not in text
+    # shown once: the console has the traceback (prefixed once), the report does not repeat it
+    assert "Traceback" not in text
+    assert proc.stderr.count("ModuleNotFoundError: No module named") == 2  # rank 0's traceback + the report's line
+    assert "[rank0]: Traceback (most recent call last):" in proc.stderr.splitlines()
+    assert "[rank0]: INFO lockstep.process_group: gloo uses interface" in proc.stderr
+    assert not re.search(r"\[rank(\d)\]: \[rank\1\]", proc.stdout + proc.stderr)
+
+
+def test_a_rank_that_exits_0_early_is_named_with_where_the_others_wait(runs):
+    proc = runs["early_exit"]
+    assert proc.returncode == 1, proc.stderr
+    text = "\n".join(_report(proc.stderr))
+    assert "rank 1 exited cleanly (exit code 0) while rank 0 was still running" in text, text
+    assert "early_exit.py\", line 15" in text  # rank 0's position: its first forward, waiting for rank 1
+
+
+def test_torchrun_flags_run_a_module_standalone_with_filters_and_a_folder_per_job(runs):
+    proc, again = runs["module"], runs["module_again"]
+    assert proc.returncode == 0 and again.returncode == 0, proc.stderr + again.stderr
+    # --local-ranks-filter 1: only local rank 1 on the console; -r 3 -t 1: its stdout only
+    assert re.search(r"^\[rank1\]: report_env rank=1 .* argv=\['--x', '1'\]$", proc.stdout, re.MULTILINE), proc.stdout
+    assert "rank0" not in proc.stdout + proc.stderr and "report_env stderr" not in proc.stderr
+    # every stream of every rank is in the files, under a folder of this job's own
+    logs = runs["tmp"] / "logs"
+    jobs = sorted(p for p in logs.iterdir() if p.is_dir())
+    assert len(jobs) == 2, jobs  # two launches into one --log-dir: two job folders, nothing overwritten
+    for job in jobs:
+        out0 = (job / "attempt_0" / "0" / "stdout.log").read_text()
+        # the reports (hang, failure) of a job go to its own attempt folder, named in its report lines
+        assert f"report_dir={job / 'attempt_0'} " in out0, out0
+    assert "report_env stderr rank=0" in (jobs[0] / "attempt_0" / "0" / "stderr.log").read_text()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
+def test_workers_die_within_seconds_of_a_kill_9_of_the_launcher(tmp_path):
+    # lockstep launch with a plain script (the parent-death guard, launch/orphan.py), and torchrun with a
+    # lockstep DDP script (its watchdog notices the agent is gone): both at once, each killed with SIGKILL.
+    commands = {
+        "lockstep launch": [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", script("forever.py")],
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--log-dir",
+                     str(tmp_path), "--tee", "3", script("ddp_forever.py")],
+    }
+    launchers = {name: subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                        env=clean_env(), cwd=HERE) for name, argv in commands.items()}
+    pids: dict[str, list[int]] = {name: [] for name in commands}
+    try:
+        for name, launcher in launchers.items():
+            deadline = time.monotonic() + 120
+            while len(pids[name]) < 2 and time.monotonic() < deadline:
+                match = re.search(r"worker pid (\d+)", launcher.stdout.readline())
+                if match:
+                    pids[name].append(int(match.group(1)))
+            assert len(pids[name]) == 2, f"{name}: the workers did not start"
+        for launcher in launchers.values():
+            launcher.send_signal(signal.SIGKILL)
+            launcher.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for ps in pids.values() for p in ps) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for name, ps in pids.items():
+            assert not any(_alive(p) for p in ps), f"{name}: workers {ps} outlived their launcher by 10 s"
+        # the torchrun workers said why they stopped, in one line each, in their logs
+        logs = "".join(p.read_text() for p in tmp_path.glob("*/attempt_0/*/stderr.log"))
+        assert logs.count("its launcher (pid") == 2 and "is gone; stopping this worker" in logs, logs[-2000:]
+    finally:
+        for pid in (p for ps in pids.values() for p in ps):  # never leave a worker behind, whatever failed
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for launcher in launchers.values():
+            if launcher.poll() is None:
+                launcher.kill()
+
+
+def test_console_shows_one_prefix_and_a_traceback_every_rank_raised_once(capsys):
+    # The launcher's console streams while the agent runs (launch/console.py), fed as torch's tail threads feed them.
+    from lockstep.launch.console import single_prefix
+
+    tb = ["Traceback (most recent call last):\n", '  File "train.py", line 9, in <module>\n', "    step()\n",
+          "NonfiniteGradientError: non-finite gradient on rank 1\n"]
+    with single_prefix():
+        for rank in (0, 1, 2):
+            for line in tb:
+                sys.stderr.write(f"[rank{rank}]: [rank{rank}]: {line}")  # torch's excepthook, then the agent's prefix
+        sys.stderr.write("[rank2]: [rank2] INFO lockstep: a log line\n")
+        sys.stderr.write("[rank1]: Traceback (most recent call last):\n")  # killed while printing: not lost
+        sys.stderr.write('[rank1]:   File "train.py", line 3\n')
+    err = capsys.readouterr().err.splitlines()
+    assert err[:4] == [f"[rank0]: {line.rstrip()}" for line in tb]
+    assert err[4:] == ["[rank1]: NonfiniteGradientError: non-finite gradient on rank 1 (the same traceback as rank 0)",
+                       "[rank2]: NonfiniteGradientError: non-finite gradient on rank 1 (the same traceback as rank 0)",
+                       "[rank2]: INFO lockstep: a log line",
+                       "[rank1]: Traceback (most recent call last):", '[rank1]:   File "train.py", line 3']
+
+
+def test_report_prefers_the_error_file_over_a_stderr_that_holds_only_log_lines(tmp_path):
+    # launch_function (and @record scripts): the traceback goes to torch's error.json, while the rank's stderr
+    # holds only lockstep's INFO line. The report shows the exception, not that line.
+    import json
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from lockstep.launch.output import failure_report
+
+    callstack = ('Traceback (most recent call last):\n  File "/job/train.py", line 6, in work\n'
+                 "    import no_such_module\nModuleNotFoundError: No module named 'no_such_module'\n")
+    error_file = tmp_path / "0" / "error.json"
+    error_file.parent.mkdir()
+    error_file.write_text(json.dumps({"message": {"message": "ModuleNotFoundError: No module named 'no_such_module'",
+                                                  "extraInfo": {"py_callstack": callstack, "timestamp": "1"}}}))
+    stderr = tmp_path / "0" / "stderr.log"
+    stderr.write_text("[rank0] INFO lockstep.process_group: gloo uses interface lo\n")
+    logs = SimpleNamespace(last_dest=SimpleNamespace(stderrs={0: str(stderr)}, tee_stderrs={0: str(stderr)}))
+    failure = ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(error_file))
+    text = str(failure_report(ChildFailedError("work", {0: failure}), logs))
+    assert "ModuleNotFoundError: No module named 'no_such_module'" in text and 'train.py", line 6' in text, text
+    assert "gloo uses interface" not in text
