@@ -11,8 +11,8 @@ possible. A bucket never mixes devices or dtypes: it is one flat tensor.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.distributed as dist

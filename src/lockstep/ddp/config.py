@@ -48,7 +48,7 @@ class BucketCaps:
 
     def __post_init__(self) -> None:
         if isinstance(self.cap_mb, str):  # a ValueError, as it always was (scripts catch it)
-            raise ValueError(  # noqa: TRY004
+            raise ValueError(
                 f"DistributedDataParallel: bucket_cap_mb must be a number > 0 or 'auto', got {self.cap_mb!r}")
         if not self.cap_mb > 0:
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be > 0, got {self.cap_mb}")

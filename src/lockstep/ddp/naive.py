@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.collectives.clean import launch_clean
-from lockstep.ddp.wrapper import DistributedDataParallel
 from lockstep.ddp.replicas import broadcast_coalesced
+from lockstep.ddp.wrapper import DistributedDataParallel
 
 
 class NaiveDistributedDataParallel(nn.Module):

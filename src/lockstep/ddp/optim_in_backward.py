@@ -13,7 +13,7 @@ steps them all after the last bucket. The parameters are the same; only the over
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -8,7 +8,7 @@ model with hundreds of tensors costs a few collectives, not hundreds.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

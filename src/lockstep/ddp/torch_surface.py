@@ -162,7 +162,7 @@ class WrapperSurface:
         Futures it returns are waited for at the end of the next backward, as torch's.
         """
         if not callable(hook):
-            raise AssertionError(f"hook must be callable, got {type(hook).__name__}")  # noqa: TRY004 (torch raises this)
+            raise AssertionError(f"hook must be callable, got {type(hook).__name__}")
         pre = getattr(comm_hook_location, "name", "POST_FORWARD") == "PRE_FORWARD"
         self._buffer_hook = (hook, state, pre)
 

@@ -56,7 +56,8 @@ of two it cannot happen (above), elsewhere it is accepted, as torch's DDP accept
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -26,8 +26,9 @@ import sysconfig
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
 
 DDP_PHASES = ("forward", "backward", "wait")
 

@@ -39,8 +39,15 @@ from typing import Any
 import torch.distributed as dist
 
 from lockstep.diagnostics import report
-from lockstep.diagnostics.progress import (DDP_PHASES, PROGRESS, Progress, current_collective, in_library_code,
-                                           thread_frame, user_location)
+from lockstep.diagnostics.progress import (
+    DDP_PHASES,
+    PROGRESS,
+    Progress,
+    current_collective,
+    in_library_code,
+    thread_frame,
+    user_location,
+)
 
 HANG_EXIT_CODE = report.HANG_EXIT_CODE  # a hang report was written and the job was ended
 DEFAULT_HANG_TIMEOUT_S = 300.0

@@ -19,8 +19,9 @@ import signal
 import tempfile
 import threading
 import uuid
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from lockstep.launch import console, elastic, orphan, rendezvous
 from lockstep.launch.output import RANK_PREFIX_TEMPLATE, LaunchError, RankLogsSpecs, failure_report

@@ -15,7 +15,8 @@ import argparse
 import os
 import signal
 import sys
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from lockstep.launch import flags
 from lockstep.launch.agent import (

@@ -19,7 +19,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import LogsDest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from lockstep.diagnostics.watchdog import HANG_EXIT_CODE, LOG_DIR_ENV as REPORT_DIR_ENV
+from lockstep.diagnostics.watchdog import HANG_EXIT_CODE
+from lockstep.diagnostics.watchdog import LOG_DIR_ENV as REPORT_DIR_ENV
 
 # torch fills ${rank} with the worker's global rank. It is torch's own style: once a worker has a
 # process group, torch's excepthook prefixes its traceback lines the same way, so on the console

@@ -43,7 +43,7 @@ from lockstep.launch.liveness import READ_TIMEOUT_S, Liveness, Poller, answers, 
 from lockstep.network import route_source_addr, serve_store
 
 BACKEND = "lockstep"
-_handlers: dict[str, "LockstepRendezvous"] = {}  # run_id -> the handler of this process's agent (for the report)
+_handlers: dict[str, LockstepRendezvous] = {}  # run_id -> the handler of this process's agent (for the report)
 
 
 class NodesDisagree(RendezvousError):

@@ -14,8 +14,8 @@ import datetime
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -89,9 +89,7 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lockstep.train.metrics import read_metrics
-
-    from lockstep.train.metrics import select_run
+    from lockstep.train.metrics import read_metrics, select_run
 
     # this run's records only (an older run in the same file is another curve); a resumed epoch: last wins
     epochs = {r["epoch"]: r for r in select_run(read_metrics(metrics_path)) if r.get("event") == "epoch"}

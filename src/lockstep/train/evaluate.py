@@ -7,7 +7,7 @@ of [loss sum, correct, count, classified] at the end makes the totals global.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

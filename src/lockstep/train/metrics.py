@@ -14,8 +14,8 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 

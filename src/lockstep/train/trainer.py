@@ -16,7 +16,7 @@ import math
 import sys
 import time
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -79,8 +79,8 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
                  train_data: Dataset, eval_data: Dataset | None = None, config: TrainerConfig | None = None, *,
                  scheduler=None, group: dist.ProcessGroup | None = None, device: torch.device | None = None,
-                 on_step_end: Callable[["Trainer"], None] | None = None,
-                 on_epoch_end: Callable[["Trainer", dict], None] | None = None,
+                 on_step_end: Callable[[Trainer], None] | None = None,
+                 on_epoch_end: Callable[[Trainer, dict], None] | None = None,
                  scaler: torch.amp.GradScaler | None = None, metric_fn: Callable | None = None):
         if not dist.is_initialized():
             raise RuntimeError("Trainer needs an initialised process group: call lockstep.init() first")
