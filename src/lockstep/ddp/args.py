@@ -69,7 +69,8 @@ def reject_module(module: Any, device: Any, ignored: Any = ()) -> None:
         if isinstance(param, torch.nn.parameter.UninitializedParameter):
             raise RuntimeError(
                 "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. Run a dummy "
-                f"forward pass to correctly initialize the modules (parameter {name!r} is uninitialized: a lazy module)."
+                f"forward pass to correctly initialize the modules "
+                f"(parameter {name!r} is uninitialized: a lazy module)."
             )
     for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
         for name, tensor in named:
@@ -84,7 +85,8 @@ def reject_module(module: Any, device: Any, ignored: Any = ()) -> None:
     for name, layer in module.named_modules():
         if isinstance(layer, torch.nn.SyncBatchNorm):
             raise ValueError(
-                f"SyncBatchNorm layers only work with GPU modules: {name or type(module).__name__!r} is a SyncBatchNorm "
+                f"SyncBatchNorm layers only work with GPU modules: "
+                f"{name or type(module).__name__!r} is a SyncBatchNorm "
                 "in a CPU module. On CPU use BatchNorm (DDP's forward_sync_buffers broadcasts rank 0's running stats) "
                 "or move the model to the GPU before wrapping it."
             )

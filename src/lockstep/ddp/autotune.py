@@ -52,7 +52,9 @@ class AutoBucketCap:
     def __post_init__(self) -> None:
         caps = tuple(self.caps_mb)
         if not caps or any(c is not None and not (isinstance(c, (int, float)) and c > 0) for c in caps):
-            raise ValueError(f"AutoBucketCap.caps_mb must be a non-empty sequence of caps > 0 or None, got {self.caps_mb!r}")
+            raise ValueError(
+                f"AutoBucketCap.caps_mb must be a non-empty sequence of caps > 0 or None, got {self.caps_mb!r}"
+            )
         object.__setattr__(self, "caps_mb", caps)
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"AutoBucketCap.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")

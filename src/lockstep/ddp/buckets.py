@@ -49,7 +49,9 @@ def local_ranks_from_env(world_size: int, env: dict | None = None) -> int:
     return world_size
 
 
-def first_bucket_caps(device_type: str, world_size: int, bucket_cap_bytes: int, small: bool | None = None) -> tuple[int, int]:
+def first_bucket_caps(
+    device_type: str, world_size: int, bucket_cap_bytes: int, small: bool | None = None
+) -> tuple[int, int]:
     """The first bucket's cap for the first iteration, and this rank's wish for the rebuilt layout.
 
     The first iteration keeps the small one (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB, read
@@ -66,6 +68,9 @@ def first_bucket_caps(device_type: str, world_size: int, bucket_cap_bytes: int, 
     return first, first if small else bucket_cap_bytes
 
 
+CPU = torch.device("cpu")  # a torch.device is immutable: one instance serves as every plan's default
+
+
 @dataclass
 class BucketPlan:
     """One bucket's layout: parameter indices in buffer order, and where each starts."""
@@ -74,9 +79,10 @@ class BucketPlan:
     offsets: list[int] = field(default_factory=list)  # element offset of each parameter in the buffer
     numel: int = 0
     dtype: torch.dtype = torch.float32
-    device: torch.device = torch.device("cpu")
+    device: torch.device = CPU
     direct: bool = False  # one large parameter, all-reduced in its own gradient when it can be (``copy_in``)
-    sparse: bool = False  # one parameter whose gradient is sparse (``nn.Embedding(sparse=True)``): no flat buffer, numel 0
+    # one parameter whose gradient is sparse (``nn.Embedding(sparse=True)``): no flat buffer, numel 0
+    sparse: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -120,11 +126,13 @@ def assign_buckets(
         raise ValueError(f"bucket cap must be > 0 bytes, got {bucket_cap_bytes}")
     if sorted(order) != list(range(len(params))):
         raise ValueError(f"order must be a permutation of range({len(params)}), got {list(order)[:10]}...")
-    caps = list(bucket_caps_bytes) if bucket_caps_bytes else [min(first_bucket_bytes, bucket_cap_bytes), bucket_cap_bytes]
+    caps = (
+        list(bucket_caps_bytes) if bucket_caps_bytes else [min(first_bucket_bytes, bucket_cap_bytes), bucket_cap_bytes]
+    )
     open_buckets: dict[tuple, tuple[BucketPlan, int, int]] = {}  # key -> (plan, nbytes, how many closed before)
     closed: list[BucketPlan] = []
     full: set[int] = set()  # ids of plans closed because they reached their cap
-    for pos, index in enumerate(order):
+    for index in order:
         p = params[index]
         key = (p.device, p.dtype)
         nbytes = p.numel() * p.element_size()
@@ -159,8 +167,13 @@ def assign_buckets(
         last = plans[-1]
         last.direct = False
         before = plans[-2] if len(plans) > 1 else None
-        if (before is not None and not before.direct and not before.sparse and (before.dtype, before.device) == (last.dtype, last.device)
-                and id(before) not in full):
+        if (
+            before is not None
+            and not before.direct
+            and not before.sparse
+            and (before.dtype, before.device) == (last.dtype, last.device)
+            and id(before) not in full
+        ):
             before.offsets.append(before.numel)
             before.param_indices.append(last.param_indices[0])
             before.numel += last.numel

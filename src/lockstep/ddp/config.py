@@ -38,7 +38,8 @@ class BucketCaps:
     auto: AutoBucketCap | None = None
     """``bucket_cap_mb="auto"``: caps tried over the first steps, the fastest kept (``autotune``); None: fixed caps."""
     first_bytes: int = DEFAULT_FIRST_BUCKET_BYTES
-    """The first bucket's cap in the first iteration (torch's ``_DEFAULT_FIRST_BUCKET_BYTES``), the same on every rank."""
+    """The first bucket's cap in the first iteration (torch's ``_DEFAULT_FIRST_BUCKET_BYTES``), the same on every
+    rank."""
     rebuilt_first_bytes: int | None = None
     """This rank's first-bucket cap for the layout rebuilt after the first iteration; rank 0's is used on every
     rank (``layout.agree_on_order``). None: ``first_bytes``."""
@@ -55,22 +56,29 @@ class BucketCaps:
         if self.cap_mb_list is not None:
             caps = list(self.cap_mb_list)
             if not caps or any(not (c > 0) for c in caps):
-                raise ValueError(f"DistributedDataParallel: bucket_cap_mb_list must be non-empty and all > 0, got {caps}")
+                raise ValueError(
+                    f"DistributedDataParallel: bucket_cap_mb_list must be non-empty and all > 0, got {caps}"
+                )
             object.__setattr__(self, "cap_mb_list", tuple(caps))
             if self.auto is not None:
-                raise ValueError("DistributedDataParallel: bucket_cap_mb='auto' and bucket_cap_mb_list exclude each other")
+                raise ValueError(
+                    "DistributedDataParallel: bucket_cap_mb='auto' and bucket_cap_mb_list exclude each other"
+                )
         if self.auto is not None and not isinstance(self.auto, AutoBucketCap):
             raise TypeError(f"BucketCaps.auto must be an AutoBucketCap or None, got {self.auto!r}")
         for name in ("first_bytes", "rebuilt_first_bytes", "direct_min_bytes"):
             value = getattr(self, name)
             if not (_positive_int(value) or (value is None and name != "first_bytes")):
-                raise ValueError(f"BucketCaps.{name} must be an int > 0{'' if name == 'first_bytes' else ' or None'}, got {value!r}")
+                raise ValueError(
+                    f"BucketCaps.{name} must be an int > 0{'' if name == 'first_bytes' else ' or None'}, got {value!r}"
+                )
         if self.rebuilt_first_bytes is None:
             object.__setattr__(self, "rebuilt_first_bytes", self.first_bytes)
 
     @classmethod
     def from_ddp_args(cls, bucket_cap_mb: Any, bucket_cap_mb_list: Sequence[float] | None) -> BucketCaps:
-        """From DDP's ``bucket_cap_mb`` (a number, None, ``"auto"`` or an ``AutoBucketCap``) and ``bucket_cap_mb_list``."""
+        """From DDP's ``bucket_cap_mb`` (a number, None, ``"auto"`` or an ``AutoBucketCap``) and
+        ``bucket_cap_mb_list``."""
         auto = None
         if bucket_cap_mb == "auto":
             auto, bucket_cap_mb = AutoBucketCap(), None
@@ -84,7 +92,9 @@ class BucketCaps:
         """These caps with the first bucket's (``buckets.first_bucket_caps``: torch's small one in the first iteration,
         and this rank's wish for the rebuilt layout) and the direct threshold (DDP's class attributes) filled in."""
         first, rebuilt_first = first_bucket_caps(device_type, world_size, self.cap_bytes, small_first_bucket)
-        return dataclasses.replace(self, first_bytes=first, rebuilt_first_bytes=rebuilt_first, direct_min_bytes=direct_min_bytes)
+        return dataclasses.replace(
+            self, first_bytes=first, rebuilt_first_bytes=rebuilt_first, direct_min_bytes=direct_min_bytes
+        )
 
     @property
     def bucket_bytes_cap(self) -> int:
@@ -117,5 +127,7 @@ class DiagnosticsOptions:
     def __post_init__(self) -> None:
         every = self.check_replicas_every
         if every is not None and not _positive_int(every):
-            raise ValueError(f"DistributedDataParallel: check_replicas_every must be an int >= 1 or None, got {every!r}")
+            raise ValueError(
+                f"DistributedDataParallel: check_replicas_every must be an int >= 1 or None, got {every!r}"
+            )
         object.__setattr__(self, "detect_nonfinite", bool(self.detect_nonfinite))

@@ -1,4 +1,5 @@
-"""The last step of a backward: wait for the buckets, and the averaged gradients from the bucket buffers into ``param.grad``."""
+"""The last step of a backward: wait for the buckets, and the averaged gradients from the bucket buffers into
+``param.grad``."""
 
 from __future__ import annotations
 
@@ -103,5 +104,6 @@ def wait_buckets(buckets: Sequence[Bucket], hooked: bool, observer: Any, copy_ea
             if tensor.data_ptr() != target.data_ptr():
                 target.copy_(tensor.view(-1))
         if copy_each and bucket.direct is None and not bucket.plan.sparse:
-            torch._foreach_copy_(cast("list[torch.Tensor]", bucket.grads), bucket.views)  # the common path: every one set
+            # the common path: every one set
+            torch._foreach_copy_(cast("list[torch.Tensor]", bucket.grads), bucket.views)
     return waited

@@ -173,7 +173,12 @@ def _direct_ok(plan: StepPlan, param: torch.nn.Parameter, grad: torch.Tensor, vi
         return False  # a hook that may keep the buffer past its call (from a callback), or checked before it
     if plan.nonfinite is not None and not plan.nonfinite.takes_direct(grad, plan.divisor):
         return False  # the check reads the local gradients after the all-reduce here
-    if grad.dtype != view.dtype or grad.device != view.device or grad.layout != torch.strided or not grad.is_contiguous():
+    if (
+        grad.dtype != view.dtype
+        or grad.device != view.device
+        or grad.layout != torch.strided
+        or not grad.is_contiguous()
+    ):
         return False
     hooks = getattr(param, "_post_accumulate_grad_hooks", None)
     return hooks is not None and len(hooks) == 1

@@ -39,7 +39,11 @@ def setup(ddp: Any, options: DiagnosticsOptions) -> None:
     if trace_dir is not None:
         from lockstep.diagnostics.trace import TraceRecorder, window_from_env
 
-        steps = trace_steps if trace_steps is not None else window_from_env(os.environ.get("LOCKSTEP_TRACE_STEPS"), DEFAULT_TRACE_STEPS)
+        steps = (
+            trace_steps
+            if trace_steps is not None
+            else window_from_env(os.environ.get("LOCKSTEP_TRACE_STEPS"), DEFAULT_TRACE_STEPS)
+        )
         recorder = TraceRecorder(ddp.reducer, ddp.process_group, trace_dir, steps, on_finish=lambda: _detach_trace(ddp))
         ddp.reducer.observer = attach(ddp.reducer.observer, recorder)
         ddp.trace = recorder
@@ -48,7 +52,9 @@ def setup(ddp: Any, options: DiagnosticsOptions) -> None:
 def attach_nonfinite(ddp: Any) -> None:
     """(Re)attach the non-finite check to the current reducer."""
     if ddp.detect_nonfinite:
-        ddp.reducer.nonfinite = NonfiniteCheck(ddp.reducer.names, ddp.process_group, ddp.reducer.gradient_as_bucket_view)
+        ddp.reducer.nonfinite = NonfiniteCheck(
+            ddp.reducer.names, ddp.process_group, ddp.reducer.gradient_as_bucket_view
+        )
 
 
 def _detach_trace(ddp: Any) -> None:

@@ -65,7 +65,9 @@ def raise_missing_gradients(
         if ranks_missing:
             shown = ", ".join(repr(names[i]) for i in ranks_missing[:20])
             parts.append(f"rank {rank}: {shown}{' ...' if len(ranks_missing) > 20 else ''}")
-            indices.append(f"Parameter indices which did not receive grad for rank {rank}: {' '.join(map(str, ranks_missing))}")
+            indices.append(
+                f"Parameter indices which did not receive grad for rank {rank}: {' '.join(map(str, ranks_missing))}"
+            )
     if static_graph:
         cause = (
             "Expected to have finished reduction in the prior iteration before starting a new one. This error "
@@ -82,8 +84,12 @@ def raise_missing_gradients(
             "static_graph=True (the same set every iteration), and by making sure all `forward` function outputs "
             "participate in calculating loss.\n" + "\n".join(indices)
         )
-    when = "the previous backward (on CUDA the flag is read one backward late: no host sync)" if late else "this backward"
-    changed = "".join(f" On rank{'s' if len(r) > 1 else ''} {', '.join(r)}, parameters were {why}." for why, r in causes.items())
+    when = (
+        "the previous backward (on CUDA the flag is read one backward late: no host sync)" if late else "this backward"
+    )
+    changed = "".join(
+        f" On rank{'s' if len(r) > 1 else ''} {', '.join(r)}, parameters were {why}." for why, r in causes.items()
+    )
     raise RuntimeError(
         f"DistributedDataParallel: parameters received no gradient in {when}, so the ranks could not "
         f"average them ({'; '.join(parts)}).{changed} {cause}"

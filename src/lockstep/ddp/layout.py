@@ -31,8 +31,15 @@ class BucketLayout:
     """Per bucket, how many parameters it holds (a backward's countdown starts there)."""
 
 
-def build_layout(params: Sequence[torch.nn.Parameter], order: list[int], cap_bytes: int, first_bytes: int,
-                 caps_bytes: Sequence[int] | None, direct_min_bytes: int | None, sparse: Sequence[bool] | None) -> BucketLayout:
+def build_layout(
+    params: Sequence[torch.nn.Parameter],
+    order: list[int],
+    cap_bytes: int,
+    first_bytes: int,
+    caps_bytes: Sequence[int] | None,
+    direct_min_bytes: int | None,
+    sparse: Sequence[bool] | None,
+) -> BucketLayout:
     """Fresh buckets for ``params`` filled in ``order`` (``buckets.assign_buckets`` has the caps' rules)."""
     plans = assign_buckets(params, order, cap_bytes, first_bytes, caps_bytes, direct_min_bytes, sparse)
     buckets = [Bucket(b, plan, params) for b, plan in enumerate(plans)]
@@ -62,7 +69,7 @@ def agree_on_order(observed: list[int], num_params: int, first_bytes: int, group
     """
     seen = set(observed)
     order = observed + [i for i in reversed(range(num_params)) if i not in seen]
-    order_t = torch.tensor(order + [first_bytes], dtype=torch.int64, device=device)
+    order_t = torch.tensor([*order, first_bytes], dtype=torch.int64, device=device)
     dist.broadcast(order_t, src=dist.get_global_rank(group, 0), group=group)
     *agreed, first = order_t.tolist()
     return agreed, first

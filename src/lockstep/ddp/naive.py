@@ -28,7 +28,9 @@ class NaiveDistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None):
         super().__init__()
         if not isinstance(module, nn.Module):
-            raise TypeError(f"NaiveDistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
+            raise TypeError(
+                f"NaiveDistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}"
+            )
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)

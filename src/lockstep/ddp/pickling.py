@@ -17,7 +17,9 @@ from lockstep.ddp.config import DiagnosticsOptions
 
 def _default_group() -> dist.ProcessGroup:
     if not dist.is_initialized():
-        raise RuntimeError("DistributedDataParallel: no default process group to load onto: call init_process_group first")
+        raise RuntimeError(
+            "DistributedDataParallel: no default process group to load onto: call init_process_group first"
+        )
     return cast(dist.ProcessGroup, dist.group.WORLD)  # set once initialised
 
 

@@ -241,7 +241,9 @@ class UsageTracker:
         self._static_exchange_due = True
         return sorted(last_seen, key=last_seen.__getitem__)
 
-    def launch_status(self, missing: list[int], comm_hook: bool, last_bucket: Bucket, group, joined: bool = False) -> Any:
+    def launch_status(
+        self, missing: list[int], comm_hook: bool, last_bucket: Bucket, group, joined: bool = False
+    ) -> Any:
         """Launch the all-reduce ``exchange_status`` reads, if this backward needs one; None if the flag
         travelled in the last bucket. No side effect then, so ``exchange_status`` may call it again.
 

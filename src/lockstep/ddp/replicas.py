@@ -48,7 +48,11 @@ def verify_params_across_ranks(named_params: Sequence[tuple[str, torch.Tensor]],
                 )
             (name0, shape0, dtype0), (name_r, shape_r, dtype_r) = reference[i], theirs[i]
             if (name0, shape0, dtype0) != (name_r, shape_r, dtype_r):
-                where = f"parameter {name0!r}" if name0 == name_r else f"parameter #{i} ({name0!r} on rank 0, {name_r!r} on rank {rank})"
+                where = (
+                    f"parameter {name0!r}"
+                    if name0 == name_r
+                    else f"parameter #{i} ({name0!r} on rank 0, {name_r!r} on rank {rank})"
+                )
                 what = "sizes" if shape0 != shape_r else "dtype" if dtype0 != dtype_r else "name"
                 raise RuntimeError(
                     f"DistributedDataParallel: the model differs across ranks: {where} has "
@@ -116,7 +120,9 @@ def syncable_buffers(module: torch.nn.Module, ignore: frozenset[str] | set[str] 
     return list(named_syncable_buffers(module, ignore).values())
 
 
-def named_syncable_buffers(module: torch.nn.Module, ignore: frozenset[str] | set[str] = frozenset()) -> dict[str, torch.Tensor]:
+def named_syncable_buffers(
+    module: torch.nn.Module, ignore: frozenset[str] | set[str] = frozenset()
+) -> dict[str, torch.Tensor]:
     """``syncable_buffers`` by qualified name (what a buffer comm hook receives)."""
     return {
         name: b
@@ -126,5 +132,6 @@ def named_syncable_buffers(module: torch.nn.Module, ignore: frozenset[str] | set
 
 
 def is_syncable(buffer: torch.Tensor) -> bool:
-    """Whether DDP broadcasts this buffer: floating or integer dtypes (statistics, counters); bool and complex stay local."""
+    """Whether DDP broadcasts this buffer: floating or integer dtypes (statistics, counters); bool and complex stay
+    local."""
     return buffer.dtype.is_floating_point or (not buffer.dtype.is_complex and buffer.dtype != torch.bool)

@@ -5,8 +5,8 @@ so that ``isinstance(m, torch.nn.parallel.DistributedDataParallel)`` holds (Acce
 and syncs by it, Lightning registers hooks and tears down by it), but it never runs torch's
 ``__init__``: there is no C++ reducer and no C++ logger behind it. So every method it would
 inherit from torch's class is either given lockstep's meaning here (``WrapperSurface``; torch's ``Reducer``
-methods that libraries call are the lockstep ``Reducer``'s own) or closed (``close_inherited``): reading it raises an AttributeError that
-names the method and says why, instead of a confusing failure deep inside torch's code.
+methods that libraries call are the lockstep ``Reducer``'s own) or closed (``close_inherited``): reading it raises an
+AttributeError that names the method and says why, instead of a confusing failure deep inside torch's code.
 """
 
 from __future__ import annotations
@@ -122,7 +122,9 @@ class WrapperSurface:
         """Turn on ``static_graph`` after construction, before the first backward (as torch's private API, with
         its two warnings: already static, and find_unused_parameters=True made redundant)."""
         if self.static_graph:
-            warnings.warn("static_graph is already True for this DistributedDataParallel: nothing to set again.", stacklevel=2)
+            warnings.warn(
+                "static_graph is already True for this DistributedDataParallel: nothing to set again.", stacklevel=2
+            )
             return
         try:
             self.reducer._set_static_graph()
@@ -170,8 +172,11 @@ class WrapperSurface:
     def named_module_buffers(self) -> dict[str, torch.Tensor]:
         return named_syncable_buffers(self.module, self.parameters_to_ignore)
 
-    def _default_broadcast_coalesced(self, bufs: Any = None, bucket_size: Any = None, authoritative_rank: int = 0) -> None:
-        """Broadcast ``bufs`` (default: the module's buffers) from ``authoritative_rank``; the chunk size is lockstep's."""
+    def _default_broadcast_coalesced(
+        self, bufs: Any = None, bucket_size: Any = None, authoritative_rank: int = 0
+    ) -> None:
+        """Broadcast ``bufs`` (default: the module's buffers) from ``authoritative_rank``; the chunk size is
+        lockstep's."""
         broadcast_coalesced(self._sync_buffers if bufs is None else list(bufs), self.process_group, authoritative_rank)
 
     def _run_buffer_hook(self) -> None:
@@ -236,7 +241,9 @@ class TorchReducer(Reducer):
         optimisation). ``outputs`` empty (as both pass it): the used parameters are unknown, so one that gets no
         gradient is unused, not an error. Idempotent after lockstep's own forward."""
         if not self.expect_hooks:
-            tensors = [t for t in outputs if isinstance(t, torch.Tensor)] if isinstance(outputs, (list, tuple)) else outputs
+            tensors = (
+                [t for t in outputs if isinstance(t, torch.Tensor)] if isinstance(outputs, (list, tuple)) else outputs
+            )
             self.prepare_after_forward(tensors if tensors else None)
 
     def _ddp_graph_static(self) -> bool:
@@ -247,7 +254,9 @@ class TorchReducer(Reducer):
         """A static graph's first-iteration flush: nothing is left to flush here (every bucket is reduced by the end
         of backward), so only a call inside a backward is refused."""
         if self.step is not None:
-            raise RuntimeError("Reducer._delay_all_reduce was called while a backward was running; call it after backward returns")
+            raise RuntimeError(
+                "Reducer._delay_all_reduce was called while a backward was running; call it after backward returns"
+            )
 
     def _set_static_graph(self) -> None:
         if self.num_syncs > 0 or self.expect_hooks:
@@ -271,7 +280,8 @@ class TorchReducer(Reducer):
 
 
 def move_to(obj: Any, device: torch.device) -> Any:
-    """Inputs onto DDP's device (``device_ids``), through lists, tuples, namedtuples and dicts, as torch's DDP moves them."""
+    """Inputs onto DDP's device (``device_ids``), through lists, tuples, namedtuples and dicts, as torch's DDP moves
+    them."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
     if isinstance(obj, (list, tuple)):

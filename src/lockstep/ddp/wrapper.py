@@ -81,9 +81,10 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         process_group: the group to average over (default: the default group).
         bucket_cap_mb: bucket size in MiB (default 25); the first bucket is 1 MiB in the first step and,
             after the rebuild, only where its early all-reduce can overlap backward (a GPU, or a CPU core the
-            ranks' threads leave free; else it has the full cap: class attribute ``small_first_bucket``). ``"auto"`` (or a
-            ``lockstep.ddp.autotune.AutoBucketCap``) tries 1, 4, 25, 100 MiB and one bucket over the first
-            ~20 steps and keeps the fastest by rank 0's step times (not in torch; see ``autotune``).
+            ranks' threads leave free; else it has the full cap: class attribute ``small_first_bucket``).
+            ``"auto"`` (or a ``lockstep.ddp.autotune.AutoBucketCap``) tries 1, 4, 25, 100 MiB and one
+            bucket over the first ~20 steps and keeps the fastest by rank 0's step times (not in torch; see
+            ``autotune``).
         find_unused_parameters: after each forward, walk its graph and mark the parameters it
             does not reach as ready (they contribute their accumulated ``.grad`` or zeros). A
             parameter used in any micro-batch of a ``no_sync`` window is synchronised. Costs a
@@ -136,9 +137,9 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
     warned about at the next forward (``module_changes``); parameters that differ between ranks at the first
     synchronised forward (changed on some ranks after wrapping: a checkpoint loaded on rank 0 only) raise
     ``ReplicaMismatchError`` on every rank, once (off with init_sync=False); the outputs are returned as the module
-    made them (torch's ``_DDPSink`` clones them under static_graph / find_unused_parameters). With ``gradient_as_bucket_view=None``
-    (opt-in) ``param.grad`` aliases the bucket buffer after a synchronised backward, as with torch's
-    ``gradient_as_bucket_view=True``: a reference to ``.grad`` kept across steps sees the next step's
+    made them (torch's ``_DDPSink`` clones them under static_graph / find_unused_parameters). With
+    ``gradient_as_bucket_view=None`` (opt-in) ``param.grad`` aliases the bucket buffer after a synchronised backward, as
+    with torch's ``gradient_as_bucket_view=True``: a reference to ``.grad`` kept across steps sees the next step's
     averages (``zero_grad(set_to_none=True)`` drops the reference, the next backward writes the same
     memory), and ``.grad`` is a view into a larger buffer (``.grad.data_ptr()`` differs between
     parameters by their offsets; ``.grad._base`` is the buffer). Values and ``state_dict`` are as
@@ -146,7 +147,8 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
     """
 
     direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES  # see gradient_as_bucket_view; a subclass may change it
-    small_first_bucket: bool | None = None  # see bucket_cap_mb; None: where it pays (``buckets.small_first_bucket_pays``)
+    # see bucket_cap_mb; None: where it pays (``buckets.small_first_bucket_pays``)
+    small_first_bucket: bool | None = None
 
     def __init__(
         self,
@@ -185,7 +187,9 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
         self._bucket_caps = BucketCaps.from_ddp_args(bucket_cap_mb, bucket_cap_mb_list)  # validated there
         diagnostics = DiagnosticsOptions(check_replicas_every, detect_nonfinite, trace_dir, trace_steps)
-        reject_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, skip_all_reduce_unused_params)
+        reject_unsupported(
+            delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, skip_all_reduce_unused_params
+        )
         warn_like_torch(check_reduction, static_graph, find_unused_parameters)
         process_group = resolve_group(process_group, device_mesh)
         devices = {p.device for p in module.parameters()}
@@ -194,9 +198,12 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             if len(device_ids) != 1 or any(d.type == "cpu" for d in devices):
                 raise ValueError(
                     "DistributedDataParallel: device_ids must be None for a CPU module and a one-element list "
-                    f"[device] for a single-GPU module; got device_ids={device_ids} for a module on {sorted(map(str, devices))}"
+                    f"[device] for a single-GPU module; got device_ids={device_ids} "
+                    f"for a module on {sorted(map(str, devices))}"
                 )
-            self.device = torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
+            self.device = (
+                torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
+            )
         reject_module(module, self.device, ignored_names(module))
         self.module = module
         self.device_ids = device_ids
@@ -233,7 +240,9 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         skip_lockstep_in_dynamo()  # where a script compiled before wrapping (else at its first compiled forward)
 
     def _build_reducer(self) -> TorchReducer:
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
+        named = [
+            (n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore
+        ]
         view = self.gradient_as_bucket_view
         if view is None and getattr(self, "detect_nonfinite", False):
             # The non-finite check raises before the averages reach .grad; with .grad in the bucket they
@@ -251,7 +260,9 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             static_graph=self.static_graph,
             sparse=[produces_sparse_gradient(self.module, n) for n, _ in named],
         )
-        reducer.module_changes = module_changes.ModuleChanges(self.module, reducer.params, reducer.names, self.parameters_to_ignore)
+        reducer.module_changes = module_changes.ModuleChanges(
+            self.module, reducer.params, reducer.names, self.parameters_to_ignore
+        )
         if watch_for_hangs(self.process_group, getattr(self, "hang_timeout_s", None)):
             reducer.observer = attach(reducer.observer, observer_for(reducer))  # the watchdog reads its progress
         return reducer
@@ -272,7 +283,9 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         if observer is not None:
             observer.forward_start()
         changes = self.reducer.module_changes
-        if changes is not None and changes.seen != module_changes.GENERATION[0]:  # a module or parameter assigned somewhere
+        if (
+            changes is not None and changes.seen != module_changes.GENERATION[0]
+        ):  # a module or parameter assigned somewhere
             changes.warn_not_averaged()  # a layer added or replaced after construction would never be averaged
         if not self._lazy_init_done:
             # As torch's lazy init: _apply_optimizer_in_backward may be called after construction.
@@ -292,14 +305,20 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         # As torch: buffers follow the *previous* forward. They are broadcast when it was synchronised
         # (so also in an eval or no_sync forward right after a training step), which is what keeps
         # BatchNorm statistics bit-identical to torch's under gradient accumulation.
-        sync_buffers = self.require_forward_param_sync and self.forward_sync_buffers and dist.get_world_size(self.process_group) > 1
+        sync_buffers = (
+            self.require_forward_param_sync
+            and self.forward_sync_buffers
+            and dist.get_world_size(self.process_group) > 1
+        )
         buffer_hook = self._buffer_hook  # torch's _register_buffer_comm_hook: (hook, state, before forward?)
         pending = None
         if sync_buffers and buffer_hook is None:
             # Read afresh; waited for before the first BatchNorm where only such layers own buffers (``buffer_sync``).
             # Under join: from a rank still training, waited for here (the join's own collectives come next).
             src = (lambda: common_rank(self, True)) if in_join else (lambda: 0)  # asked only where there are buffers
-            pending = buffer_sync.sync_buffers(self.module, self.parameters_to_ignore, self.process_group, src, not in_join)
+            pending = buffer_sync.sync_buffers(
+                self.module, self.parameters_to_ignore, self.process_group, src, not in_join
+            )
         elif sync_buffers and buffer_hook is not None and buffer_hook[2]:
             self._run_buffer_hook()
         if in_join:
@@ -353,21 +372,29 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         if refused is not None:
             self._log_and_throw(refused)
         if self.reducer.comm_hook is not None:
-            self._log_and_throw(RuntimeError("register_comm_hook: a communication hook is already registered (one per model)"))
+            self._log_and_throw(
+                RuntimeError("register_comm_hook: a communication hook is already registered (one per model)")
+            )
         if self.reducer.num_syncs > 0:
             self._log_and_throw(RuntimeError("register_comm_hook must be called before the first backward"))
         self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
-        self.reducer.fused = fused_compression(hook, state, self.process_group)  # torch's and lockstep's fp16/bf16 hooks
+        # torch's and lockstep's fp16/bf16 hooks
+        self.reducer.fused = fused_compression(hook, state, self.process_group)
 
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False) -> Join:
-        """Context manager for uneven inputs: ranks out of data shadow the others' collectives (see ``lockstep.ddp.join``).
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """Context manager for uneven inputs: ranks out of data shadow the others' collectives (see
+        ``lockstep.ddp.join``).
 
         Args:
             divide_by_initial_world_size: average over all ranks (True) or over the ranks still training.
             enable: False turns the context manager into a no-op.
             throw_on_early_termination: raise on every rank as soon as one runs out of data.
         """
-        return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
+        return Join(
+            [self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size
+        )
 
     def join_hook(self, **kwargs: Any) -> DDPJoinHook:
         """The Joinable interface: what this model does while its rank has joined."""

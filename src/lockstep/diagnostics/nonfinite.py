@@ -185,9 +185,15 @@ class NonfiniteCheck:
         flag_apart = comm_hook if flag_apart is None else flag_apart
         try:
             if self.after_reduce(buckets[-1].buffer, comm_hook):
-                flags = torch.tensor([int(b.index in self._sparse_bad) if b.plan.sparse else int(not self._slice_finite(b.flat))
-                                      for b in buckets], dtype=torch.int32)
-                self.last_work = launch_clean(dist.all_reduce, flags, group=self.group, async_op=True)  # collectives.clean
+                flags = torch.tensor(
+                    [
+                        int(b.index in self._sparse_bad) if b.plan.sparse else int(not self._slice_finite(b.flat))
+                        for b in buckets
+                    ],
+                    dtype=torch.int32,
+                )
+                # collectives.clean
+                self.last_work = launch_clean(dist.all_reduce, flags, group=self.group, async_op=True)
                 self.last_work.wait()
                 if flags.any():
                     self._raise(buckets, [b for b, bad in zip(buckets, flags.tolist()) if bad])
@@ -198,10 +204,10 @@ class NonfiniteCheck:
                     count = count.to(buckets[-1].buffer.device)
                 self.last_work = launch_clean(dist.all_reduce, count, group=self.group, async_op=True)
                 self.last_work.wait()
-                total_bad = int(round(count.item()))
+                total_bad = round(count.item())
             else:
                 spare = buckets[-1].buffer[-1:]
-                value = int(round(spare.item()))  # the read the status exchange does anyway
+                value = round(spare.item())  # the read the status exchange does anyway
                 total_bad = value // int(self.scale)
                 if total_bad:
                     spare.sub_(total_bad * self.scale)  # leave the missing-gradient count for the status exchange
@@ -242,18 +248,24 @@ class NonfiniteCheck:
         for index, flag in self._device_flags.items():  # CUDA: find them now (a flagged step only)
             if bool(flag.item()):
                 bucket = buckets[index]
-                grads = [g if g is not None and g.data_ptr() != v.data_ptr() else None for g, v in zip(bucket.grads, bucket.views)]
+                grads = [
+                    g if g is not None and g.data_ptr() != v.data_ptr() else None
+                    for g, v in zip(bucket.grads, bucket.views)
+                ]
                 if all(g is not None for g in grads):  # the local gradients, untouched by the all-reduce
                     mine += self._find([g.detach() for g in grads], bucket.plan.param_indices)
                 else:  # gradient_as_bucket_view: the local values were averaged in place
-                    mine.append((" / ".join(self.names[i] for i in bucket.plan.param_indices[:8]), -1, -1, bucket.flat.numel()))
+                    mine.append(
+                        (" / ".join(self.names[i] for i in bucket.plan.param_indices[:8]), -1, -1, bucket.flat.numel())
+                    )
         gathered: list = [None] * self.world_size
         launch_clean(dist.all_gather_object, gathered, (dist.get_rank(), mine), group=self.group)
         parts = [f"rank {rank}: {self._describe(found)}" for rank, found in gathered if found]
         if parts:
             first_rank = next(rank for rank, found in gathered if found)
             raise NonfiniteGradientError(
-                f"non-finite gradient on rank {first_rank}, caught before any rank's optimizer could apply it: {'; '.join(parts)}. "
+                f"non-finite gradient on rank {first_rank}, caught before any rank's optimizer could apply it: "
+                f"{'; '.join(parts)}. "
                 "Every rank raises here, so no optimizer step runs. When every gradient is non-finite, the loss was "
                 "(look at that rank's inputs and loss for this step); when a few are, the last of them in the "
                 "model's order is where backward first produced one. Pass detect_nonfinite=False to turn the check off."
@@ -262,8 +274,10 @@ class NonfiniteCheck:
             found = [f for b in averaged for f in self._find(b.views, b.plan.param_indices)]
             dtypes = sorted({str(b.flat.dtype).replace("torch.", "") for b in averaged})
             raise NonfiniteGradientError(
-                f"non-finite average of finite gradients: every rank's local gradients were finite, but the all-reduce's "
-                f"sum overflowed ({'/'.join(dtypes)}), caught before any rank's optimizer could apply it: {self._describe(found)}. "
+                "non-finite average of finite gradients: every rank's local gradients were finite, "
+                "but the all-reduce's "
+                f"sum overflowed ({'/'.join(dtypes)}), caught before any rank's optimizer could apply it: "
+                f"{self._describe(found)}. "
                 "Every rank raises here, so no optimizer step runs. The gradients are near the largest value of their "
                 "dtype: lower the loss scale or the learning rate, clip the loss, or train these parameters in a wider "
                 "dtype. Pass detect_nonfinite=False to turn the check off."
@@ -273,7 +287,10 @@ class NonfiniteCheck:
     def _describe(self, found: list[tuple[str, int, int, int]]) -> str:
         order = {name: i for i, name in enumerate(self.names)}
         found = sorted(found, key=lambda f: order.get(f[0], -1))  # registration order: forward's order
-        shown = [f"{name!r} ({'?' if nans < 0 else f'{nans} NaN, {infs} Inf of {numel}'})" for name, nans, infs, numel in found[:4]]
+        shown = [
+            f"{name!r} ({'?' if nans < 0 else f'{nans} NaN, {infs} Inf of {numel}'})"
+            for name, nans, infs, numel in found[:4]
+        ]
         more = f" and {len(found) - 4} more" if len(found) > 4 else ""
         return f"{len(found)} of {len(self.names)} parameters, {', '.join(shown)}{more}"
 

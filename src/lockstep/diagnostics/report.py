@@ -62,9 +62,13 @@ def diagnose(infos: dict[int, Any], records: dict[int, Any], world_size: int) ->
     progress (a rank missing from ``infos`` did not answer: it is dead or frozen).
     """
     silent = [r for r in range(world_size) if r not in infos]
-    waiting = {r: i for r, i in infos.items() if i["phase"] == "wait"} or {r: i for r, i in infos.items() if _is_waiting(i)}
+    waiting = {r: i for r, i in infos.items() if i["phase"] == "wait"} or {
+        r: i for r, i in infos.items() if _is_waiting(i)
+    }
     if not waiting:
-        return "no rank is inside a DDP step: " + "; ".join(f"rank {r} is {_doing(i)}" for r, i in sorted(infos.items()))
+        return "no rank is inside a DDP step: " + "; ".join(
+            f"rank {r} is {_doing(i)}" for r, i in sorted(infos.items())
+        )
     # The collective the furthest waiters are stuck in: every rank behind it is one they wait for.
     front = max(waiting.values(), key=lambda i: (_step(i), i["seq"] if i["phase"] == "wait" else -1))
     at_front = sorted(r for r, i in waiting.items() if describe(i) == describe(front))
@@ -94,10 +98,15 @@ def diagnose(infos: dict[int, Any], records: dict[int, Any], world_size: int) ->
             parts.append(f"rank {r} is past step {n}, in {describe(i)} ({_doing(i)})")
         if i.get("skipped_backward"):
             step, where = i["skipped_backward"]
-            parts[-1] += f"; it skipped a backward: its forward of step {step} was followed by another forward at {where}"
+            parts[-1] += (
+                f"; it skipped a backward: its forward of step {step} was followed by another forward at {where}"
+            )
     waits = f"{_ranks(at_front)} wait{'s' if len(at_front) == 1 else ''} in {describe(front)}"
     if not parts:
-        return f"every rank waits in {describe(front)}: no rank is behind (a collective issued on a group or device they do not share?)"
+        return (
+            f"every rank waits in {describe(front)}: no rank is behind "
+            "(a collective issued on a group or device they do not share?)"
+        )
     return "; ".join(parts) + "; " + waits
 
 
@@ -110,7 +119,9 @@ def _table(infos: dict[int, Any], records: dict[int, Any], world_size: int) -> l
             lines.append(f"{r:>4}  {describe(i):<58} {i['stalled_s']:>7.1f}s  {_doing(i)[3:]}")
         elif r in records:
             rec = records[r]
-            lines.append(f"{r:>4}  {describe(rec):<58} {'?':>8}  no answer; last heartbeat {now - rec['wall']:.1f} s ago")
+            lines.append(
+                f"{r:>4}  {describe(rec):<58} {'?':>8}  no answer; last heartbeat {now - rec['wall']:.1f} s ago"
+            )
         else:
             lines.append(f"{r:>4}  {'(no progress published)':<58}")
     return lines
@@ -121,7 +132,11 @@ def hang_report(alarm: dict[str, Any], infos: dict[int, Any], records: dict[int,
     lines = [_RULE, f"lockstep hang report: {alarm['reason']}",
              f"diagnosis: {diagnose(infos, records, world_size)}", "", *_table(infos, records, world_size), ""]
     for r in sorted(infos):
-        lines += [f"--- rank {r}: Python stacks of every thread (most recent call first) ---", infos[r]["stacks"].rstrip(), ""]
+        lines += [
+            f"--- rank {r}: Python stacks of every thread (most recent call first) ---",
+            infos[r]["stacks"].rstrip(),
+            "",
+        ]
     lines += [f"The job is ended (exit code {HANG_EXIT_CODE}) instead of waiting for the process group's timeout; "
               f"hang_timeout_s={hang_timeout_s:g} (DistributedDataParallel(hang_timeout_s=...), "
               "lockstep launch --hang-timeout, $LOCKSTEP_HANG_TIMEOUT_S; 0 turns it off).", _RULE]

@@ -15,8 +15,8 @@ attribute writes (``progress``); the thread does one store ``set`` and one ``che
 
 Then every rank leaves with ``os._exit(HANG_EXIT_CODE)``: the job ends within about
 ``hang_timeout_s + 2 * tick_s + 2 * grace_s + 1`` s of the stall (under 2 x ``hang_timeout_s`` from
-4 s up), instead of gloo's or NCCL's 30-minute default. A rank that leaves a DDP step with an exception (a peer died and the
-collective failed) writes the same kind of report at exit, naming the ranks that stopped beating, or
+4 s up), instead of gloo's or NCCL's 30-minute default. A rank that leaves a DDP step with an exception (a peer died and
+the collective failed) writes the same kind of report at exit, naming the ranks that stopped beating, or
 that exited and on what error (every rank notes in its last record that it is exiting, and why).
 """
 
@@ -79,7 +79,9 @@ def resolve_hang_timeout(value: Any) -> float | None:
     try:
         value = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"DistributedDataParallel: {source} must be a number of seconds, None or 0, got {value!r}") from None
+        raise ValueError(
+            f"DistributedDataParallel: {source} must be a number of seconds, None or 0, got {value!r}"
+        ) from None
     if value < 0 or value != value:
         raise ValueError(f"DistributedDataParallel: {source} must be >= 0 (0 or None: off), got {value!r}")
     return value or None
@@ -203,7 +205,10 @@ class Watchdog(threading.Thread):
             return None
         if not in_library_code(thread_frame(p.thread_id)):
             return None  # an exception left the step: the phase is stale, the thread is back in user code
-        return f"rank {self.rank} waited {stalled_s:.1f} s (hang_timeout_s={self.hang_timeout_s:g}) in {report.describe(p.snapshot())}"
+        return (
+            f"rank {self.rank} waited {stalled_s:.1f} s (hang_timeout_s={self.hang_timeout_s:g}) "
+            f"in {report.describe(p.snapshot())}"
+        )
 
     # ------------------------------------------------------------- the report
     def own_info(self, frame: Any = None, stacks: str | None = None) -> dict[str, Any]:
@@ -360,9 +365,14 @@ def watch_for_hangs(process_group: Any, hang_timeout_s: float | None) -> bool:
         _WATCHDOG.stop()
     # Our own client (one socket): the group's client may be blocked in a get() of its own.
     try:
-        client = dist.TCPStore(address[0], address[1], is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
+        client = dist.TCPStore(
+            address[0], address[1], is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False
+        )
     except Exception as e:  # the watchdog must never stop training from starting
-        warnings.warn(f"lockstep: no hang watchdog: cannot reach the rendezvous store at {address[0]}:{address[1]} ({e})")
+        warnings.warn(
+            f"lockstep: no hang watchdog: cannot reach the rendezvous store at {address[0]}:{address[1]} ({e})",
+            stacklevel=2,
+        )
         return False
     group_tag = dist.distributed_c10d._get_default_group().group_name
     store = dist.PrefixStore(f"lockstep/hang/{restart}/{group_tag}/", client)

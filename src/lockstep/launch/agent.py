@@ -59,7 +59,8 @@ class LaunchOptions:
     source: str = "flags"  # "flags", "slurm" or "single": where the node layout came from
     as_torch_ddp: bool = False  # workers build lockstep's DDP where libraries build torch's (LOCKSTEP_AS_TORCH_DDP=1)
     node_timeout_s: float = 30.0  # several nodes: a node silent this long is lost (launch/rendezvous.py)
-    hang_timeout_s: float | None = None  # the workers' DDP hang_timeout_s (LOCKSTEP_HANG_TIMEOUT_S); None: DDP's default
+    # the workers' DDP hang_timeout_s (LOCKSTEP_HANG_TIMEOUT_S); None: DDP's default
+    hang_timeout_s: float | None = None
     # After a SIGTERM (preemption) the workers get this long to finish their step and checkpoint before SIGKILL.
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     # torchrun's options with torchrun's meaning (launch/flags.py parses them).
@@ -88,7 +89,9 @@ class LaunchOptions:
             raise ValueError("--local-ranks-filter and --log-rank both choose the ranks shown: give one")
         bad = sorted(r for r in self.local_ranks_filter if not 0 <= r < self.nproc_per_node)
         if bad:
-            raise ValueError(f"--local-ranks-filter: local ranks {bad} do not exist (--nproc-per-node {self.nproc_per_node})")
+            raise ValueError(
+                f"--local-ranks-filter: local ranks {bad} do not exist (--nproc-per-node {self.nproc_per_node})"
+            )
         if self.hang_timeout_s is not None and not self.hang_timeout_s >= 0:
             raise ValueError(f"--hang-timeout must be >= 0 seconds (0: off), got {self.hang_timeout_s}")
         if self.nproc_per_node < 1:
@@ -100,7 +103,9 @@ class LaunchOptions:
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}")
         if not 0 <= self.master_port < 65536:
-            raise ValueError(f"--master-port must be in 1..65535 (0: any free port, one node only), got {self.master_port}")
+            raise ValueError(
+                f"--master-port must be in 1..65535 (0: any free port, one node only), got {self.master_port}"
+            )
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("--master-port is required with --nnodes > 1: every node must dial the same port")
         if not self.master_addr:
@@ -150,7 +155,9 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
     run_id = options.run_id
     if not run_id:
         # Every node must name the same rendezvous: derive it from what they share. One node can be unique.
-        run_id = f"lockstep-{uuid.uuid4().hex[:12]}" if single else f"lockstep-{options.master_addr}-{options.master_port}"
+        run_id = (
+            f"lockstep-{uuid.uuid4().hex[:12]}" if single else f"lockstep-{options.master_addr}-{options.master_port}"
+        )
     kwargs: dict[str, Any] = dict(
         # fixed size (min_nodes None): the rendezvous closes as soon as every node joined; MIN:MAX: once MIN
         # joined and the last call passed (launch/elastic.py)
@@ -175,7 +182,11 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
             "lockstep_port": options.master_port,
             "lockstep_node_timeout": options.node_timeout_s,
             **dict(options.rdzv_conf),
-            **({"last_call_timeout": int(elastic.DEFAULT_LAST_CALL_S)} if options.min_nodes not in (None, options.nnodes) else {}),
+            **(
+                {"last_call_timeout": int(elastic.DEFAULT_LAST_CALL_S)}
+                if options.min_nodes not in (None, options.nnodes)
+                else {}
+            ),
         },
         max_restarts=options.max_restarts,
         monitor_interval=options.monitor_interval_s,
@@ -205,7 +216,9 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
 
         optional["numa_options"] = NumaOptions(affinity_mode=AffinityMode(options.numa_binding))
     fields = launch_config_fields()
-    missing = sorted(name for name in optional if name not in fields and name not in ("signals_to_handle", "shutdown_timeout"))
+    missing = sorted(
+        name for name in optional if name not in fields and name not in ("signals_to_handle", "shutdown_timeout")
+    )
     if missing:
         import torch
 
@@ -223,7 +236,9 @@ def _local_addr(master_addr: str) -> str | None:
 
 
 @contextlib.contextmanager
-def _agent_environment(options: LaunchOptions, log_dir: str | None = None, extra: dict[str, str] | None = None) -> Iterator[None]:
+def _agent_environment(
+    options: LaunchOptions, log_dir: str | None = None, extra: dict[str, str] | None = None
+) -> Iterator[None]:
     """Environment the agent and (inherited) its workers need; restored afterwards (launch_function runs in-process)."""
     updates = {
         # The fix that makes --max-restarts work (PyTorch issue #135712): by default the agent shares its
@@ -249,7 +264,8 @@ def _agent_environment(options: LaunchOptions, log_dir: str | None = None, extra
         updates["LOCKSTEP_LOG_DIR"] = log_dir  # hang reports go beside the ranks' logs
     updates.update(extra or {})
     if options.as_torch_ddp:
-        updates["LOCKSTEP_AS_TORCH_DDP"] = "1"  # read in every worker at `import torch` (lockstep.integrations.autoload)
+        # read in every worker at `import torch` (lockstep.integrations.autoload)
+        updates["LOCKSTEP_AS_TORCH_DDP"] = "1"
     if "OMP_NUM_THREADS" not in os.environ and options.nproc_per_node > 1:
         # As torchrun does: N workers each starting one thread per core would oversubscribe the CPUs.
         updates["OMP_NUM_THREADS"] = "1"
@@ -330,15 +346,19 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
             logs.every_exit_recorded = True
             # Each worker dies with this launcher, even a kill -9 of it (orphan.py): torch's agent cannot.
             entrypoint, args = orphan.guarded_command(entrypoint, args)
-        with (_agent_environment(options, log_dir, {PREEMPT_DIR_ENV: preempt_dir, elastic.REPORT_ENV: "1"}), _quiet_agent_failure_log(logs),
-              console.single_prefix()):
+        with (
+            _agent_environment(options, log_dir, {PREEMPT_DIR_ENV: preempt_dir, elastic.REPORT_ENV: "1"}),
+            _quiet_agent_failure_log(logs),
+            console.single_prefix(),
+        ):
             results = elastic_launch(config, entrypoint)(*args)
     except SignalException as e:
         done = sorted(os.listdir(preempt_dir))
         if e.sigval == signal.SIGTERM and len(done) >= options.nproc_per_node:
             raise WorkersPreempted(
                 f"lockstep launch: stopped by SIGTERM; every worker here ({', '.join(done)}) finished its step and "
-                f"wrote a checkpoint; exit code {REQUEUE_EXIT_CODE} asks the scheduler to requeue (resume=True continues)"
+                f"wrote a checkpoint; exit code {REQUEUE_EXIT_CODE} asks the scheduler to requeue "
+                "(resume=True continues)"
             ) from None
         raise
     except ChildFailedError as e:

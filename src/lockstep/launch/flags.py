@@ -30,7 +30,8 @@ RDZV_BACKENDS = ("c10d", "static")  # both meet through lockstep's wrapper of to
 
 
 def parse_nproc(value: str) -> int:
-    """torchrun's ``--nproc-per-node``: an integer, ``auto`` (one per GPU, else 2 CPU workers), ``cpu``, ``gpu``, ``xpu``."""
+    """torchrun's ``--nproc-per-node``: an integer, ``auto`` (one per GPU, else 2 CPU workers), ``cpu``, ``gpu``,
+    ``xpu``."""
     import torch
 
     if value == "auto":
@@ -58,7 +59,9 @@ def parse_std(flag: str, value: str) -> Any:
     try:
         return Std.from_str(value)
     except ValueError:
-        raise ValueError(f"{flag} must be 0-3 (1: stdout, 2: stderr, 3: both) or LOCAL_RANK:0-3,..., got {value!r}") from None
+        raise ValueError(
+            f"{flag} must be 0-3 (1: stdout, 2: stderr, 3: both) or LOCAL_RANK:0-3,..., got {value!r}"
+        ) from None
 
 
 def parse_rdzv_conf(value: str) -> dict[str, str]:

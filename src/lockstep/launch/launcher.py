@@ -67,8 +67,10 @@ def _parse(argv: Sequence[str], env: Mapping[str, str]) -> tuple[LaunchOptions, 
             rdzv_timeout_s = int(float(conf.pop(key))) if rdzv_timeout_s is None else rdzv_timeout_s
     rdzv_timeout_s = 900 if rdzv_timeout_s is None else rdzv_timeout_s
     if ns.rdzv_backend is not None and ns.rdzv_backend not in flags.RDZV_BACKENDS:
-        raise ValueError(f"--rdzv-backend {ns.rdzv_backend!r} is not supported (accepted: {', '.join(flags.RDZV_BACKENDS)}: "
-                         "lockstep launch meets through torch's c10d rendezvous)")
+        raise ValueError(
+            f"--rdzv-backend {ns.rdzv_backend!r} is not supported (accepted: {', '.join(flags.RDZV_BACKENDS)}: "
+            "lockstep launch meets through torch's c10d rendezvous)"
+        )
     if ns.standalone:
         # torchrun's --standalone: one node, a fresh rendezvous on loopback; explicit --rdzv-* are ignored.
         if nodes_range not in (None, (1, 1)):
@@ -145,7 +147,9 @@ def _parse(argv: Sequence[str], env: Mapping[str, str]) -> tuple[LaunchOptions, 
     return options, ns
 
 
-def parse_launch_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> tuple[LaunchOptions, str, list[str]]:
+def parse_launch_args(
+    argv: Sequence[str], env: Mapping[str, str] | None = None
+) -> tuple[LaunchOptions, str, list[str]]:
     """Parse ``lockstep launch`` arguments into options, the script path and its arguments.
 
     Explicit flags win; missing node-layout flags come from SLURM when SLURM_JOB_ID and
@@ -223,7 +227,11 @@ def cli_main(argv: Sequence[str]) -> int:
             file=sys.stderr,
             flush=True,
         )
-        print(f"lockstep launch: {ensure_gloo_interface(options.master_addr, dict(os.environ))}", file=sys.stderr, flush=True)
+        print(
+            f"lockstep launch: {ensure_gloo_interface(options.master_addr, dict(os.environ))}",
+            file=sys.stderr,
+            flush=True,
+        )
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     try:

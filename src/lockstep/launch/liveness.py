@@ -69,7 +69,13 @@ class Liveness(threading.Thread):
     def __init__(self, master: tuple[str, int], prefix: str, node_rank: int, nodes: list[dict], timeout_s: float,
                  on_lost):
         super().__init__(name="lockstep-liveness", daemon=True)
-        self.master, self.prefix, self.node_rank, self.nodes, self.timeout_s = master, prefix, node_rank, nodes, timeout_s
+        self.master, self.prefix, self.node_rank, self.nodes, self.timeout_s = (
+            master,
+            prefix,
+            node_rank,
+            nodes,
+            timeout_s,
+        )
         self.on_lost = on_lost
         self.lost: str | None = None
         self.last_ok = time.monotonic()  # when the store last answered

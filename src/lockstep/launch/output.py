@@ -205,7 +205,12 @@ def exception_line(lines: list[str], rank: int | str) -> str:
 def _innermost_frame(block: list[str]) -> str:
     """The traceback's innermost frame in the user's code (not torch's, not lockstep's, not the stdlib's)."""
     frames = [line.strip() for line in block if line.startswith('  File "')]
-    library = (os.sep + "site-packages" + os.sep, os.sep + "lockstep" + os.sep, "<frozen ", os.sep + "lib" + os.sep + "python")
+    library = (
+        os.sep + "site-packages" + os.sep,
+        os.sep + "lockstep" + os.sep,
+        "<frozen ",
+        os.sep + "lib" + os.sep + "python",
+    )
     user = [f for f in frames if not any(part in f for part in library)]
     return (user or frames or [""])[-1]
 

@@ -78,7 +78,9 @@ class LockstepRendezvous(RendezvousHandler):
         self.lost_reason: str | None = None  # set when a node was lost; the launcher's report names it
         self.min_nodes, self.max_nodes = int(params.min_nodes), int(params.max_nodes)
         # --nnodes as given: "2", or "1:2" for an elastic job (launch/elastic.py); every node must say the same
-        self.nnodes_spec = str(self.max_nodes) if self.min_nodes == self.max_nodes else f"{self.min_nodes}:{self.max_nodes}"
+        self.nnodes_spec = (
+            str(self.max_nodes) if self.min_nodes == self.max_nodes else f"{self.min_nodes}:{self.max_nodes}"
+        )
         self.group_rank = self.node_rank  # this node's index among the nodes of the round (elastic: fewer may be there)
         self._last_nodes: list[dict] | None = None  # the previous round's nodes, for the membership line
         self._report: elastic.ResumeReport | None = None
@@ -187,7 +189,8 @@ class LockstepRendezvous(RendezvousHandler):
               f"on this node (node {self.node_rank})", file=sys.stderr, flush=True)
         for pid in worker_pids():
             try:
-                os.kill(pid, signal.SIGKILL)  # not SIGTERM: a graceful stop would wait on collectives that cannot finish
+                # not SIGTERM: a graceful stop would wait on collectives that cannot finish
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
@@ -239,7 +242,9 @@ def create_handler(params: RendezvousParameters) -> LockstepRendezvous:
                 f"nobody answered at {host}:{port} (--master-addr/--master-port) within --rdzv-timeout "
                 f"{timeout_s:.0f}s: is `lockstep launch --node-rank 0` running there? ({type(e).__name__}: {e})"
             ) from None
-    handler = LockstepRendezvous(params, store, create_c10d_handler(store, C10dRendezvousBackend(store, params.run_id), params))
+    handler = LockstepRendezvous(
+        params, store, create_c10d_handler(store, C10dRendezvousBackend(store, params.run_id), params)
+    )
     _handlers[params.run_id] = handler
     return handler
 

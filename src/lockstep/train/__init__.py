@@ -7,4 +7,12 @@ from lockstep.train.preempt import REQUEUE_EXIT_CODE, Preempted
 from lockstep.train.run_identity import RunConflictError
 from lockstep.train.trainer import Trainer
 
-__all__ = ["REQUEUE_EXIT_CODE", "CheckpointSaveError", "PeerLeft", "Preempted", "RunConflictError", "Trainer", "TrainerConfig"]
+__all__ = [
+    "REQUEUE_EXIT_CODE",
+    "CheckpointSaveError",
+    "PeerLeft",
+    "Preempted",
+    "RunConflictError",
+    "Trainer",
+    "TrainerConfig",
+]

@@ -110,12 +110,16 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
         try:
             path = save_atomic(payload, checkpoint_path(directory, trainer.step), kill=kill)
         except Exception as e:  # whatever it is, every rank must hear of it: rank 0 alone must not leave
-            status = [str(e) if isinstance(e, CheckpointSaveError) else f"checkpoint {directory}: {type(e).__name__}: {e}"]
+            status = [
+                str(e) if isinstance(e, CheckpointSaveError) else f"checkpoint {directory}: {type(e).__name__}: {e}"
+            ]
         if path is not None:
             try:
                 prune_checkpoints(directory, trainer.config.keep_last, run_id=trainer.run_id)  # this run's only
             except OSError as e:  # the new checkpoint is safe; an old one that will not go is only untidy
-                warnings.warn(f"lockstep: could not delete an old checkpoint in {directory}: {e}", CheckpointWarning)
+                warnings.warn(
+                    f"lockstep: could not delete an old checkpoint in {directory}: {e}", CheckpointWarning, stacklevel=2
+                )
     dist.broadcast_object_list(status, src=0, group=trainer.group)
     if status[0] is not None:
         if on_error == "raise":
@@ -162,13 +166,18 @@ def _check_same_model(path, saved: dict, model: torch.nn.Module) -> None:
     expected = model.state_dict()
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
-    shapes = [f"{k}: {tuple(saved[k].shape)} saved, {tuple(expected[k].shape)} here" for k in sorted(set(saved) & set(expected))
-              if hasattr(saved[k], "shape") and saved[k].shape != expected[k].shape]
+    shapes = [
+        f"{k}: {tuple(saved[k].shape)} saved, {tuple(expected[k].shape)} here"
+        for k in sorted(set(saved) & set(expected))
+        if hasattr(saved[k], "shape") and saved[k].shape != expected[k].shape
+    ]
     if missing or unexpected or shapes:
         def few(keys):
             return ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "") if keys else "none"
-        raise ValueError(f"checkpoint {path} is from another model: missing keys: {few(missing)}; "
-                         f"unexpected keys: {few(unexpected)}" + (f"; shape mismatches: {few(shapes)}" if shapes else ""))
+        raise ValueError(
+            f"checkpoint {path} is from another model: missing keys: {few(missing)}; "
+            f"unexpected keys: {few(unexpected)}" + (f"; shape mismatches: {few(shapes)}" if shapes else "")
+        )
 
 
 def load_trainer_checkpoint(trainer) -> str | None:
@@ -188,8 +197,12 @@ def load_trainer_checkpoint(trainer) -> str | None:
     path, skipped = choice
     if trainer.is_writer:
         for bad, why in skipped:
-            warnings.warn(f"lockstep: skipping checkpoint {bad}: {why}; "
-                          f"{'resuming from ' + path if path else 'no older good one'}", CheckpointWarning, stacklevel=2)
+            warnings.warn(
+                f"lockstep: skipping checkpoint {bad}: {why}; "
+                f"{'resuming from ' + path if path else 'no older good one'}",
+                CheckpointWarning,
+                stacklevel=2,
+            )
     if path is None:
         # only unfinished saves (killed before their metadata): as if there were none, start from step 0;
         # a committed checkpoint that is damaged, with nothing older, is data lost: say so, do not start over

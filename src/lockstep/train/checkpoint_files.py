@@ -192,7 +192,9 @@ def verify(path: str | os.PathLike) -> str | None:
     except OSError as e:
         return f"unreadable ({e})"
     if sha.hexdigest() != expected_sha:
-        return f"checksum mismatch: SHA-256 {sha.hexdigest()[:16]}... on disk, {expected_sha[:16]}... written (corrupted)"
+        return (
+            f"checksum mismatch: SHA-256 {sha.hexdigest()[:16]}... on disk, {expected_sha[:16]}... written (corrupted)"
+        )
     return None
 
 

@@ -49,14 +49,22 @@ class TrainerConfig:
     check_replicas_every: int | None = None  # check the replicas' parameters agree every N optimizer steps
     trace_dir: str | None = None  # record the overlap timeline of trace_steps there (Chrome trace, summary, PNG)
     trace_steps: tuple[int, int] = (5, 10)  # first and last optimizer step of the timeline, inclusive
-    hang_timeout_s: float | None = None  # DDP's hang watchdog; None: DDP's default ($LOCKSTEP_HANG_TIMEOUT_S or 300); 0: off
-    on_save_error: str = "raise"  # a checkpoint that cannot be written (disk full): "raise" on every rank, or "continue"
+    hang_timeout_s: float | None = None
+    # a checkpoint that cannot be written (disk full): "raise" on every rank, or "continue"
+    on_save_error: str = "raise"
     preempt_on_sigterm: bool = True  # with checkpoint_dir: SIGTERM -> finish the step, checkpoint, exit 75 (requeue)
     sample_log_path: str | None = None  # per-rank JSON lines of each step's sample ids; "{rank}" is replaced
 
     def __post_init__(self):
         positive = ["epochs", "batch_size", "grad_accum_steps", "keep_last", "log_every_steps"]
-        optional_positive = ["global_batch", "eval_batch_size", "save_every_steps", "lr_scale_base_batch", "max_steps", "check_replicas_every"]
+        optional_positive = [
+            "global_batch",
+            "eval_batch_size",
+            "save_every_steps",
+            "lr_scale_base_batch",
+            "max_steps",
+            "check_replicas_every",
+        ]
         for name in positive + optional_positive:
             value = getattr(self, name)
             if value is None and name in optional_positive:
@@ -73,15 +81,21 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.grad_clip_norm must be a number > 0, got {self.grad_clip_norm!r}")
         if self.hang_timeout_s is not None and (isinstance(self.hang_timeout_s, bool) or not (
                 isinstance(self.hang_timeout_s, (int, float)) and self.hang_timeout_s >= 0)):
-            raise ValueError(f"TrainerConfig.hang_timeout_s must be a number >= 0 (0: off) or None, got {self.hang_timeout_s!r}")
+            raise ValueError(
+                f"TrainerConfig.hang_timeout_s must be a number >= 0 (0: off) or None, got {self.hang_timeout_s!r}"
+            )
         if self.autocast_dtype is not None and self.autocast_dtype not in _AUTOCAST_DTYPES:
             raise ValueError(
                 f"TrainerConfig.autocast_dtype must be None or one of {sorted(_AUTOCAST_DTYPES)}, "
                 f"got {self.autocast_dtype!r}"
             )
         steps = self.trace_steps
-        if not (isinstance(steps, (tuple, list)) and len(steps) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in steps)
-                and 1 <= steps[0] <= steps[1]):
+        if not (
+            isinstance(steps, (tuple, list))
+            and len(steps) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in steps)
+            and 1 <= steps[0] <= steps[1]
+        ):
             raise ValueError(f"TrainerConfig.trace_steps must be (first, last) with 1 <= first <= last, got {steps!r}")
         if self.on_save_error not in ("raise", "continue"):
             raise ValueError(f"TrainerConfig.on_save_error must be 'raise' or 'continue', got {self.on_save_error!r}")

@@ -16,7 +16,7 @@ def _split(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndar
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     order = np.random.default_rng(seed).permutation(n)  # a local generator: the global numpy RNG is untouched
-    n_test = max(1, int(round(n * test_fraction)))
+    n_test = max(1, round(n * test_fraction))
     return order[n_test:], order[:n_test]
 
 
@@ -32,7 +32,8 @@ def digits_datasets(test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDa
 
 
 def wine_datasets(test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
-    """Wine recognition, 178 samples of 13 features in 3 classes, standard-scaled with the training split's statistics."""
+    """Wine recognition, 178 samples of 13 features in 3 classes, standard-scaled with the training split's
+    statistics."""
     from sklearn.datasets import load_wine
     from sklearn.preprocessing import StandardScaler
 

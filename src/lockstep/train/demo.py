@@ -190,9 +190,12 @@ def cli_main(argv: Sequence[str]) -> int:
               "training goes on", file=sys.stderr, flush=True)
     try:
         with _quiet_signal_shutdown():
-            results = launch_function(train_worker, args=(str(out_dir.resolve()), ns.epochs, ns.batch_size, ns.lr, ns.seed,
-                                                              ns.resume, ns.overwrite),
-                                      nproc_per_node=ns.nproc, log_rank=0)
+            results = launch_function(
+                train_worker,
+                args=(str(out_dir.resolve()), ns.epochs, ns.batch_size, ns.lr, ns.seed, ns.resume, ns.overwrite),
+                nproc_per_node=ns.nproc,
+                log_rank=0,
+            )
     except LaunchError as e:
         print(f"lockstep demo: training failed: {e}", file=sys.stderr)
         return 1

@@ -46,7 +46,8 @@ class EpochMeter:
 
     @property
     def compute_s(self) -> float:
-        """Everything in the steps that was neither data loading nor the all-reduce wait (forward, backward, optimizer)."""
+        """Everything in the steps that was neither data loading nor the all-reduce wait (forward, backward,
+        optimizer)."""
         return max(0.0, self.step_s - self.data_s - self.comm_wait_s)
 
     def phases(self) -> dict[str, float]:

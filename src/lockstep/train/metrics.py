@@ -97,7 +97,7 @@ def measure_exposed_comm(
     synced_s, local_s = statistics.median(synced[1:]), statistics.median(local[1:])
     exposed_s = max(0.0, synced_s - local_s)
     return {
-        "method": "synced minus no_sync forward+backward, median of %d" % reps,
+        "method": f"synced minus no_sync forward+backward, median of {reps}",
         "synced_step_s": synced_s,
         "local_step_s": local_s,
         "comm_share": exposed_s / synced_s if synced_s > 0 else 0.0,

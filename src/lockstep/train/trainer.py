@@ -97,10 +97,16 @@ class Trainer:
         self.precision = Precision(cfg.autocast_dtype, self.device, scaler)  # autocast, and fp16's GradScaler
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         hang = {} if cfg.hang_timeout_s is None else {"hang_timeout_s": cfg.hang_timeout_s}
-        self.ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group,
-                                           detect_nonfinite=cfg.detect_nonfinite and self.precision.scaler is None, check_replicas_every=cfg.check_replicas_every,
-                                           trace_dir=cfg.trace_dir, trace_steps=tuple(cfg.trace_steps) if cfg.trace_dir else None,
-                                           **hang)
+        self.ddp = DistributedDataParallel(
+            model,
+            device_ids=device_ids,
+            process_group=group,
+            detect_nonfinite=cfg.detect_nonfinite and self.precision.scaler is None,
+            check_replicas_every=cfg.check_replicas_every,
+            trace_dir=cfg.trace_dir,
+            trace_steps=tuple(cfg.trace_steps) if cfg.trace_dir else None,
+            **hang,
+        )
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.on_step_end, self.on_epoch_end, self.metric_fn = on_step_end, on_epoch_end, metric_fn
         self.train_data, self.eval_data = train_data, eval_data
@@ -110,12 +116,17 @@ class Trainer:
         self.sampler = DistributedSampler(train_data, self.world_size, self.rank, shuffle=True, seed=cfg.seed)
         # micro-batches per optimizer step: from the configured global batch, or the configured count; a resume
         # at another world size recomputes it from the checkpoint's global batch (train/resize.py)
-        self.grad_accum_steps = (cfg.grad_accum_steps if cfg.global_batch is None else
-                                 accum_steps_for(cfg.global_batch, cfg.batch_size, self.world_size, "TrainerConfig.global_batch"))
+        self.grad_accum_steps = (
+            cfg.grad_accum_steps
+            if cfg.global_batch is None
+            else accum_steps_for(cfg.global_batch, cfg.batch_size, self.world_size, "TrainerConfig.global_batch")
+        )
         self.global_batch = cfg.batch_size * self.grad_accum_steps * self.world_size
         if cfg.warmup_steps or cfg.lr_scale_base_batch:
             if scheduler is not None:
-                raise ValueError("Trainer: pass either scheduler= or TrainerConfig.warmup_steps/lr_scale_base_batch, not both")
+                raise ValueError(
+                    "Trainer: pass either scheduler= or TrainerConfig.warmup_steps/lr_scale_base_batch, not both"
+                )
             base, warmup = cfg.lr_scale_base_batch, cfg.warmup_steps
             # lr(step) = base_lr * scale * min(1, (step + 1) / (warmup + 1)): a linear ramp to the scaled lr;
             # the scale reads global_batch when called, which a resize keeps equal to the checkpoint's
@@ -128,7 +139,8 @@ class Trainer:
         self.history: list[dict] = []
         self.last_checkpoint, self._saved_step, self.resumed_from = None, None, None
         self.resized_from: int | None = None  # the world size of a checkpoint resumed at another size
-        self.run_id: str | None = None  # set by open_writer_files (rank 0's, on every rank); a resume adopts the checkpoint's
+        # set by open_writer_files (rank 0's, on every rank); a resume adopts the checkpoint's
+        self.run_id: str | None = None
         self.metrics = ckpt.open_writer_files(self)  # rank 0's files checked on every rank alike
         self.save_errors: list[str] = []  # checkpoints that failed under on_save_error="continue"
         self.preempted, self._watch = False, None
