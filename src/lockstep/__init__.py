@@ -35,7 +35,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-# The parts, as subpackages (see the README's layout section for which may import which):
+# The parts, as subpackages (see docs/architecture.md, "Layout", for which may import which):
 #   process_group, sampler, slurm   set-up from the environment; the sampler
 #   collectives/   ring and tree all-reduce over send/recv
 #   comm_hooks/    the hook contract, allreduce / fp16 / bf16 / chain stages, PowerSGD

@@ -8,7 +8,7 @@ naming the argument instead of being silently ignored.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -113,7 +113,7 @@ def resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> 
                 "DistributedDataParallel: no process group: call lockstep.init() (or "
                 "torch.distributed.init_process_group) first, or pass process_group="
             )
-        return dist.group.WORLD
+        return cast(dist.ProcessGroup, dist.group.WORLD)  # set once initialised (checked above)
     return process_group
 
 

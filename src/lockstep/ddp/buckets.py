@@ -11,7 +11,7 @@ possible. A bucket never mixes devices or dtypes: it is one flat tensor.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -32,14 +32,14 @@ def small_first_bucket_pays(device_type: str, local_ranks: int, threads_per_rank
     threads >= cores) the early all-reduce only takes its time from backward, and it adds one
     all-reduce's fixed cost and a mid-backward meeting of the ranks: on the bench transformer at 2
     ranks x 1 thread on 2 cores, one 25 MB bucket instead of torch's 1 MiB + the rest made the step
-    2% faster (0.979 of it, 12 paired blocks), on the CNN 1% (benchmarks/results, README "Speed").
+    2% faster (0.979 of it, 12 paired blocks), on the CNN 1% (benchmarks/results, docs/performance.md).
     """
     if device_type != "cpu":
         return True
     return local_ranks * threads_per_rank < cores
 
 
-def local_ranks_from_env(world_size: int, env: dict | None = None) -> int:
+def local_ranks_from_env(world_size: int, env: Mapping[str, str] | None = None) -> int:
     """Ranks on this machine as the launcher tells it; else ``world_size`` (all here, as with mp.spawn)."""
     env = os.environ if env is None else env
     for var in _LOCAL_SIZE_VARS:
@@ -129,7 +129,7 @@ def assign_buckets(
     caps = (
         list(bucket_caps_bytes) if bucket_caps_bytes else [min(first_bucket_bytes, bucket_cap_bytes), bucket_cap_bytes]
     )
-    open_buckets: dict[tuple, tuple[BucketPlan, int, int]] = {}  # key -> (plan, nbytes, how many closed before)
+    open_buckets: dict[tuple, tuple[BucketPlan | None, int, int]] = {}  # key -> (plan, nbytes, how many closed before)
     closed: list[BucketPlan] = []
     full: set[int] = set()  # ids of plans closed because they reached their cap
     for index in order:

@@ -113,7 +113,7 @@ class BucketCaps:
 
 @dataclass(frozen=True)
 class DiagnosticsOptions:
-    """DDP's options that torch's DDP has not (README "Debugging a job"); all off by default but the hang watchdog."""
+    """DDP's options that torch's DDP has not (docs/debugging.md); all off by default but the hang watchdog."""
 
     check_replicas_every: int | None = None
     """Every N synchronised steps, check at the next forward that every rank holds the same parameters; None: never."""

@@ -12,7 +12,7 @@ copied back: one pass instead of two (for the 10.5M-parameter MLP, 42 MB read an
 step), and after backward one model's worth of gradient memory less. A gradient that already is its
 slot (``zero_grad(set_to_none=False)``, accumulation without ``zero_grad``) is scaled in place: still
 one pass. The arithmetic is torch's (the same multiply by the reciprocal), so results stay
-bit-identical to torch's DDP; what differs is that ``.grad`` aliases the bucket (README).
+bit-identical to torch's DDP; what differs is that ``.grad`` aliases the bucket (docs/ddp.md).
 
 Direct buckets (COPY mode, ``buckets.assign_buckets``' ``direct_min_bytes``): a large parameter's
 bucket all-reduces its gradient where autograd left it: the gradient is scaled by 1/world size in

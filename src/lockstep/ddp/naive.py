@@ -7,7 +7,7 @@ small), and nothing starts before backward ends.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,8 @@ class NaiveDistributedDataParallel(nn.Module):
                 f"NaiveDistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}"
             )
         self.module = module
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        # dist.group.WORLD is typed Optional: it is set once a process group is initialised, as DDP requires
+        self.process_group = process_group if process_group is not None else cast(dist.ProcessGroup, dist.group.WORLD)
         self.world_size = dist.get_world_size(self.process_group)
         self.require_backward_grad_sync = True
         self._params = [p for p in module.parameters() if p.requires_grad]

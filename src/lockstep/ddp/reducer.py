@@ -67,8 +67,7 @@ class Reducer:
     """
 
     logged_error: str | None = None  # the last error DDP raised (a backward's, the wrapper's), for the logging data
-    # set for torch's built-in hook types (``_register_builtin_comm_hook``), for logging
-    comm_hook_name: str | None = None
+    comm_hook_name: str | None = None  # torch's built-in hook types (``_register_builtin_comm_hook``), for logging
 
     def __init__(
         self,
@@ -89,8 +88,7 @@ class Reducer:
         self.has_sparse = any(self.sparse)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
-        # the number of ranks still training, under join(divide_by_initial_world_size=False)
-        self.divisor = self.world_size
+        self.divisor = self.world_size  # ranks still training, under join(divide_by_initial_world_size=False)
         self.caps = caps
         # The layout's caps now: the auto-tuner's trials change the per-bucket caps, the rebuild the first one.
         self.bucket_cap_bytes = caps.cap_bytes
@@ -114,8 +112,7 @@ class Reducer:
         self._observed_order: list[int] | None = []  # first synced backward's ready order, for the rebuild
         self.rebuild_pending = False
         self.buckets_rebuilt = False
-        # all-reduces run on a gradient where autograd left it (``copy_in``), since construction
-        self.direct_launches = 0
+        self.direct_launches = 0  # all-reduces on a gradient where autograd left it (``copy_in``), since construction
         self.launch_seq = 0  # launches issued since construction: the same on every rank, step after step
         self.comm_wait_s = 0.0
         self.num_syncs = 0
@@ -128,10 +125,8 @@ class Reducer:
         self.buckets: list[Bucket] = []
         self.layout_version = 0
         self._build(list(reversed(range(len(self.params)))))
-        self_ref = weakref.ref(self)  # the parameters outlive a dropped DDP object; its reducer must not
-        self._handles = [
-            p.register_post_accumulate_grad_hook(make_hook(self_ref, i)) for i, p in enumerate(self.params)
-        ]
+        ref = weakref.ref(self)  # the parameters outlive a dropped DDP object; its reducer must not
+        self._handles = [p.register_post_accumulate_grad_hook(make_hook(ref, i)) for i, p in enumerate(self.params)]
         weakref.finalize(self, remove_handles, self._handles)
         register_for_exit(self)
 
@@ -140,21 +135,10 @@ class Reducer:
         if self.buckets:
             self.release_works(keep=False)  # before the old buckets go
         direct = self.caps.direct_min_bytes if self.grad_mode == COPY else None
-        layout = build_layout(
-            self.params,
-            order,
-            self.bucket_cap_bytes,
-            self.first_bucket_bytes,
-            self.bucket_caps_bytes,
-            direct,
-            self.sparse if self.has_sparse else None,
-        )
-        self._param_order, self.buckets, self._location, self._sizes = (
-            layout.order,
-            layout.buckets,
-            layout.location,
-            layout.sizes,
-        )
+        layout = build_layout(self.params, order, self.bucket_cap_bytes, self.first_bucket_bytes,
+                              self.bucket_caps_bytes, direct, self.sparse if self.has_sparse else None)
+        self._param_order, self.buckets, self._location = layout.order, layout.buckets, layout.location
+        self._sizes = layout.sizes
         self.layout_version += 1  # the fast table's cache key
         self.step = None
         if self.gradient_as_bucket_view:
@@ -204,8 +188,7 @@ class Reducer:
         """
         self.expect_hooks = True
         self.dist_autograd.at_forward(self._accumulators)
-        # Marked ready only once backward starts: a forward with no backward (a validation pass
-        # with grad enabled) must not launch a bucket that the other ranks may never launch.
+        # Ready only at backward start: a forward with no backward (eval, grad on) must not launch what peers never do.
         self._unused_at_start = [] if outputs is None else self.usage.unused_before_backward(outputs, self._index_of)
 
     # ------------------------------------------------------------- backward start
@@ -213,29 +196,18 @@ class Reducer:
         return fused_now(self.fused, self.nonfinite, self.has_sparse)
 
     def _begin(self, common_path: bool) -> Backward:
-        """A fresh backward with its plan; ``common_path``: the hook's common path may apply (not a joined rank's
-        shadow)."""
+        """A fresh backward and plan; ``common_path``: the hook's common path may apply (not a joined rank's shadow)."""
         fast = None
         if (common_path and self.expect_hooks and self.grad_mode == COPY and not self.usage.active
                 and self._observed_order is None and self.events is None):  # the first backward records the order
-            key = (self.layout_version, self.divisor, self.comm_hook is None)
+            hooked = self.comm_hook is not None
+            key = (self.layout_version, self.divisor, not hooked)
             if self._fast_cache is None or self._fast_cache[0] != key:
-                self._fast_cache = (
-                    key,
-                    fast_table(self.buckets, len(self.params), self.divisor, self.comm_hook is not None),
-                )
+                self._fast_cache = (key, fast_table(self.buckets, len(self.params), self.divisor, hooked))
             fast = self._fast_cache[1]
-        plan = plan_backward(
-            mode=self.grad_mode,
-            divisor=self.divisor,
-            comm_hook=self.comm_hook,
-            fused=self.fused,
-            nonfinite=self.nonfinite,
-            has_sparse=self.has_sparse,
-            last_bucket_sparse=self.buckets[-1].plan.sparse,
-            tracks_usage=self.usage.active,
-            fast=fast,
-        )
+        plan = plan_backward(mode=self.grad_mode, divisor=self.divisor, comm_hook=self.comm_hook, fused=self.fused,
+                             nonfinite=self.nonfinite, has_sparse=self.has_sparse,
+                             last_bucket_sparse=self.buckets[-1].plan.sparse, tracks_usage=self.usage.active, fast=fast)
         self.step = Backward(plan, list(self._sizes), LaunchOrder(self.buckets, self._launch, plan.one_in_flight))
         return self.step
 
@@ -319,9 +291,8 @@ class Reducer:
         step = self.step
         assert step is not None
         self.direct_launches += bucket.direct is not None
-        bucket.work = issue_bucket(
-            bucket, step, len(self.buckets), self.process_group, self.comm_hook, self.comm_hook_state
-        )
+        group, hook = self.process_group, self.comm_hook
+        bucket.work = issue_bucket(bucket, step, len(self.buckets), group, hook, self.comm_hook_state)
         if observer is not None:
             observer.bucket_launched(bucket.index, bucket.seq)
 
@@ -341,24 +312,13 @@ class Reducer:
         try:
             missing = self._mark_the_rest(step)
             fast = not (self.gradient_as_bucket_view or step.graph_grads or step.missing_flag or step.fixups)
-            # Torch's order on the common path: each bucket copied back as soon as its wait returns, so the copy
-            # overlaps the buckets still in flight.
+            # torch's order, common path: each bucket copied back once its wait returns, overlapping those in flight.
             early = fast and step.plan.copy_each
             futures, self.post_backward_futures = self.post_backward_futures, []
             explain = None if self.module_changes is None else self.module_changes.explain
-            status, waited = finish_collectives(
-                step,
-                self.buckets,
-                self.usage,
-                self.process_group,
-                missing,
-                joined=False,
-                copy_each=early,
-                observer=self.observer,
-                futures=futures,
-                names=self.names,
-                explain=explain,
-            )
+            status, waited = finish_collectives(step, self.buckets, self.usage, self.process_group, missing,
+                                                joined=False, copy_each=early, observer=self.observer, futures=futures,
+                                                names=self.names, explain=explain)
             self.comm_wait_s += waited
             if not early:
                 copy_back(self.buckets, self.params, status.globally_used, self.grad_mode, fast)

@@ -12,7 +12,7 @@ AttributeError that names the method and says why, instead of a confusing failur
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ class _Closed:
 def closed_message(name: str) -> str:
     return (
         f"lockstep's DistributedDataParallel has no {name!r}: torch's DistributedDataParallel.{name} drives "
-        "torch's C++ reducer, which lockstep replaces (see the README, 'Recognised as torch's DDP')"
+        "torch's C++ reducer, which lockstep replaces (docs/integrations.md, section \"torch's private surface\")"
     )
 
 
@@ -58,13 +58,58 @@ def close_inherited(cls: type, torch_cls: type) -> None:
             setattr(cls, name, _Closed(name))
 
 
+class _Wrapper(Protocol):
+    """What ``WrapperSurface``'s methods read of the wrapper they are mixed into (``DistributedDataParallel``).
+
+    Read-only members are properties (the wrapper sets them in its ``__init__``); the two that a method here assigns
+    (``_set_static_graph``, the ``broadcast_buffers`` setter) are attributes.
+    """
+
+    @property
+    def reducer(self) -> TorchReducer: ...
+    @property
+    def module(self) -> torch.nn.Module: ...
+    @property
+    def process_group(self) -> dist.ProcessGroup: ...
+    @property
+    def device_ids(self) -> list[int] | None: ...
+    @property
+    def output_device(self) -> int | None: ...
+    @property
+    def parameters_to_ignore(self) -> set[str]: ...
+    @property
+    def bucket_bytes_cap(self) -> int: ...
+    @property
+    def _bucket_caps_bytes(self) -> list[int] | None: ...
+    @property
+    def find_unused_parameters(self) -> bool: ...
+    @property
+    def gradient_as_bucket_view(self) -> bool | None: ...
+    @property
+    def require_forward_param_sync(self) -> bool: ...
+    @property
+    def _sync_buffers(self) -> list[torch.Tensor]: ...
+    @property
+    def modules_buffers(self) -> list[torch.Tensor]: ...
+    @property
+    def named_module_buffers(self) -> dict[str, torch.Tensor]: ...
+    @property
+    def _buffer_hook(self) -> tuple[Any, Any, bool] | None: ...
+
+    forward_sync_buffers: bool
+    static_graph: bool
+
+    def _log_and_throw(self, error: BaseException) -> None: ...
+    def register_comm_hook(self, state: Any, hook: Any) -> None: ...
+
+
 class WrapperSurface:
     """torch's private wrapper methods that Lightning, Accelerate and torch's tests call, with lockstep's meaning."""
 
     broadcast_bucket_size = BROADCAST_BUCKET_BYTES
     _buffer_hook: tuple[Any, Any, bool] | None = None  # (hook, state, before forward?): _register_buffer_comm_hook
 
-    def _log_and_throw(self, error: BaseException) -> None:
+    def _log_and_throw(self: _Wrapper, error: BaseException) -> None:
         """Raise ``error``, noted first as torch's DDP notes an error it raises after construction: its logging
         data then carries ``has_error`` and ``error`` (``error_for_log``). Noted on the reducer, where a
         backward's error goes too, so the last one is reported."""
@@ -88,7 +133,7 @@ class WrapperSurface:
         names = set(params_and_buffers_to_ignore)
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             if name in names:
-                tensor._ddp_ignored = True
+                tensor._ddp_ignored = True  # type: ignore[attr-defined]  # torch's own marker, set on the tensor object
 
     @staticmethod
     def _get_data_parallel_params(module: torch.nn.Module, named_params: bool = False) -> Any:
@@ -99,26 +144,26 @@ class WrapperSurface:
                 yield item
 
     @property
-    def modules_buffers(self) -> list[torch.Tensor]:
+    def modules_buffers(self: _Wrapper) -> list[torch.Tensor]:
         """The buffers a synchronised forward broadcasts (torch's attribute of the same name)."""
         return self._sync_buffers
 
     @property
-    def bucket_bytes_cap_list(self) -> list[int]:
+    def bucket_bytes_cap_list(self: _Wrapper) -> list[int]:
         """Per-bucket caps in bytes from ``bucket_cap_mb_list``; ``[]`` without one (torch's attribute)."""
         return list(self._bucket_caps_bytes or [])
 
-    def will_sync_module_buffers(self) -> bool:
+    def will_sync_module_buffers(self: _Wrapper) -> bool:
         return self.require_forward_param_sync and self.forward_sync_buffers and len(self.modules_buffers) > 0
 
-    def _check_default_group(self) -> None:
+    def _check_default_group(self: _Wrapper) -> None:
         if self.process_group is not dist.group.WORLD:
             raise RuntimeError(
                 "DDP Pickling/Unpickling are only supported when using DDP with the default process group. That is, "
                 "when you have called init_process_group and have not passed process_group argument to DDP constructor"
             )
 
-    def _set_static_graph(self) -> None:
+    def _set_static_graph(self: _Wrapper) -> None:
         """Turn on ``static_graph`` after construction, before the first backward (as torch's private API, with
         its two warnings: already static, and find_unused_parameters=True made redundant)."""
         if self.static_graph:
@@ -134,10 +179,10 @@ class WrapperSurface:
         if self.find_unused_parameters:
             warnings.warn(STATIC_WITH_FIND_UNUSED, UserWarning, stacklevel=2)
 
-    def _check_reducer_finalized(self) -> None:
+    def _check_reducer_finalized(self: _Wrapper) -> None:
         self.reducer._check_reducer_finalized()
 
-    def _remove_autograd_hooks(self) -> None:
+    def _remove_autograd_hooks(self: _Wrapper) -> None:
         self.reducer._remove_autograd_hooks()
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
@@ -145,7 +190,7 @@ class WrapperSurface:
             raise ValueError("DDP runtime logging sample rate should be equal or greater than 1")
         self._logging_sample_rate = sample_rate  # lockstep keeps no sampled runtime stats; accepted for scripts
 
-    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+    def _register_builtin_comm_hook(self: _Wrapper, comm_hook_type: Any) -> None:
         """torch's ``dist.BuiltinCommHookType`` ALLREDUCE / FP16_COMPRESS, as lockstep's equivalent hooks."""
         from lockstep.comm_hooks import allreduce_hook, fp16_compress_hook
 
@@ -169,17 +214,18 @@ class WrapperSurface:
         self._buffer_hook = (hook, state, pre)
 
     @property
-    def named_module_buffers(self) -> dict[str, torch.Tensor]:
+    def named_module_buffers(self: _Wrapper) -> dict[str, torch.Tensor]:
         return named_syncable_buffers(self.module, self.parameters_to_ignore)
 
     def _default_broadcast_coalesced(
-        self, bufs: Any = None, bucket_size: Any = None, authoritative_rank: int = 0
+        self: _Wrapper, bufs: Any = None, bucket_size: Any = None, authoritative_rank: int = 0
     ) -> None:
         """Broadcast ``bufs`` (default: the module's buffers) from ``authoritative_rank``; the chunk size is
         lockstep's."""
         broadcast_coalesced(self._sync_buffers if bufs is None else list(bufs), self.process_group, authoritative_rank)
 
-    def _run_buffer_hook(self) -> None:
+    def _run_buffer_hook(self: _Wrapper) -> None:
+        assert self._buffer_hook is not None  # the wrapper calls this only once a hook is registered
         hook, state, _ = self._buffer_hook
         buffers = self.named_module_buffers
         if not buffers:
@@ -188,7 +234,7 @@ class WrapperSurface:
         if futures is not None:
             self.reducer.post_backward_futures.extend(futures)
 
-    def _get_ddp_logging_data(self) -> dict:
+    def _get_ddp_logging_data(self: _Wrapper) -> dict:
         """The keys of torch's logging data that have a meaning here (Lightning reads it at teardown)."""
         reducer = self.reducer
         # torch's logger has no "comm_hook" entry until a hook is registered: a Python hook's __qualname__,

@@ -79,83 +79,75 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         broadcast_buffers: superseded by ``forward_sync_buffers`` (passing it warns, FutureWarning).
         init_sync: check the model across ranks and broadcast rank 0's state at construction.
         process_group: the group to average over (default: the default group).
-        bucket_cap_mb: bucket size in MiB (default 25); the first bucket is 1 MiB in the first step and,
-            after the rebuild, only where its early all-reduce can overlap backward (a GPU, or a CPU core the
-            ranks' threads leave free; else it has the full cap: class attribute ``small_first_bucket``).
-            ``"auto"`` (or a ``lockstep.ddp.autotune.AutoBucketCap``) tries 1, 4, 25, 100 MiB and one
-            bucket over the first ~20 steps and keeps the fastest by rank 0's step times (not in torch; see
-            ``autotune``).
-        find_unused_parameters: after each forward, walk its graph and mark the parameters it
-            does not reach as ready (they contribute their accumulated ``.grad`` or zeros). A
-            parameter used in any micro-batch of a ``no_sync`` window is synchronised. Costs a
-            graph walk per forward and one small all-reduce per backward.
+        bucket_cap_mb: bucket size in MiB (default 25); the first bucket is 1 MiB in the first step and, after the
+            rebuild, only where its early all-reduce can overlap backward (a GPU, or a CPU core the ranks' threads leave
+            free; else it has the full cap: class attribute ``small_first_bucket``). ``"auto"`` (or a
+            ``lockstep.ddp.autotune.AutoBucketCap``) tries 1, 4, 25, 100 MiB and one bucket over the first ~20 steps and
+            keeps the fastest by rank 0's step times (not in torch; see ``autotune``).
+        find_unused_parameters: after each forward, walk its graph and mark the parameters it does not reach as ready
+            (they contribute their accumulated ``.grad`` or zeros). A parameter used in any micro-batch of a ``no_sync``
+            window is synchronised. Costs a graph walk per forward and one small all-reduce per backward.
         check_reduction: deprecated in torch, ignored.
-        gradient_as_bucket_view: False (the default): torch's, exactly: the averages are copied back
-            into the local gradient tensors. None (lockstep's opt-in; torch's DDP reads it as False):
-            after each synchronised backward ``param.grad`` is its slot in the bucket buffer, holding
-            the average, so nothing is copied back: one pass over the gradients per step instead of
-            two, and one model's worth of gradient memory less from the end of backward to the next
-            ``zero_grad``; the values are the default's bit for bit (the same fused scale-and-copy in);
-            see "Differences" below for what aliasing means. True: torch's bucket views: with
-            ``zero_grad(set_to_none=True)`` the fresh gradient is copied in once per step and the
-            bucket divided at launch; ``set_to_none=False`` keeps the view and avoids the copy. With
-            ``detect_nonfinite=True`` None means False (the check stops a step before .grad sees the average).
-            With False, a CPU parameter of at least ``direct_min_bytes`` (class attribute, 4 MiB; None: never)
-            is all-reduced in its own ``.grad``, scaled in place: no copy in or out, ``.grad`` autograd's tensor,
-            values torch's bit for bit; copied where that is unsafe (a comm hook, ...: ``lockstep.ddp.copy_in``).
-        static_graph: the first iteration records unused parameters and how many pieces each
-            gradient arrives in (activation checkpointing); later iterations reuse that.
+        gradient_as_bucket_view: False (the default): torch's, exactly: the averages are copied back into the local
+            gradient tensors. None (lockstep's opt-in; torch's DDP reads it as False): after each synchronised backward
+            ``param.grad`` is its slot in the bucket buffer, holding the average, so nothing is copied back: one pass
+            over the gradients per step instead of two, and one model's worth of gradient memory less from the end of
+            backward to the next ``zero_grad``; the values are the default's bit for bit (the same fused scale-and-copy
+            in); see "Differences" below for what aliasing means. True: torch's bucket views: with
+            ``zero_grad(set_to_none=True)`` the fresh gradient is copied in once per step and the bucket divided at
+            launch; ``set_to_none=False`` keeps the view and avoids the copy. With ``detect_nonfinite=True`` None means
+            False (the check stops a step before .grad sees the average). With False, a CPU parameter of at least
+            ``direct_min_bytes`` (class attribute, 4 MiB; None: never) is all-reduced in its own ``.grad``, scaled in
+            place: no copy in or out, ``.grad`` autograd's tensor, values torch's bit for bit; copied where that is
+            unsafe (a comm hook, ...: ``lockstep.ddp.copy_in``).
+        static_graph: the first iteration records unused parameters and how many pieces each gradient arrives in
+            (activation checkpointing); later iterations reuse that.
         delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
         skip_all_reduce_unused_params: not supported; a non-default value raises ValueError naming it.
         device_mesh: a 1-D DeviceMesh whose group is used (not together with process_group).
         bucket_cap_mb_list: the cap of each bucket in turn, in MiB (the last repeats).
         batched_grad_copy: accepted; gradient copies are always batched (one call per bucket).
-        forward_sync_buffers: broadcast rank 0's floating/integer buffers before each synchronised
-            forward (default True), as torch's ``broadcast_buffers``.
-        hang_timeout_s: a rank stuck inside a DDP step this long makes every rank write a hang report
-            (where each rank is, whom the others wait for, every thread's stack) and end the job with
-            exit code 86 (``lockstep.diagnostics.watchdog``). Default: $LOCKSTEP_HANG_TIMEOUT_S, else 300;
-            None or 0: off. Not in torch's DDP.
+        forward_sync_buffers: broadcast rank 0's floating/integer buffers before each synchronised forward (default
+            True), as torch's ``broadcast_buffers``.
+        hang_timeout_s: a rank stuck inside a DDP step this long makes every rank write a hang report (where each rank
+            is, whom the others wait for, every thread's stack) and end the job with exit code 86
+            (``lockstep.diagnostics.watchdog``). Default: $LOCKSTEP_HANG_TIMEOUT_S, else 300; None or 0: off. Not in
+            torch's DDP.
 
-    Args (lockstep's diagnostics, off by default; README "Debugging a job"):
-        check_replicas_every: every N synchronised steps, check at the next forward that every rank
-            holds the same parameters (one all-gather of two 64-bit fingerprints per parameter); a mismatch raises
+    Args (lockstep's diagnostics, off by default; docs/debugging.md):
+        check_replicas_every: every N synchronised steps, check at the next forward that every rank holds the same
+            parameters (one all-gather of two 64-bit fingerprints per parameter); a mismatch raises
             ``ReplicaMismatchError`` on every rank naming the parameter, the ranks and the difference.
-        detect_nonfinite: check the gradients for NaN/Inf (on CPU at a world size that is a power of two,
-            one sum per bucket of copies and the check fused into a direct bucket's scaling, the verdict in
-            the last bucket's spare element; elsewhere after the all-reduce: ``lockstep.diagnostics.nonfinite``);
-            every rank raises ``NonfiniteGradientError`` naming the rank and the parameter, before the
-            optimizer step. ``.grad`` then holds the local values, except a direct bucket's, which holds the average.
-        trace_dir: record the overlap timeline of synchronised steps ``trace_steps`` (default 5..10;
-            env ``LOCKSTEP_TRACE=DIR``, ``LOCKSTEP_TRACE_STEPS=5:10``); rank 0 writes a Chrome trace,
-            a summary and a PNG there when the window closes (at the next forward, or ``self.trace.write()``).
+        detect_nonfinite: check the gradients for NaN/Inf (on CPU at a world size that is a power of two, one sum per
+            bucket of copies and the check fused into a direct bucket's scaling, the verdict in the last bucket's spare
+            element; elsewhere after the all-reduce: ``lockstep.diagnostics.nonfinite``); every rank raises
+            ``NonfiniteGradientError`` naming the rank and the parameter, before the optimizer step. ``.grad`` then
+            holds the local values, except a direct bucket's, which holds the average.
+        trace_dir: record the overlap timeline of synchronised steps ``trace_steps`` (default 5..10; env
+            ``LOCKSTEP_TRACE=DIR``, ``LOCKSTEP_TRACE_STEPS=5:10``); rank 0 writes a Chrome trace, a summary and a PNG
+            there when the window closes (at the next forward, or ``self.trace.write()``).
 
-    Differences from torch's DDP, on purpose: a parameter without a gradient raises on every rank
-    at the end of backward (naming the parameter and the rank) instead of hanging or failing only
-    on the next iteration, and says which of them were replaced or frozen after construction; trainable
-    parameters assigned to the module after construction (a new head), which neither DDP averages, are
-    warned about at the next forward (``module_changes``); parameters that differ between ranks at the first
-    synchronised forward (changed on some ranks after wrapping: a checkpoint loaded on rank 0 only) raise
-    ``ReplicaMismatchError`` on every rank, once (off with init_sync=False); the outputs are returned as the module
-    made them (torch's ``_DDPSink`` clones them under static_graph / find_unused_parameters). With
+    Differences from torch's DDP, on purpose: a parameter without a gradient raises on every rank at the end of backward
+    (naming the parameter and the rank) instead of hanging or failing only on the next iteration, and says which of them
+    were replaced or frozen after construction; trainable parameters assigned to the module after construction (a new
+    head), which neither DDP averages, are warned about at the next forward (``module_changes``); parameters that differ
+    between ranks at the first synchronised forward (changed on some ranks after wrapping: a checkpoint loaded on rank 0
+    only) raise ``ReplicaMismatchError`` on every rank, once (off with init_sync=False); the outputs are returned as the
+    module made them (torch's ``_DDPSink`` clones them under static_graph / find_unused_parameters). With
     ``gradient_as_bucket_view=None`` (opt-in) ``param.grad`` aliases the bucket buffer after a synchronised backward, as
     with torch's ``gradient_as_bucket_view=True``: a reference to ``.grad`` kept across steps sees the next step's
-    averages (``zero_grad(set_to_none=True)`` drops the reference, the next backward writes the same
-    memory), and ``.grad`` is a view into a larger buffer (``.grad.data_ptr()`` differs between
-    parameters by their offsets; ``.grad._base`` is the buffer). Values and ``state_dict`` are as
-    torch's default.
+    averages (``zero_grad(set_to_none=True)`` drops the reference, the next backward writes the same memory), and
+    ``.grad`` is a view into a larger buffer (``.grad.data_ptr()`` differs between parameters by their offsets;
+    ``.grad._base`` is the buffer). Values and ``state_dict`` are as torch's default.
     """
 
     direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES  # see gradient_as_bucket_view; a subclass may change it
-    # see bucket_cap_mb; None: where it pays (``buckets.small_first_bucket_pays``)
-    small_first_bucket: bool | None = None
+    small_first_bucket: bool | None = None  # see bucket_cap_mb; None: where it pays (``small_first_bucket_pays``)
 
     def __init__(
         self,
         module: nn.Module,
-        device_ids: list | None = None,
-        output_device: Any = None,
-        dim: int = 0,
+        device_ids: list | None = None, output_device: Any = None, dim: int = 0,
         broadcast_buffers: bool | None = None,
         init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
@@ -164,18 +156,15 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         check_reduction: bool = False,
         gradient_as_bucket_view: bool | None = False,
         static_graph: bool = False,
-        delay_all_reduce_named_params: Any = None,
-        param_to_hook_all_reduce: Any = None,
-        mixed_precision: Any = None,
+        delay_all_reduce_named_params: Any = None, param_to_hook_all_reduce: Any = None, mixed_precision: Any = None,
         device_mesh: Any = None,
         skip_all_reduce_unused_params: bool = False,
         bucket_cap_mb_list: list | None = None,
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
-        check_replicas_every: int | None = None,
-        detect_nonfinite: bool = False,
-        trace_dir: str | None = None,
-        trace_steps: tuple[int, int] | None = None,
+        # lockstep's diagnostics (``DiagnosticsOptions``)
+        check_replicas_every: int | None = None, detect_nonfinite: bool = False,
+        trace_dir: str | None = None, trace_steps: tuple[int, int] | None = None,
         hang_timeout_s: float | None = FROM_ENV,
     ):
         # torch's __init__ never runs (it would build torch's C++ reducer): the subclass is for isinstance.
@@ -187,9 +176,8 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
         self._bucket_caps = BucketCaps.from_ddp_args(bucket_cap_mb, bucket_cap_mb_list)  # validated there
         diagnostics = DiagnosticsOptions(check_replicas_every, detect_nonfinite, trace_dir, trace_steps)
-        reject_unsupported(
-            delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, skip_all_reduce_unused_params
-        )
+        reject_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
+                           skip_all_reduce_unused_params)
         warn_like_torch(check_reduction, static_graph, find_unused_parameters)
         process_group = resolve_group(process_group, device_mesh)
         devices = {p.device for p in module.parameters()}
@@ -201,9 +189,8 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
                     f"[device] for a single-GPU module; got device_ids={device_ids} "
                     f"for a module on {sorted(map(str, devices))}"
                 )
-            self.device = (
-                torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
-            )
+            index = device_ids[0]
+            self.device = torch.device("cuda", index) if isinstance(index, int) else torch.device(index)
         reject_module(module, self.device, ignored_names(module))
         self.module = module
         self.device_ids = device_ids
@@ -240,9 +227,8 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         skip_lockstep_in_dynamo()  # where a script compiled before wrapping (else at its first compiled forward)
 
     def _build_reducer(self) -> TorchReducer:
-        named = [
-            (n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore
-        ]
+        ignored = self.parameters_to_ignore
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in ignored]
         view = self.gradient_as_bucket_view
         if view is None and getattr(self, "detect_nonfinite", False):
             # The non-finite check raises before the averages reach .grad; with .grad in the bucket they
@@ -260,9 +246,8 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             static_graph=self.static_graph,
             sparse=[produces_sparse_gradient(self.module, n) for n, _ in named],
         )
-        reducer.module_changes = module_changes.ModuleChanges(
-            self.module, reducer.params, reducer.names, self.parameters_to_ignore
-        )
+        reducer.module_changes = module_changes.ModuleChanges(self.module, reducer.params, reducer.names,
+                                                              self.parameters_to_ignore)
         if watch_for_hangs(self.process_group, getattr(self, "hang_timeout_s", None)):
             reducer.observer = attach(reducer.observer, observer_for(reducer))  # the watchdog reads its progress
         return reducer
@@ -283,9 +268,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         if observer is not None:
             observer.forward_start()
         changes = self.reducer.module_changes
-        if (
-            changes is not None and changes.seen != module_changes.GENERATION[0]
-        ):  # a module or parameter assigned somewhere
+        if changes is not None and changes.seen != module_changes.GENERATION[0]:  # a module or parameter assigned
             changes.warn_not_averaged()  # a layer added or replaced after construction would never be averaged
         if not self._lazy_init_done:
             # As torch's lazy init: _apply_optimizer_in_backward may be called after construction.
@@ -305,20 +288,16 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         # As torch: buffers follow the *previous* forward. They are broadcast when it was synchronised
         # (so also in an eval or no_sync forward right after a training step), which is what keeps
         # BatchNorm statistics bit-identical to torch's under gradient accumulation.
-        sync_buffers = (
-            self.require_forward_param_sync
-            and self.forward_sync_buffers
-            and dist.get_world_size(self.process_group) > 1
-        )
+        sync_buffers = (self.require_forward_param_sync and self.forward_sync_buffers
+                        and dist.get_world_size(self.process_group) > 1)
         buffer_hook = self._buffer_hook  # torch's _register_buffer_comm_hook: (hook, state, before forward?)
         pending = None
         if sync_buffers and buffer_hook is None:
             # Read afresh; waited for before the first BatchNorm where only such layers own buffers (``buffer_sync``).
             # Under join: from a rank still training, waited for here (the join's own collectives come next).
             src = (lambda: common_rank(self, True)) if in_join else (lambda: 0)  # asked only where there are buffers
-            pending = buffer_sync.sync_buffers(
-                self.module, self.parameters_to_ignore, self.process_group, src, not in_join
-            )
+            pending = buffer_sync.sync_buffers(self.module, self.parameters_to_ignore, self.process_group, src,
+                                               not in_join)
         elif sync_buffers and buffer_hook is not None and buffer_hook[2]:
             self._run_buffer_hook()
         if in_join:
@@ -372,29 +351,24 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         if refused is not None:
             self._log_and_throw(refused)
         if self.reducer.comm_hook is not None:
-            self._log_and_throw(
-                RuntimeError("register_comm_hook: a communication hook is already registered (one per model)")
-            )
+            self._log_and_throw(RuntimeError("register_comm_hook: a communication hook is already registered "
+                                             "(one per model)"))
         if self.reducer.num_syncs > 0:
             self._log_and_throw(RuntimeError("register_comm_hook must be called before the first backward"))
         self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
-        # torch's and lockstep's fp16/bf16 hooks
-        self.reducer.fused = fused_compression(hook, state, self.process_group)
+        self.reducer.fused = fused_compression(hook, state, self.process_group)  # torch's and lockstep's fp16/bf16
 
-    def join(
-        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
-    ) -> Join:
-        """Context manager for uneven inputs: ranks out of data shadow the others' collectives (see
-        ``lockstep.ddp.join``).
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for uneven inputs: ranks out of data shadow the others' collectives (``lockstep.ddp.join``).
 
         Args:
             divide_by_initial_world_size: average over all ranks (True) or over the ranks still training.
             enable: False turns the context manager into a no-op.
             throw_on_early_termination: raise on every rank as soon as one runs out of data.
         """
-        return Join(
-            [self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size
-        )
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> DDPJoinHook:
         """The Joinable interface: what this model does while its rank has joined."""

@@ -253,7 +253,7 @@ class NonfiniteCheck:
                     for g, v in zip(bucket.grads, bucket.views)
                 ]
                 if all(g is not None for g in grads):  # the local gradients, untouched by the all-reduce
-                    mine += self._find([g.detach() for g in grads], bucket.plan.param_indices)
+                    mine += self._find([g.detach() for g in grads if g is not None], bucket.plan.param_indices)
                 else:  # gradient_as_bucket_view: the local values were averaged in place
                     mine.append(
                         (" / ".join(self.names[i] for i in bucket.plan.param_indices[:8]), -1, -1, bucket.flat.numel())

@@ -301,8 +301,10 @@ class _DropAgentFailureDump(logging.Filter):
         if not str(record.msg).startswith("failed (exitcode"):
             return True
         if self.logs is not None and isinstance(record.args, tuple) and len(record.args) >= 2:
+            exitcode, local_rank = record.args[0], record.args[1]  # torch's agent logs both as ints
             try:
-                self.logs.note_failure(int(record.args[0]), int(record.args[1]))
+                if isinstance(exitcode, int) and isinstance(local_rank, int):
+                    self.logs.note_failure(exitcode, local_rank)
             except (TypeError, ValueError):
                 pass
         return False

@@ -162,13 +162,14 @@ def _first_failure(error: ChildFailedError, logs: RankLogsSpecs) -> tuple[int, P
     stderr was last written first: the peer's error is printed after the cause has exited."""
     rank, failure = error.get_first_failure()
     tied = {r: f for r, f in error.failures.items() if f.timestamp == failure.timestamp}
-    if len(tied) < 2 or logs.last_dest is None:
+    dest = logs.last_dest
+    if len(tied) < 2 or dest is None:
         return rank, failure
 
     def order(item: tuple[int, ProcessFailure]) -> tuple[bool, float]:
         stopped = item[1].exitcode == -signal.SIGTERM
         try:
-            return stopped, os.stat(logs.last_dest.stderrs[item[1].local_rank]).st_mtime_ns
+            return stopped, os.stat(dest.stderrs[item[1].local_rank]).st_mtime_ns
         except (KeyError, OSError, TypeError):
             return stopped, float("inf")  # no log: torch's order decides
 

@@ -44,7 +44,7 @@ class TrainerConfig:
     progress: bool = True  # a tqdm bar on global rank 0
     num_workers: int = 0  # DataLoader workers per rank
     max_steps: int | None = None  # stop after this many optimizer steps in total (resumed ones included)
-    # Diagnostics (README "Debugging a job"):
+    # Diagnostics (docs/debugging.md):
     detect_nonfinite: bool = True  # a NaN/Inf gradient raises on every rank, naming its rank and parameter
     check_replicas_every: int | None = None  # check the replicas' parameters agree every N optimizer steps
     trace_dir: str | None = None  # record the overlap timeline of trace_steps there (Chrome trace, summary, PNG)

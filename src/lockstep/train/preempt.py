@@ -6,7 +6,7 @@ the next all-reduce), so the ranks agree on the step to stop at: after each opti
 every rank issues an asynchronous MAX all-reduce of its flag and reads the result one step
 later. All ranks therefore see the same answer after the same step and stop together,
 at most two steps after the signal. The cost per step is one 4-byte all-reduce that runs
-while the next step computes (measured in the README: within noise of no check).
+while the next step computes (measured in docs/fault-tolerance.md: within noise of no check).
 
 Exit code: ``REQUEUE_EXIT_CODE`` = 75, sysexits.h's EX_TEMPFAIL ("temporary failure; try
 again"). ``lockstep launch`` passes it on, and ``lockstep slurm-script`` requeues the job
