@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -96,7 +97,8 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
             "loss_sum": trainer._loss_sum, "loss_count": trainer._loss_count}
     gathered = [None] * trainer.world_size if trainer.is_writer else None
     dist.gather_object(mine, gathered, dst=0, group=trainer.group)  # pickled in memory between our own ranks only
-    path, status = None, [None]
+    path: Path | None = None
+    status: list[str | None] = [None]  # rank 0's error, broadcast
     if trainer.is_writer:
         scheduler = trainer.scheduler
         payload = {"format": FORMAT, "run_id": trainer.run_id, "step": trainer.step, "epoch": trainer.epoch,
@@ -143,7 +145,8 @@ def open_writer_files(trainer):
     from lockstep.train.metrics import MetricsLog
     from lockstep.train.run_identity import new_run_id
 
-    cfg, status, metrics = trainer.config, [None, None], MetricsLog(None, enabled=False)
+    cfg, metrics = trainer.config, MetricsLog(None, enabled=False)
+    status: list[str | None] = [None, None]  # rank 0's error, its new run id: one broadcast
     if trainer.is_writer:
         status[1] = new_run_id()
         try:
@@ -189,12 +192,13 @@ def load_trainer_checkpoint(trainer) -> str | None:
     starts from step 0; if a committed one is damaged and none is good, every rank raises
     rather than silently starting over.
     """
-    choice = [None, []]
+    choice: list[Any] = [None, []]  # [path or None, [(path, why), ...]]: one broadcast
     if trainer.is_writer:
-        good, skipped = newest_good_checkpoint(trainer.config.checkpoint_dir)
-        choice = [str(good) if good else None, [(str(p), why) for p, why in skipped]]
+        good, skipped_paths = newest_good_checkpoint(trainer.config.checkpoint_dir)
+        choice = [str(good) if good else None, [(str(p), why) for p, why in skipped_paths]]
     dist.broadcast_object_list(choice, src=0, group=trainer.group)
-    path, skipped = choice
+    path: str | None = choice[0]
+    skipped: list[tuple[str, str]] = choice[1]
     if trainer.is_writer:
         for bad, why in skipped:
             warnings.warn(

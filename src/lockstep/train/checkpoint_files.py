@@ -139,7 +139,7 @@ def save_atomic(payload: dict, path: str | os.PathLike, kill: KillPoint | None =
         with open(tmp, "wb") as f:
             maybe_kill(kill, "ckpt_open", step)
             writer = _HashingWriter(f, kill, step)
-            torch.save(payload, writer)
+            torch.save(payload, writer)  # type: ignore[arg-type]  # a file-like object: torch.save needs only write()
             f.flush()
             os.fsync(f.fileno())
         maybe_kill(kill, "ckpt_rename", step)
@@ -200,7 +200,7 @@ def verify(path: str | os.PathLike) -> str | None:
 
 def newest_good_checkpoint(directory: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest checkpoint that passes ``verify``, and the newer ones skipped, each with why."""
-    skipped = []
+    skipped: list[tuple[Path, str]] = []
     for _, path in reversed(list_checkpoints(directory)):
         why = verify(path)
         if why is None:

@@ -75,7 +75,7 @@ def select_run(records: list[dict], run: str | None = None) -> list[dict]:
 
 
 def measure_exposed_comm(
-    ddp: torch.nn.Module, run_micro_batch: Callable[[], torch.Tensor], reps: int = 5
+    ddp: torch.nn.parallel.DistributedDataParallel, run_micro_batch: Callable[[], torch.Tensor], reps: int = 5
 ) -> dict:
     """Time forward+backward of one micro-batch synced and under ``no_sync``; return the exposed share.
 

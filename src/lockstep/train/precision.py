@@ -70,5 +70,5 @@ class Precision:
             have = "an fp16 GradScaler" if self.scaler is not None else "no GradScaler"
             raise ValueError(f"checkpoint {path} {'has no' if state is None else 'has a'} GradScaler state and this "
                              f"Trainer has {have} (TrainerConfig.autocast_dtype differs)")
-        if state is not None:
+        if state is not None and self.scaler is not None:  # both or neither, checked above
             self.scaler.load_state_dict(state)

@@ -22,7 +22,10 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +53,7 @@ class PreemptionWatch:
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device, signum: int = signal.SIGTERM):
         self.group, self.device, self.signum = group, device, signum
         self.requested = False  # this rank received the signal
-        self._previous = None
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None  # signal.signal's return
         self._work = None  # the all-reduce issued after the previous step
         self._flag = torch.zeros(1, dtype=torch.int32, device=device)
         self.installed = False

@@ -46,7 +46,7 @@ def find_straggler(ranks: list[dict[str, float]], threshold: float = 0.1) -> dic
     if step_s <= 0 or made_wait_s <= threshold * step_s:
         return None
     excess = {k: per_step[slow][k] - statistics.median(p[k] for p in others) for k in _PHASES}
-    phase = max(excess, key=excess.get)
+    phase = max(excess, key=excess.__getitem__)
     cause = _PHASES[phase] if excess[phase] >= 0.5 * made_wait_s else "communication"
     return {"rank": slow, "cause": cause, "made_wait_ms": 1e3 * made_wait_s, "wait_share": made_wait_s / step_s,
             "own_ms": {k.removesuffix("_s"): 1e3 * per_step[slow][k] for k in ("data_s", "compute_s", "comm_s")},

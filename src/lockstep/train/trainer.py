@@ -17,6 +17,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any, Protocol, TextIO
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from lockstep.ddp.wrapper import DistributedDataParallel
 from lockstep.diagnostics.nonfinite import NonfiniteGradientError
 from lockstep.diagnostics.progress import set_phase
+from lockstep.diagnostics.watchdog import FROM_ENV
 from lockstep.sampler import DistributedSampler
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.config import TrainerConfig
@@ -47,6 +49,15 @@ from lockstep.train.run_identity import claim_checkpoint_dir
 from lockstep.train.stragglers import find_straggler, gather_epoch, straggler_line
 
 __all__ = ["Trainer", "TrainerConfig"]
+
+
+class SizedDataset(Protocol):
+    """A map-style dataset with a length (``TensorDataset``, a ``Dataset`` subclass with ``__len__``): the sampler
+    shards it by index."""
+
+    def __getitem__(self, index: int) -> Any: ...
+    def __len__(self) -> int: ...
+
 
 class Trainer:
     """Trains ``model`` on ``train_data`` (items ``(inputs, targets)``) on every rank of ``group``.
@@ -77,7 +88,7 @@ class Trainer:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-                 train_data: Dataset, eval_data: Dataset | None = None, config: TrainerConfig | None = None, *,
+                 train_data: SizedDataset, eval_data: Dataset | None = None, config: TrainerConfig | None = None, *,
                  scheduler=None, group: dist.ProcessGroup | None = None, device: torch.device | None = None,
                  on_step_end: Callable[[Trainer], None] | None = None,
                  on_epoch_end: Callable[[Trainer, dict], None] | None = None,
@@ -96,17 +107,11 @@ class Trainer:
         model.to(self.device)
         self.precision = Precision(cfg.autocast_dtype, self.device, scaler)  # autocast, and fp16's GradScaler
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        hang = {} if cfg.hang_timeout_s is None else {"hang_timeout_s": cfg.hang_timeout_s}
         self.ddp = DistributedDataParallel(
-            model,
-            device_ids=device_ids,
-            process_group=group,
-            detect_nonfinite=cfg.detect_nonfinite and self.precision.scaler is None,
-            check_replicas_every=cfg.check_replicas_every,
-            trace_dir=cfg.trace_dir,
-            trace_steps=tuple(cfg.trace_steps) if cfg.trace_dir else None,
-            **hang,
-        )
+            model, device_ids=device_ids, process_group=group, check_replicas_every=cfg.check_replicas_every,
+            detect_nonfinite=cfg.detect_nonfinite and self.precision.scaler is None, trace_dir=cfg.trace_dir,
+            trace_steps=(cfg.trace_steps[0], cfg.trace_steps[1]) if cfg.trace_dir else None,  # a list given: a tuple
+            hang_timeout_s=FROM_ENV if cfg.hang_timeout_s is None else cfg.hang_timeout_s)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.on_step_end, self.on_epoch_end, self.metric_fn = on_step_end, on_epoch_end, metric_fn
         self.train_data, self.eval_data = train_data, eval_data
@@ -116,17 +121,13 @@ class Trainer:
         self.sampler = DistributedSampler(train_data, self.world_size, self.rank, shuffle=True, seed=cfg.seed)
         # micro-batches per optimizer step: from the configured global batch, or the configured count; a resume
         # at another world size recomputes it from the checkpoint's global batch (train/resize.py)
-        self.grad_accum_steps = (
-            cfg.grad_accum_steps
-            if cfg.global_batch is None
-            else accum_steps_for(cfg.global_batch, cfg.batch_size, self.world_size, "TrainerConfig.global_batch")
-        )
+        self.grad_accum_steps = (cfg.grad_accum_steps if cfg.global_batch is None else accum_steps_for(
+            cfg.global_batch, cfg.batch_size, self.world_size, "TrainerConfig.global_batch"))
         self.global_batch = cfg.batch_size * self.grad_accum_steps * self.world_size
         if cfg.warmup_steps or cfg.lr_scale_base_batch:
             if scheduler is not None:
-                raise ValueError(
-                    "Trainer: pass either scheduler= or TrainerConfig.warmup_steps/lr_scale_base_batch, not both"
-                )
+                raise ValueError("Trainer: pass either scheduler= or TrainerConfig.warmup_steps/lr_scale_base_batch, "
+                                 "not both")
             base, warmup = cfg.lr_scale_base_batch, cfg.warmup_steps
             # lr(step) = base_lr * scale * min(1, (step + 1) / (warmup + 1)): a linear ramp to the scaled lr;
             # the scale reads global_batch when called, which a resize keeps equal to the checkpoint's
@@ -143,9 +144,11 @@ class Trainer:
         self.run_id: str | None = None
         self.metrics = ckpt.open_writer_files(self)  # rank 0's files checked on every rank alike
         self.save_errors: list[str] = []  # checkpoints that failed under on_save_error="continue"
-        self.preempted, self._watch = False, None
-        self._sample_log = None  # opened by fit() when sample_log_path is set
-        self.meter, self._bar = EpochMeter(), None  # this epoch's account (epoch_meter.py) and rank 0's bar
+        self.preempted = False
+        self._watch: PreemptionWatch | None = None
+        self._sample_log: TextIO | None = None  # opened by fit() when sample_log_path is set
+        self.meter = EpochMeter()  # this epoch's account (epoch_meter.py)
+        self._bar: Any = None  # rank 0's bar (``progress_bar``: tqdm's, or a line per refresh)
         self._kill = kill_point_from_env(dist.get_rank())  # test-only fault hook (faults.py); None normally
         if self._kill is not None:
             install_kill_hooks(self, self._kill)
@@ -168,13 +171,15 @@ class Trainer:
         self._fit = next_fit()  # names this fit's departure keys in the store (departures.py)
         if cfg.resume:
             self.load_latest()
+        run_id = self.run_id
+        assert run_id is not None  # set on every rank in __init__ (open_writer_files), replaced by a resume
         if cfg.checkpoint_dir:  # a new run stops here if the folder holds another run's checkpoints
-            claim_checkpoint_dir(cfg.checkpoint_dir, self.run_id, self.resumed_from is not None, cfg.overwrite,
+            claim_checkpoint_dir(cfg.checkpoint_dir, run_id, self.resumed_from is not None, cfg.overwrite,
                                  self.is_writer, self.group)
-        self.metrics.run_id = self.run_id
+        self.metrics.run_id = run_id
         if self.is_writer and not self.metrics.sinks and (log_dir := cfg.resolved_log_dir()):
             try:  # rank 0 alone: a failure here must not end rank 0 and leave the others waiting
-                self.metrics.sinks = open_run_loggers(log_dir, self.run_id, cfg.tensorboard)  # closed with metrics
+                self.metrics.sinks = open_run_loggers(log_dir, run_id, cfg.tensorboard)  # closed with metrics
             except OSError as e:
                 warnings.warn(f"lockstep: no CSV/TensorBoard logs: {log_dir} cannot be written ({e})", stacklevel=2)
         self.metrics.write({"event": "start", "step": self.step,
@@ -189,7 +194,7 @@ class Trainer:
             if watch is not None:
                 watch.install()
             if cfg.sample_log_path:
-                self._open_sample_log()
+                self._open_sample_log(cfg.sample_log_path)
             while self.epoch < cfg.epochs and not self._stopped() and not self.preempted:
                 if not self._train_epoch():
                     break  # stopped mid-epoch by max_steps or preemption: no epoch summary
@@ -216,8 +221,8 @@ class Trainer:
             raise Preempted(self.step, str(self.last_checkpoint))
         return self.summary()
 
-    def _open_sample_log(self) -> None:
-        path = self.config.sample_log_path.replace("{rank}", str(self.rank))
+    def _open_sample_log(self, path_template: str) -> None:
+        path = path_template.replace("{rank}", str(self.rank))
         self._sample_log = open(path, "a", buffering=1)  # line-buffered: each step's line survives a SIGKILL
         self._sample_log.write(json.dumps({"event": "start", "step": self.step, "resumed_from": self.resumed_from})
                                + "\n")
@@ -285,7 +290,7 @@ class Trainer:
             meter.add_step(step_s, group_samples * self.world_size)
             meter.update_comm(self._comm_wait_total_s())
             group_samples = 0
-            if step_ids is not None:
+            if step_ids is not None and self._sample_log is not None:  # both or neither
                 self._sample_log.write(json.dumps({"step": self.step, "epoch": self.epoch + 1, "ids": step_ids}) + "\n")
                 step_ids = []
             self._after_step(loss_value, bar, step_s)
@@ -337,13 +342,13 @@ class Trainer:
         ranks = gather_epoch(self._loss_sum, self._loss_count, meter.phases(), self.device, self.group)
         totals = [sum(r["loss_sum"] for r in ranks), sum(r["loss_count"] for r in ranks)]
         # epochs count from 1 in everything shown (bar, summary, metrics, curves); self.epoch counts done ones
-        record = {"event": "epoch", "epoch": self.epoch + 1, "step": self.step,
-                  "train_loss": totals[0] / totals[1] if totals[1] else float("nan"),
+        train_loss = totals[0] / totals[1] if totals[1] else float("nan")
+        record = {"event": "epoch", "epoch": self.epoch + 1, "step": self.step, "train_loss": train_loss,
                   "samples_per_s": meter.samples_per_s}  # this epoch's, as the bar's
         share = meter.comm_share if self._comm_wait_total_s() is not None else None
         if share is not None:
             record["comm_share"] = share
-        self._bar.set_postfix(step_postfix(record["train_loss"], meter.samples_per_s, meter.last_step_s, share),
+        self._bar.set_postfix(step_postfix(train_loss, meter.samples_per_s, meter.last_step_s, share),
                               refresh=False)
         self._bar.close()
         straggler = find_straggler(ranks)  # the same on every rank: computed from the same gathered numbers
