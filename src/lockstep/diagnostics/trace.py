@@ -35,10 +35,11 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
 from lockstep.diagnostics.clock import default_store, offset_to_rank0_s
@@ -65,6 +66,32 @@ def window_from_env(text: str | None, default: tuple[int, int]) -> tuple[int, in
     return first, last
 
 
+class TracedBucket(Protocol):
+    """What the recorder reads of one of the reducer's buckets (``ddp.reducer_state.Bucket``)."""
+
+    @property
+    def flat(self) -> torch.Tensor: ...
+    @property
+    def work(self) -> Any: ...  # the launch's dist.Work, or the Future a comm hook returned
+
+
+class OnTheWireDtype(Protocol):
+    """A compress hook the reducer runs itself (``ddp.fused_compress.FusedCompression``): its wire dtype."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+class TracedReducer(Protocol):
+    """What the recorder reads of the DDP's reducer (``ddp.reducer.Reducer``); diagnostics/ does not import ddp/."""
+
+    @property
+    def num_syncs(self) -> int: ...
+    @property
+    def buckets(self) -> Sequence[TracedBucket]: ...
+    def _fused_now(self) -> OnTheWireDtype | None: ...
+
+
 class TraceRecorder(ProfilerRanges):
     """A step observer (see ``lockstep.ddp.observe``) recording a window of synchronised steps on this rank.
 
@@ -77,7 +104,7 @@ class TraceRecorder(ProfilerRanges):
         link: the cost-model link the summary prices the all-reduces with (default: loopback on CPU, nvlink on CUDA).
     """
 
-    def __init__(self, reducer: Any, group: dist.ProcessGroup, trace_dir: str | os.PathLike,
+    def __init__(self, reducer: TracedReducer, group: dist.ProcessGroup, trace_dir: str | os.PathLike,
                  steps: tuple[int, int] = (5, 10), on_finish: Callable[[], None] | None = None,
                  link: str | None = None, quiet: bool = False):
         first, last = steps
