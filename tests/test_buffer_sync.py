@@ -150,8 +150,39 @@ def _failing_forward(rank):
             "hooks_left": len(torch.nn.modules.module._global_forward_pre_hooks)}
 
 
+def _no_buffers(rank):
+    """A module without buffers: not walked after its first forward; a buffer registered later is still broadcast."""
+    import lockstep
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    model = lockstep.DistributedDataParallel(module)
+    walks = []
+    real = module.named_modules
+
+    def counting(*args, **kwargs):
+        walks.append(1)
+        return real(*args, **kwargs)
+
+    module.named_modules = counting  # an instance attribute: this module's walks only
+    try:
+        model(torch.randn(2, 4)).sum().backward()  # the first forward walks it (and checks the replicas)
+        walks.clear()
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+        out = {"walks": len(walks)}
+        module[0].register_buffer("scale", torch.full((4,), float(rank + 1)))  # each rank its own
+        model(torch.randn(2, 4)).sum().backward()
+        out["walks_after_register"] = len(walks)
+        out["scale"] = module[0].scale.tolist()
+        return out
+    finally:
+        del module.named_modules
+
+
 def _cases(rank, world_size):
     return {
+        "no_buffers": _no_buffers(rank),
         "bn": {impl: _train(impl, rank) for impl in ("lockstep", "torch")},
         "extra": {impl: _train(impl, rank, extra_buffer=True) for impl in ("lockstep", "torch")},
         "peek": {impl: _train(impl, rank, peek=True) for impl in ("lockstep", "torch")},
@@ -212,3 +243,11 @@ def test_a_forward_that_raises_still_finishes_the_broadcast(results):
         assert f["error"] == "failing forward"
         assert f["after_failure"] == 0.0  # rank 0's zeros, on rank 1 too
         assert f["alive"] == 2.0 and f["hooks_left"] == 0
+
+
+def test_a_module_without_buffers_is_walked_once_and_a_later_buffer_still_syncs(results):
+    for rank in range(2):
+        case = results[rank]["no_buffers"]
+        assert case["walks"] == 0, case  # the old tree walked at every forward (3)
+        assert case["walks_after_register"] == 1, case  # the registration made the next forward look again
+        assert case["scale"] == [1.0] * 4, case  # rank 0's, on rank 1 too

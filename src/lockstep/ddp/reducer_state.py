@@ -77,7 +77,7 @@ class Bucket:
         # A direct bucket's gradient, all-reduced in place this backward (a detached alias of param.grad,
         # ``copy_in``), else None. Its work holds it until the next backward drops the work.
         self.direct: torch.Tensor | None = None
-        self.compressed: torch.Tensor | None = None  # ``fused_compress``: the bucket cast for the wire, kept
+        self.compressed: torch.Tensor | None = None  # ``fused_compress``: the buffer's bytes as the wire dtype
         self.compressed_views: list[torch.Tensor] = []
         self.reset()
 
