@@ -8,7 +8,7 @@ reducer's own group. Per bucket the arithmetic is the hook's: cast the local gra
 (round to nearest), divide by the group's size in ``dtype``, all-reduce the sum, cast back. At 2 ranks
 that is the hook's result bit for bit; at 3 or more, gloo's ring adds each element in an order set by
 its place in the buffer, and the last bucket here carries one element more (the flag), so sums there may
-round differently, as lockstep's path without a hook may against torch's (README, "Differences").
+round differently, as lockstep's path without a hook may against torch's (docs/differences-from-torch.md).
 
 What it saves against calling the hook, per backward:
 - the missing-gradient flag's own all-reduce (~0.5 ms at 2 ranks on gloo): a hook's buffer must be
