@@ -22,10 +22,10 @@ import subprocess
 import sys
 import time
 
+import netns
 import pytest
 import torch
-
-import netns
+from test_launch_network import _family_tree  # pid and all its descendants, from /proc
 from test_multinode import Launch, clean_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,27 +49,8 @@ def _argv(node_rank: int, port: int, directory: str, *extra: str) -> list[str]:
             "--max-restarts", "3", SCRIPT, directory, *extra]
 
 
-def _tree(pid: int) -> list[int]:
-    """pid and all its descendants (read from /proc before any of them is killed)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
 def _kill_node(launch: Launch) -> float:
-    for pid in _tree(launch.proc.pid):  # the agent and its workers (which run in sessions of their own)
+    for pid in _family_tree([launch.proc.pid]):  # the agent and its workers (which run in sessions of their own)
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
