@@ -181,3 +181,25 @@ def test_report_prefers_the_error_file_over_a_stderr_that_holds_only_log_lines(t
     text = str(failure_report(ChildFailedError("work", {0: failure}), logs))
     assert "ModuleNotFoundError: No module named 'no_such_module'" in text and 'train.py", line 6' in text, text
     assert "gloo uses interface" not in text
+
+
+def test_restart_line_names_why_the_launcher_stopped_its_workers_and_never_a_log_line(tmp_path):
+    # A node that lost another node kills its own workers (SIGKILL): the restart line says that, not "worker rank 0
+    # failed (killed by SIGKILL)"; and a rank whose stderr ends in log lines gets no log line as its "last words".
+    from types import SimpleNamespace
+
+    from lockstep.launch.output import RankLogsSpecs
+
+    stderr = tmp_path / "stderr.log"
+    stderr.write_text("bad batch shape, giving up\n"
+                      "[rank0] INFO lockstep.process_group: gloo uses interface lo\n"
+                      "[rank0] [W1125 14:08:25.347826321 socket.cpp:207] [c10d] The hostname cannot be retrieved\n")
+    logs = RankLogsSpecs(log_dir=str(tmp_path / "logs"), max_restarts=1)
+    logs.last_dest = SimpleNamespace(stderrs={0: str(stderr)})
+    logs.last_envs = {0: {"RANK": "0"}}
+    logs.note_failure(-9, 0)
+    assert logs._restart_reason() == "worker rank 0 failed (killed by signal SIGKILL (exit code -9)): " \
+                                     "bad batch shape, giving up"
+    reasons = iter(["node 1 (10.0.0.2, vm) sent no heartbeat for 9 s", None])
+    logs.stop_reason = lambda: next(reasons)
+    assert logs._restart_reason() == "this node stopped them: node 1 (10.0.0.2, vm) sent no heartbeat for 9 s"

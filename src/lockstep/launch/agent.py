@@ -340,6 +340,12 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
                          redirects=options.redirects, tee=options.tee, local_ranks_filter=options.local_ranks_filter)
     config = _launch_config(options, logs)
     rendezvous.register()
+
+    def stop_reason() -> str | None:
+        handler = rendezvous.handler_for(config.run_id)
+        return handler.take_stop_reason() if handler is not None else None
+
+    logs.stop_reason = stop_reason
     keep_logs = bool(options.log_dir)  # the user asked for them
     # Preempted workers leave a file here (train/preempt.py): after a SIGTERM the agent keeps no exit codes
     preempt_dir = tempfile.mkdtemp(prefix="preempted-", dir=log_dir)

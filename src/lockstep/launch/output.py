@@ -13,7 +13,9 @@ import os
 import signal
 import socket
 import sys
+import re
 from collections import deque
+from collections.abc import Callable
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import LogsDest
@@ -53,6 +55,8 @@ class RankLogsSpecs(DefaultLogsSpecs):
         self.restart_count = 0
         self.attempts = 0
         self.last_failure: tuple[int, int] | None = None  # (local rank, exit code) the agent last reported
+        # Why the launcher itself stopped this node's workers (a lost node), if it did: set by the agent
+        self.stop_reason: Callable[[], str | None] = lambda: None
         # Workers are executables: torch's agent then records every non-zero exit, those it stopped included.
         self.every_exit_recorded = False
 
@@ -61,6 +65,9 @@ class RankLogsSpecs(DefaultLogsSpecs):
         self.last_failure = (local_rank, exitcode)
 
     def _restart_reason(self) -> str:
+        stopped = self.stop_reason()
+        if stopped is not None:
+            return f"this node stopped them: {stopped}"
         if self.last_failure is None:
             return ""
         local_rank, exitcode = self.last_failure
@@ -70,7 +77,9 @@ class RankLogsSpecs(DefaultLogsSpecs):
         if self.last_dest is not None:
             tail = _strip_prefix(_tail(self.last_dest.stderrs.get(local_rank), 40), rank)
             # its exception, else its last words (a script that printed why and called sys.exit)
-            error = exception_line(tail, rank) or next((line.strip() for line in reversed(tail) if line.strip()), "")
+            error = exception_line(tail, rank) or next(
+                (line.strip() for line in reversed(tail) if line.strip() and not _LOG_LINE.match(line)), ""
+            )
             if error:
                 reason += f": {error}"
         return reason
@@ -126,6 +135,10 @@ class LaunchError(RuntimeError):
         self.rank = rank
         self.exitcode = exitcode
         self.failures = failures  # global rank -> exit code, every worker that had failed when the agent stopped
+
+
+# A log record (lockstep's "INFO lockstep.x: ...", c10d's "[W1125 14:08:25.34 socket.cpp:207] ..."), not last words
+_LOG_LINE = re.compile(r"\s*(?:\[rank\d+\]:? )?(?:(?:DEBUG|INFO|WARNING) [\w.]+: |\[[DIWE]\d{4} )")
 
 
 def _tail(path: str | None, nlines: int) -> list[str]:

@@ -76,6 +76,9 @@ class LockstepRendezvous(RendezvousHandler):
         self.single = params.max_nodes == 1
         self.local_addr = "127.0.0.1" if self.single else route_source_addr(self.master_addr)
         self.lost_reason: str | None = None  # set when a node was lost; the launcher's report names it
+        # Why this node last stopped its own workers; kept past the next round, read once by the restart line
+        # (which would otherwise say "worker rank 0 failed (killed by SIGKILL)").
+        self._stopped_workers_because: str | None = None
         self.min_nodes, self.max_nodes = int(params.min_nodes), int(params.max_nodes)
         # --nnodes as given: "2", or "1:2" for an elastic job (launch/elastic.py); every node must say the same
         self.nnodes_spec = (
@@ -183,7 +186,7 @@ class LockstepRendezvous(RendezvousHandler):
         return self._inner.num_nodes_waiting()  # one node: the store is local and answers at once
 
     def _lose(self, reason: str) -> None:
-        self.lost_reason = reason
+        self.lost_reason = self._stopped_workers_because = reason
         first = self.group_rank * self.nproc
         print(f"lockstep launch: {reason} (a cut link or a dead node); stopping ranks {first}-{first + self.nproc - 1} "
               f"on this node (node {self.node_rank})", file=sys.stderr, flush=True)
@@ -193,6 +196,11 @@ class LockstepRendezvous(RendezvousHandler):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def take_stop_reason(self) -> str | None:
+        """Why this node stopped its workers since the last call (None: it did not)."""
+        reason, self._stopped_workers_because = self._stopped_workers_because, None
+        return reason
 
     def _stop_watchdog(self) -> None:
         for thread in (self._watchdog, self._poller, self._report):
