@@ -10,10 +10,10 @@ has stopped every worker: never interleaved with the other ranks' output.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sys
-import re
 from collections import deque
 from collections.abc import Callable
 
