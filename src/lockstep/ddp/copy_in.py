@@ -43,6 +43,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lockstep.ddp.idle_buckets import ensure_resident
 from lockstep.ddp.reducer_state import Bucket
 from lockstep.ddp.step import ALIAS, COPY, VIEW, Backward, StepPlan
 
@@ -58,6 +59,8 @@ def copy_in(step: Backward, params: Sequence[torch.nn.Parameter], names: Sequenc
     exchange at the end of backward tells.
     """
     plan = step.plan
+    if bucket.released:  # its memory given back since the last backward (``idle_buckets``): taken again now
+        ensure_resident(bucket)
     bucket.grads[slot] = grad  # the local gradient, kept to the end of backward (the non-finite check reads it)
     if bucket.plan.sparse:
         _sparse_in(step, params[index], names[index], bucket, grad, hooked)
@@ -185,12 +188,14 @@ def _direct_ok(plan: StepPlan, param: torch.nn.Parameter, grad: torch.Tensor, vi
 
 
 def unalias_grads(buckets: Sequence[Bucket], mode: str) -> None:
-    """Before a joined rank's shadow round zeroes and reduces the buckets: a ``.grad`` that is a slot
-    becomes its own copy, so the joined rank's gradients stay as they were, as torch's (whose joined
-    rank reduces zero tensors of its own). One clone per parameter, once per join."""
+    """Before a joined rank's shadow round zeroes and reduces the buckets: each bucket resident again
+    (``idle_buckets``), and a ``.grad`` that is a slot becomes its own copy, so the joined rank's gradients
+    stay as they were, as torch's (whose joined rank reduces zero tensors of its own). One clone per
+    parameter, once per join."""
     if mode == COPY:
         return
     for bucket in buckets:
+        ensure_resident(bucket)  # the shadow round zeroes and sends it
         for p, view in zip(bucket.params, bucket.views):
             grad = p.grad
             if grad is not None and grad.data_ptr() == view.data_ptr():

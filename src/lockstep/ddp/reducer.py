@@ -30,6 +30,7 @@ from lockstep.ddp.errors import error_for_log, twice_message
 from lockstep.ddp.fused_compress import FusedCompression
 from lockstep.ddp.grad_hook import make_hook
 from lockstep.ddp.graph import backward_accumulates, grad_accumulators
+from lockstep.ddp.idle_buckets import release_idle
 from lockstep.ddp.launch_order import LaunchOrder
 from lockstep.ddp.layout import agree_on_order, build_layout, move_grads_into
 from lockstep.ddp.lifetime import register_for_exit, remove_handles
@@ -112,6 +113,7 @@ class Reducer:
         self._observed_order: list[int] | None = []  # first synced backward's ready order, for the rebuild
         self.rebuild_pending = False
         self.buckets_rebuilt = False
+        self.released_bytes = 0  # bucket memory given back at the last synchronised forward (``idle_buckets``)
         self.direct_launches = 0  # all-reduces on a gradient where autograd left it (``copy_in``), since construction
         self.launch_seq = 0  # launches issued since construction: the same on every rank, step after step
         self.comm_wait_s = 0.0
@@ -179,6 +181,8 @@ class Reducer:
             # now so the other ranks' waits complete, and raise here as they raise there (nothing if none was ready).
             self._finalize_backward()
         self.between_steps()
+        # Bucket views: a bucket no .grad points into gives its memory back until its next gradient (``idle_buckets``).
+        self.released_bytes = release_idle(self.buckets, self.grad_mode)
 
     def prepare_after_forward(self, outputs: Any) -> None:
         """After a synchronised forward: hooks count; note the parameters this backward will not reach.
