@@ -99,7 +99,10 @@ def _held_elsewhere(bucket: Bucket) -> bool:
     own_tensors = 2 + len(bucket.views)  # buffer, flat, the slots
     compressed = bucket.compressed
     if compressed is not None and compressed.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr():
-        own_tensors += 1 + len(bucket.compressed_views)  # ``fused_compress``'s wire view of the buffer's bytes
+        # ``fused_compress``'s wire view of the buffer's bytes, its slots, and the buffer seen as the wire dtype that
+        # it is a slice of (a view across dtypes is a base of its own, which the slice holds).
+        base = compressed._base
+        own_tensors += 1 + len(bucket.compressed_views) + (base is not None and base is not bucket.buffer)
     storage = bucket.buffer.untyped_storage()
     # + 1: ``storage``, the Python object just made, holds the storage too.
     return torch._C._storage_Use_Count(storage._cdata) > own_tensors + 1
