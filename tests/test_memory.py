@@ -138,7 +138,7 @@ def _kept_grad_case(rank: int) -> dict:
     def at_forward_end(_module, _inputs, _output):
         if "kept" in seen:
             seen["equal"] = torch.equal(seen["kept"], seen["values"])  # reads the kept slot
-            seen["released"] = [b.released for b in ddp.reducer.buckets]
+            seen["released"] = [getattr(b, "released", False) for b in ddp.reducer.buckets]  # (none before the fix)
             seen["kept_bucket"] = next(b.index for b in ddp.reducer.buckets if any(p is kept_param for p in b.params))
 
     module[-1].register_forward_hook(at_forward_end)
