@@ -8,6 +8,7 @@ naming the argument instead of being silently ignored.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -136,6 +137,14 @@ def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bo
         return bool(forward_sync_buffers), True
     effective = True if broadcast_buffers is None else bool(broadcast_buffers)
     return effective, effective
+
+
+def sparse_flags(sparse: Sequence[bool] | None, num_params: int) -> list[bool]:
+    """The reducer's ``sparse``: one flag per parameter (None: no gradient is sparse)."""
+    flags = [bool(s) for s in sparse] if sparse is not None else [False] * num_params
+    if len(flags) != num_params:
+        raise ValueError(f"sparse: {len(flags)} flags for {num_params} parameters")
+    return flags
 
 
 def ignored_names(module) -> set[str]:

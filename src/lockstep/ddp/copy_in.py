@@ -197,6 +197,16 @@ def unalias_grads(buckets: Sequence[Bucket], mode: str) -> None:
                 p.grad = view.clone()
 
 
+def zero_for_shadow(buckets: Sequence[Bucket], mode: str) -> None:
+    """A joined rank's buckets for its shadow round: each ``.grad`` that is a slot first gets its own copy
+    (``unalias_grads``: the order matters), then zeros, and an empty sparse gradient in a sparse bucket."""
+    unalias_grads(buckets, mode)
+    for bucket in buckets:
+        bucket.buffer.zero_()
+        if bucket.plan.sparse:
+            bucket.sparse = empty_sparse_like(bucket.params[0])
+
+
 def empty_sparse_like(param: torch.Tensor) -> torch.Tensor:
     """No gradient for an embedding table, as the sparse tensor its backward makes (1 sparse dimension, the rest
     dense), so a rank with none takes part in the sparse all-reduce and adds nothing."""

@@ -30,6 +30,8 @@ COPY, ALIAS, VIEW = "copy", "alias", "view"
 
 # (bucket, slot, view, scale) per parameter index, or None where the hook must take the slow path.
 FastEntry = tuple[Bucket, int, torch.Tensor, Any]
+# ((layout version, divisor, no comm hook), the table): a reducer's cached common-path table (``cached_fast_table``).
+FastCache = tuple[tuple[int, int, bool], list[FastEntry | None]]
 
 
 def grad_mode(gradient_as_bucket_view: bool | None) -> str:
@@ -135,6 +137,16 @@ def fast_table(buckets: Sequence[Bucket], num_params: int, divisor: int, hooked:
     return table
 
 
+def cached_fast_table(cache: FastCache | None, layout_version: int, buckets: Sequence[Bucket], num_params: int,
+                      divisor: int, hooked: bool) -> FastCache:
+    """The common-path table for this layout, divisor and comm hook: ``cache`` where they are the ones it was built
+    for, else a new one (``fast_table``, a Python loop over the parameters); the reducer keeps what this returns."""
+    key = (layout_version, divisor, not hooked)
+    if cache is not None and cache[0] == key:
+        return cache
+    return key, fast_table(buckets, num_params, divisor, hooked)
+
+
 @dataclass(slots=True, eq=False)
 class Backward:
     """What one backward fills in; ``Reducer.step`` from the backward's start to its end (None in between)."""
@@ -154,3 +166,19 @@ class Backward:
     """A gradient carried a graph (``create_graph=True``): copy_back must record its copy."""
     fixups: int = 0
     """Slots whose ``.grad`` copy_back must still set (0 on the common path: ALIAS then copies nothing back)."""
+
+
+def nothing_to_reduce(step: Backward, buckets: Sequence[Bucket]) -> bool:
+    """No parameter got a gradient and nothing was launched: a torch.autograd.grad through the outputs (a gradient
+    penalty, an adversarial attack), a loss that did not depend on the model (torch.func.functional_call with other
+    tensors). Nothing to reduce, as in torch, and, as torch's reducer, still expecting this forward's backward: R1's
+    loss.backward() after its autograd.grad."""
+    return not step.hooks_fired and not any(any(b.seen) for b in buckets)
+
+
+def copy_back_path(step: Backward) -> tuple[bool, bool]:
+    """At the end of ``step``: (fast, early). ``fast``: ``copy_back``'s common path, each slot copied into its
+    ``.grad`` (not with bucket views, a gradient carrying a graph, a missing gradient or a fixup). ``early``: also
+    each bucket copied back as soon as its wait returns, torch's order, overlapping the buckets still in flight."""
+    fast = not (step.plan.mode == VIEW or step.graph_grads or step.missing_flag or step.fixups)
+    return fast, fast and step.plan.copy_each
