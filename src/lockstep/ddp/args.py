@@ -8,7 +8,7 @@ naming the argument instead of being silently ignored.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Any, cast
 
 import torch
@@ -55,7 +55,7 @@ def warn_like_torch(check_reduction: bool, static_graph: bool, find_unused_param
         warnings.warn(STATIC_WITH_FIND_UNUSED, UserWarning, stacklevel=3)
 
 
-def reject_module(module: Any, device: Any, ignored: Any = ()) -> None:
+def reject_module(module: torch.nn.Module, device: torch.device, ignored: Container[str] = ()) -> None:
     """torch's DDP's checks of the module itself, with the offending parameter's or layer's name: no parameter
     left uninitialized (a lazy module before its first forward), and no SyncBatchNorm in a CPU module (refused at
     construction, not at the first forward where SyncBatchNorm itself would raise on the CPU input).
@@ -64,8 +64,6 @@ def reject_module(module: Any, device: Any, ignored: Any = ()) -> None:
     deferred initialisation and not materialised yet): torch's DDP fails there with "Tensor.item() cannot be
     called on meta tensors"; accepted, it would train replicas that were never made equal, with gradients that
     are never averaged. ``ignored``: the names DDP leaves alone (``_ddp_params_and_buffers_to_ignore``)."""
-    import torch
-
     for name, param in module.named_parameters():
         if isinstance(param, torch.nn.parameter.UninitializedParameter):
             raise RuntimeError(

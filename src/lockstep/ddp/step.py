@@ -22,6 +22,7 @@ from lockstep.comm_hooks.base import issues_collectives_up_front
 from lockstep.ddp.fused_compress import FusedCompression
 from lockstep.ddp.launch_order import LaunchOrder
 from lockstep.ddp.reducer_state import Bucket
+from lockstep.diagnostics.nonfinite import NonfiniteCheck
 
 _FLOAT32_SCALED = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -71,8 +72,8 @@ class StepPlan:
     """A called hook not known to issue its collectives up front: one of its buckets in flight at a time."""
     copy_each: bool
     """COPY mode's common path may copy each bucket back right after its wait (if nothing else forbids it)."""
-    nonfinite: Any
-    """``diagnostics.nonfinite.NonfiniteCheck`` (``detect_nonfinite=True``), or None."""
+    nonfinite: NonfiniteCheck | None
+    """The NaN/Inf check (``detect_nonfinite=True``), or None."""
     fast: list[FastEntry | None] | None
     """The hook's common-path table (``fast_table``), or None: every hook takes the slow path."""
 
@@ -84,7 +85,9 @@ class StepPlan:
         return 1.0 / self.divisor
 
 
-def fused_now(fused: FusedCompression | None, nonfinite: Any, has_sparse: bool) -> FusedCompression | None:
+def fused_now(
+    fused: FusedCompression | None, nonfinite: NonfiniteCheck | None, has_sparse: bool
+) -> FusedCompression | None:
     """The hook's average, run by the reducer; None where the hook is called (the NaN check's count needs it;
     a sparse gradient is the hook's to compress, as in torch)."""
     return fused if nonfinite is None and not has_sparse else None
@@ -96,8 +99,8 @@ def one_in_flight(comm_hook: Any, fused: FusedCompression | None) -> bool:
 
 
 def plan_backward(
-    *, mode: str, divisor: int, comm_hook: Any, fused: FusedCompression | None, nonfinite: Any, has_sparse: bool,
-    last_bucket_sparse: bool, tracks_usage: bool, fast: list[FastEntry | None] | None,
+    *, mode: str, divisor: int, comm_hook: Any, fused: FusedCompression | None, nonfinite: NonfiniteCheck | None,
+    has_sparse: bool, last_bucket_sparse: bool, tracks_usage: bool, fast: list[FastEntry | None] | None,
 ) -> StepPlan:
     """The plan of the backward about to start (a synchronised one, or a joined rank's shadow of one)."""
     fused = fused_now(fused, nonfinite, has_sparse)
