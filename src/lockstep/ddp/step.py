@@ -7,6 +7,7 @@ mode, the divisor and the layout are all set between steps. So ``plan_backward``
 backward's start, into a frozen ``StepPlan`` that the per-parameter hook, the launches and the end of backward
 read; and everything a backward fills in (bucket countdowns, the launch order, what ``copy_back`` must still
 do) is one ``Backward``, made whole at the start and dropped whole at the end, never reset field by field.
+What only the backward's end can know (``nothing_to_reduce``, ``copy_back_path``) is read from it, as functions.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def plan_backward(
 
 def fast_table(buckets: Sequence[Bucket], num_params: int, divisor: int, hooked: bool) -> list[FastEntry | None]:
     """Per parameter index, ``(bucket, slot, view, scale)`` for the hook's common path; None where the slow path must
-    run anyway (a direct or sparse bucket). Built once per layout, divisor and comm hook (``Reducer``'s cache).
+    run anyway (a direct or sparse bucket). Built once per layout, divisor and comm hook (``cached_fast_table``).
 
     The common path (``Reducer`` decides when it applies: copies, no usage tracking, buckets rebuilt, no event
     log) is a subset of the slow path's steps, in the same order: mark the slot, one fused scale-and-copy,
