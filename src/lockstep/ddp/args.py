@@ -8,6 +8,7 @@ naming the argument instead of being silently ignored.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Container, Sequence
 from typing import Any, cast
 
 import torch
@@ -54,7 +55,7 @@ def warn_like_torch(check_reduction: bool, static_graph: bool, find_unused_param
         warnings.warn(STATIC_WITH_FIND_UNUSED, UserWarning, stacklevel=3)
 
 
-def reject_module(module: Any, device: Any, ignored: Any = ()) -> None:
+def reject_module(module: torch.nn.Module, device: torch.device, ignored: Container[str] = ()) -> None:
     """torch's DDP's checks of the module itself, with the offending parameter's or layer's name: no parameter
     left uninitialized (a lazy module before its first forward), and no SyncBatchNorm in a CPU module (refused at
     construction, not at the first forward where SyncBatchNorm itself would raise on the CPU input).
@@ -63,8 +64,6 @@ def reject_module(module: Any, device: Any, ignored: Any = ()) -> None:
     deferred initialisation and not materialised yet): torch's DDP fails there with "Tensor.item() cannot be
     called on meta tensors"; accepted, it would train replicas that were never made equal, with gradients that
     are never averaged. ``ignored``: the names DDP leaves alone (``_ddp_params_and_buffers_to_ignore``)."""
-    import torch
-
     for name, param in module.named_parameters():
         if isinstance(param, torch.nn.parameter.UninitializedParameter):
             raise RuntimeError(
@@ -136,6 +135,14 @@ def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bo
         return bool(forward_sync_buffers), True
     effective = True if broadcast_buffers is None else bool(broadcast_buffers)
     return effective, effective
+
+
+def sparse_flags(sparse: Sequence[bool] | None, num_params: int) -> list[bool]:
+    """The reducer's ``sparse``: one flag per parameter (None: no gradient is sparse)."""
+    flags = [bool(s) for s in sparse] if sparse is not None else [False] * num_params
+    if len(flags) != num_params:
+        raise ValueError(f"sparse: {len(flags)} flags for {num_params} parameters")
+    return flags
 
 
 def ignored_names(module) -> set[str]:

@@ -95,7 +95,7 @@ def refuse_compiled_autograd() -> None:
         )
 
 
-def call_module(ddp: Any, inputs: tuple, kwargs: dict) -> Any:
+def call_module(ddp: _TorchDDP, inputs: tuple, kwargs: dict) -> Any:
     """``ddp.module(*inputs, **kwargs)`` with ``ddp`` as dynamo's active DDP module (restored after,
     so a DDP nested in another sees the outer one again, as torch's does)."""
     previous = _TorchDDP._active_ddp_module

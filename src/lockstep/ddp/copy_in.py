@@ -188,18 +188,27 @@ def _direct_ok(plan: StepPlan, param: torch.nn.Parameter, grad: torch.Tensor, vi
 
 
 def unalias_grads(buckets: Sequence[Bucket], mode: str) -> None:
-    """Before a joined rank's shadow round zeroes and reduces the buckets: each bucket resident again
-    (``idle_buckets``), and a ``.grad`` that is a slot becomes its own copy, so the joined rank's gradients
-    stay as they were, as torch's (whose joined rank reduces zero tensors of its own). One clone per
-    parameter, once per join."""
+    """Before a joined rank's shadow round zeroes and reduces the buckets: a ``.grad`` that is a slot
+    becomes its own copy, so the joined rank's gradients stay as they were, as torch's (whose joined
+    rank reduces zero tensors of its own). One clone per parameter, once per join."""
     if mode == COPY:
         return
     for bucket in buckets:
-        ensure_resident(bucket)  # the shadow round zeroes and sends it
         for p, view in zip(bucket.params, bucket.views):
             grad = p.grad
             if grad is not None and grad.data_ptr() == view.data_ptr():
                 p.grad = view.clone()
+
+
+def zero_for_shadow(buckets: Sequence[Bucket], mode: str) -> None:
+    """A joined rank's buckets for its shadow round: each ``.grad`` that is a slot first gets its own copy
+    (``unalias_grads``: the order matters), then zeros, and an empty sparse gradient in a sparse bucket."""
+    unalias_grads(buckets, mode)
+    for bucket in buckets:
+        ensure_resident(bucket)  # given back at the last forward (``idle_buckets``): the zeros are sent
+        bucket.buffer.zero_()
+        if bucket.plan.sparse:
+            bucket.sparse = empty_sparse_like(bucket.params[0])
 
 
 def empty_sparse_like(param: torch.Tensor) -> torch.Tensor:

@@ -9,21 +9,46 @@ phases appear as ``record_function`` ranges; when none is, no observer is attach
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from lockstep.ddp.config import DiagnosticsOptions
 from lockstep.ddp.observe import attach, detach
+from lockstep.ddp.reducer import Reducer
 from lockstep.diagnostics.checks import PeriodicReplicaCheck
 from lockstep.diagnostics.nonfinite import NonfiniteCheck
 from lockstep.diagnostics.ranges import ProfilerRanges
 
+if TYPE_CHECKING:  # imported where a trace is asked for (it pulls in the clock and the timeline)
+    from lockstep.diagnostics.trace import TraceRecorder
+
 DEFAULT_TRACE_STEPS = (5, 10)
 
 
-def setup(ddp: Any, options: DiagnosticsOptions) -> None:
+class DiagnosedDDP(Protocol):
+    """The wrapper (``DistributedDataParallel``), as its diagnostics are built and attached: what is read and set."""
+
+    @property
+    def module(self) -> nn.Module: ...
+    @property
+    def process_group(self) -> dist.ProcessGroup: ...
+    @property
+    def reducer(self) -> Reducer: ...
+    @property
+    def parameters_to_ignore(self) -> set[str]: ...
+
+    check_replicas_every: int | None
+    detect_nonfinite: bool
+    trace: TraceRecorder | None
+    _replica_check: PeriodicReplicaCheck | None
+    _profiler_ranges: ProfilerRanges | None
+    _profiling: bool
+
+
+def setup(ddp: DiagnosedDDP, options: DiagnosticsOptions) -> None:
     """Called once at construction (and after unpickling, without the trace)."""
     check_replicas_every, trace_dir, trace_steps = options.check_replicas_every, options.trace_dir, options.trace_steps
     ddp.check_replicas_every, ddp.detect_nonfinite = check_replicas_every, options.detect_nonfinite
@@ -49,7 +74,7 @@ def setup(ddp: Any, options: DiagnosticsOptions) -> None:
         ddp.trace = recorder
 
 
-def attach_nonfinite(ddp: Any) -> None:
+def attach_nonfinite(ddp: DiagnosedDDP) -> None:
     """(Re)attach the non-finite check to the current reducer."""
     if ddp.detect_nonfinite:
         ddp.reducer.nonfinite = NonfiniteCheck(
@@ -57,12 +82,12 @@ def attach_nonfinite(ddp: Any) -> None:
         )
 
 
-def _detach_trace(ddp: Any) -> None:
+def _detach_trace(ddp: DiagnosedDDP) -> None:
     if ddp.trace is not None:
         ddp.reducer.observer = detach(ddp.reducer.observer, ddp.trace)
 
 
-def toggle_profiler_ranges(ddp: Any, enabled: bool) -> None:
+def toggle_profiler_ranges(ddp: DiagnosedDDP, enabled: bool) -> None:
     """A torch.profiler started or stopped since the last forward: attach or detach the ranges observer."""
     if enabled and ddp._profiler_ranges is None and ddp.trace is None:  # a recording trace opens its own ranges
         ddp._profiler_ranges = ProfilerRanges()

@@ -43,7 +43,7 @@ _SLOT_REFS, _ATTR_REFS = 3, 2
 def release_idle(buckets: Sequence[Bucket], mode: str) -> int:
     """At a synchronised forward's start: give back the storage of every bucket nothing but the reducer holds
     (bucket-view modes only: in COPY mode ``.grad`` is never a slot, and the fast path keeps the views).
-    Returns the bytes given back (a test's and a benchmark's figure)."""
+    Returns the bytes given back."""
     if mode == COPY:
         return 0
     released = 0

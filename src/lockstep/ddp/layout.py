@@ -1,8 +1,8 @@
 """The reducer's bucket layout: buckets built from an order, and the order agreed for the one rebuild.
 
-Pure helpers: the reducer calls ``build_layout`` at construction, at the rebuild from the order gradients
-really came in (``agree_on_order``: rank 0's, broadcast, so every rank builds the same buckets) and when the
-auto-tuner tries other caps.
+Pure helpers that take what they need, never the reducer: ``build_layout`` runs at construction, at the rebuild
+from the order gradients really came in (``agree_on_order``: rank 0's, broadcast, so every rank builds the same
+buckets) and when the auto-tuner tries other caps.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from lockstep.ddp.buckets import assign_buckets
 from lockstep.ddp.reducer_state import Bucket
+from lockstep.ddp.step import COPY, VIEW
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,16 @@ def build_layout(
     first_bytes: int,
     caps_bytes: Sequence[int] | None,
     direct_min_bytes: int | None,
-    sparse: Sequence[bool] | None,
+    mode: str,
+    sparse: Sequence[bool],
 ) -> BucketLayout:
-    """Fresh buckets for ``params`` filled in ``order`` (``buckets.assign_buckets`` has the caps' rules)."""
-    plans = assign_buckets(params, order, cap_bytes, first_bytes, caps_bytes, direct_min_bytes, sparse)
+    """Fresh buckets for ``params`` filled in ``order`` (``buckets.assign_buckets`` has the caps' rules): direct
+    buckets only where gradients are copied in (COPY); with bucket views (VIEW) the gradients move into them."""
+    direct = direct_min_bytes if mode == COPY else None
+    plans = assign_buckets(params, order, cap_bytes, first_bytes, caps_bytes, direct, sparse if any(sparse) else None)
     buckets = [Bucket(b, plan, params) for b, plan in enumerate(plans)]
+    if mode == VIEW:
+        move_grads_into(buckets)
     location = [(0, 0)] * len(params)
     for bucket in buckets:
         for slot, i in enumerate(bucket.plan.param_indices):
@@ -60,8 +66,8 @@ def move_grads_into(buckets: Sequence[Bucket]) -> None:
 
 
 def agree_on_order(observed: list[int], num_params: int, first_bytes: int, group: dist.ProcessGroup,
-                   device: torch.device | str) -> tuple[list[int], int]:
-    """Rank 0's observed ready order and first-bucket cap, on every rank.
+                   buffer_device: torch.device) -> tuple[list[int], int]:
+    """Rank 0's observed ready order and first-bucket cap, on every rank (sent from ``buffer_device`` under NCCL).
 
     Parameters never ready go last, in reverse registration order. Costs one broadcast of ``num_params + 1``
     integers, once per run; rank 0's first-bucket cap rides with them (ranks may judge their machines
@@ -69,6 +75,7 @@ def agree_on_order(observed: list[int], num_params: int, first_bytes: int, group
     """
     seen = set(observed)
     order = observed + [i for i in reversed(range(num_params)) if i not in seen]
+    device = buffer_device if dist.get_backend(group) == "nccl" else "cpu"
     order_t = torch.tensor([*order, first_bytes], dtype=torch.int64, device=device)
     dist.broadcast(order_t, src=dist.get_global_rank(group, 0), group=group)
     *agreed, first = order_t.tolist()

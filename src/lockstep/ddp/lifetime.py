@@ -102,7 +102,10 @@ class ExitingReducer(Protocol):
 _LIVE_REDUCERS: weakref.WeakSet[ExitingReducer] = weakref.WeakSet()
 
 
-def register_for_exit(reducer: ExitingReducer) -> None:
+def register_for_exit(reducer: ExitingReducer, handles: list) -> None:
+    """Until ``reducer`` is collected: its works are let go of at exit (``_release_at_exit``). Once it is: its
+    parameters' ``handles`` are removed (the parameters outlive a dropped DDP object)."""
+    weakref.finalize(reducer, remove_handles, handles)
     bury(())  # let go of what earlier, dropped reducers left
     if not _LIVE_REDUCERS:
         atexit.register(_release_at_exit)  # once per process while reducers exist; a second call is harmless

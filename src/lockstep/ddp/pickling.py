@@ -7,12 +7,13 @@ again, without a trace (its files belong to the original).
 
 from __future__ import annotations
 
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import torch.distributed as dist
 
 from lockstep.ddp import diagnose
 from lockstep.ddp.config import DiagnosticsOptions
+from lockstep.ddp.torch_surface import TorchReducer
 
 
 def _default_group() -> dist.ProcessGroup:
@@ -23,13 +24,13 @@ def _default_group() -> dist.ProcessGroup:
     return cast(dist.ProcessGroup, dist.group.WORLD)  # set once initialised
 
 
-class _Loadable(Protocol):
-    """The wrapper, as loading it needs it."""
+class _Loadable(diagnose.DiagnosedDDP, Protocol):
+    """The wrapper, as loading it needs it (its diagnostics are set up again, ``diagnose``)."""
 
     process_group: dist.ProcessGroup
-    reducer: Any
+    reducer: TorchReducer
 
-    def _build_reducer(self) -> Any: ...
+    def _build_reducer(self) -> TorchReducer: ...
 
 
 class Pickling:

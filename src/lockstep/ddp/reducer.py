@@ -1,91 +1,76 @@
 """The reducer: turns per-parameter "gradient ready" events into bucketed, overlapped all-reduces.
 
-One class, read in step order (docs/architecture.md has a step's call path): the bucket layout (``layout``); before
-forward (finish a backward that could not, rebuild the buckets once, tune); backward start (the path decided once,
-``step.plan_backward``, and a fresh ``step.Backward``); the per-gradient hook (``grad_hook.make_hook``; off its common
-path ``on_grad``: the gradient into its slot, pre-divided, ``copy_in``); the launch, in bucket index order
-(``launch_order``), because every rank must issue collectives in the same order; the end of backward
-(``_finalize_backward``): every bucket launches anyway where a gradient is missing, with a flag in the last bucket's
-spare element, so all ranks learn of it from a collective they issue regardless and all raise; then the collectives
-shared with a joined rank's shadow (``schedule``) and the averages back into ``.grad`` (``copy_back``); the reset (the
-backward's state dropped whole). What a reducer leaves behind: ``lifetime``.
+One class read in step order (docs/architecture.md has a step's call path): the bucket layout; before forward; backward
+start (the path decided once, ``step.plan_backward``); per gradient (the hook, ``make_hook`` after the class; off its
+common path ``on_grad``); the launch, in bucket index order, as every rank must issue collectives in the same order; the
+end of backward (``_finalize_backward``), whose collectives ``schedule`` issues, shared with a joined rank's shadow.
+Where a gradient is missing every bucket launches anyway, with a flag in the last bucket's spare element: all raise.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from lockstep.ddp.args import sparse_flags
 from lockstep.ddp.autotune import BucketTuner
 from lockstep.ddp.compiled import refuse_compiled_autograd
 from lockstep.ddp.config import BucketCaps
 from lockstep.ddp.copy_back import copy_back
-from lockstep.ddp.copy_in import copy_in, empty_sparse_like, unalias_grads
+from lockstep.ddp.copy_in import copy_in, zero_for_shadow
 from lockstep.ddp.dist_autograd import DistAutogradBridge
 from lockstep.ddp.errors import error_for_log, twice_message
 from lockstep.ddp.fused_compress import FusedCompression
-from lockstep.ddp.grad_hook import make_hook
 from lockstep.ddp.graph import backward_accumulates, grad_accumulators
 from lockstep.ddp.idle_buckets import release_idle
 from lockstep.ddp.launch_order import LaunchOrder
-from lockstep.ddp.layout import agree_on_order, build_layout, move_grads_into
+from lockstep.ddp.layout import agree_on_order, build_layout
 from lockstep.ddp.lifetime import register_for_exit, remove_handles
 from lockstep.ddp.lifetime import release_works as release_reducer_works
+from lockstep.ddp.module_changes import ModuleChanges
 from lockstep.ddp.observe import Observer
 from lockstep.ddp.optim_in_backward import step_optimizers_in_backward
-from lockstep.ddp.reducer_state import Bucket, UsageTracker
+from lockstep.ddp.reducer_state import Bucket, UsageTracker, still_missing
 from lockstep.ddp.schedule import CommHook, finish_collectives, issue_bucket
 from lockstep.ddp.step import (
     COPY,
     VIEW,
     Backward,
-    fast_table,
+    FastCache,
+    cached_fast_table,
+    copy_back_path,
     fused_now,
     grad_mode,
+    nothing_to_reduce,
     one_in_flight,
     plan_backward,
 )
+from lockstep.diagnostics.nonfinite import NonfiniteCheck
 
 
 class Reducer:
-    """Bucketed gradient averaging for one replica's parameters.
-
-    Args:
-        params: parameters that require grad, each once (tied weights deduplicated).
-        names: their qualified names, for error messages.
-        process_group: the group to average over.
-        caps: the bucket caps (``config.BucketCaps``: fixed, first, rebuilt first, auto, direct threshold).
-        gradient_as_bucket_view: None: ``param.grad`` becomes its averaged bucket slot (no copy back);
-            False: copies, as torch's default; True: torch's bucket views (``copy_in`` has the three).
-        find_unused_parameters: find, after each forward, the parameters its graph does not reach.
-        static_graph: learn unused parameters and hook counts in the first iteration, reuse them after.
-        sparse: per parameter, whether its gradient is sparse (torch's ``expect_sparse_gradient``): a bucket
-            of its own, all-reduced as a sparse tensor (``copy_in``); None: none is.
-    """
+    """Bucketed gradient averaging for one replica's parameters (DDP's arguments, resolved by the wrapper)."""
 
     logged_error: str | None = None  # the last error DDP raised (a backward's, the wrapper's), for the logging data
     comm_hook_name: str | None = None  # torch's built-in hook types (``_register_builtin_comm_hook``), for logging
 
     def __init__(
         self,
-        params: Sequence[torch.nn.Parameter],
-        names: Sequence[str],
-        process_group: dist.ProcessGroup,
-        caps: BucketCaps,
-        gradient_as_bucket_view: bool | None = False,  # None: .grad becomes the bucket slot (ddp/copy_in.py)
-        find_unused_parameters: bool = False,
-        static_graph: bool = False,
-        sparse: Sequence[bool] | None = None,
+        params: Sequence[torch.nn.Parameter],  # that require grad, each once (tied weights deduplicated)
+        names: Sequence[str],  # their qualified names, for error messages
+        process_group: dist.ProcessGroup,  # the group to average over
+        caps: BucketCaps,  # fixed, first, rebuilt first, auto, direct threshold (``config``)
+        gradient_as_bucket_view: bool | None = False,  # False: copies; True: views; None: .grad is its slot (copy_in)
+        find_unused_parameters: bool = False,  # find, after each forward, the parameters its graph does not reach
+        static_graph: bool = False,  # learn unused parameters and hook counts in iteration 1, reuse them after
+        sparse: Sequence[bool] | None = None,  # per parameter, torch's expect_sparse_gradient (``copy_in``); None: none
     ):
         self.params = list(params)
         self.names = list(names)
-        self.sparse = [bool(s) for s in sparse] if sparse is not None else [False] * len(self.params)
-        if len(self.sparse) != len(self.params):
-            raise ValueError(f"sparse: {len(self.sparse)} flags for {len(self.params)} parameters")
+        self.sparse = sparse_flags(sparse, len(self.params))
         self.has_sparse = any(self.sparse)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -99,11 +84,11 @@ class Reducer:
         self.gradient_as_bucket_view = self.grad_mode == VIEW  # torch's True: the bucket is divided at launch
         self.usage = UsageTracker(len(self.params), find_unused_parameters, static_graph)
         self.comm_hook: CommHook | None = None
-        self.comm_hook_state: Any = None
+        self.comm_hook_state: object = None
         self.fused: FusedCompression | None = None  # the hook's average, run here instead (``fused_compress``)
-        self.nonfinite: Any = None  # diagnostics.nonfinite.NonfiniteCheck (detect_nonfinite=True); None = off
+        self.nonfinite: NonfiniteCheck | None = None  # detect_nonfinite=True (``diagnose``); None = off
         self.observer: Observer | None = None  # diagnostics (``observe``); None = off
-        self.module_changes: Any = None  # ddp.module_changes.ModuleChanges: explains missing gradients; None = off
+        self.module_changes: ModuleChanges | None = None  # explains missing gradients; None = off
         self.events: list[tuple] | None = None  # tests: ("ready", i) / ("launch", b); None = off
         self.optimizers_in_backward = False  # torch's _apply_optimizer_in_backward on these parameters
         self.post_backward_futures: list = []  # a buffer comm hook's futures, waited for at the end of backward
@@ -111,9 +96,7 @@ class Reducer:
         self.step: Backward | None = None  # the running backward's state, from its start to its end
         self._unused_at_start: list[int] = []  # what the last synchronised forward's graph did not reach
         self._observed_order: list[int] | None = []  # first synced backward's ready order, for the rebuild
-        self.rebuild_pending = False
-        self.buckets_rebuilt = False
-        self.released_bytes = 0  # bucket memory given back at the last synchronised forward (``idle_buckets``)
+        self.rebuild_pending = self.buckets_rebuilt = False  # once, from the first synced backward's order
         self.direct_launches = 0  # all-reduces on a gradient where autograd left it (``copy_in``), since construction
         self.launch_seq = 0  # launches issued since construction: the same on every rank, step after step
         self.comm_wait_s = 0.0
@@ -123,28 +106,24 @@ class Reducer:
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         self._accumulators = grad_accumulators(self.params)  # tells autograd.grad from backward (``graph``)
         self.dist_autograd = DistAutogradBridge(self)  # backwards whose gradients land in an RPC context
-        self._fast_cache: tuple[tuple, list] | None = None  # (layout, divisor, hook) -> the hook's common-path table
+        self._fast_cache: FastCache | None = None  # (layout, divisor, hook) -> the hook's common-path table
         self.buckets: list[Bucket] = []
         self.layout_version = 0
         self._build(list(reversed(range(len(self.params)))))
         ref = weakref.ref(self)  # the parameters outlive a dropped DDP object; its reducer must not
         self._handles = [p.register_post_accumulate_grad_hook(make_hook(ref, i)) for i, p in enumerate(self.params)]
-        weakref.finalize(self, remove_handles, self._handles)
-        register_for_exit(self)
+        register_for_exit(self, self._handles)  # the hooks go with the reducer, the works at exit
 
     # ------------------------------------------------------------- bucket layout
     def _build(self, order: list[int]) -> None:
         if self.buckets:
             self.release_works(keep=False)  # before the old buckets go
-        direct = self.caps.direct_min_bytes if self.grad_mode == COPY else None
-        layout = build_layout(self.params, order, self.bucket_cap_bytes, self.first_bucket_bytes,
-                              self.bucket_caps_bytes, direct, self.sparse if self.has_sparse else None)
+        layout = build_layout(self.params, order, self.bucket_cap_bytes, self.first_bucket_bytes,  # VIEW: grads in
+                              self.bucket_caps_bytes, self.caps.direct_min_bytes, self.grad_mode, self.sparse)
         self._param_order, self.buckets, self._location = layout.order, layout.buckets, layout.location
         self._sizes = layout.sizes
         self.layout_version += 1  # the fast table's cache key
         self.step = None
-        if self.gradient_as_bucket_view:
-            move_grads_into(self.buckets)
 
     def bucket_layout(self) -> list[list[int]]:
         """Parameter indices (into ``params``) of each bucket, in launch order."""
@@ -154,9 +133,8 @@ class Reducer:
         """Rebuild once from the first synced backward's ready order (rank 0's, so all ranks agree)."""
         self.rebuild_pending = False
         observed, self._observed_order = self._observed_order or [], None
-        device = self.buckets[0].buffer.device if dist.get_backend(self.process_group) == "nccl" else "cpu"
         order, self.first_bucket_bytes = agree_on_order(observed, len(self.params), self.caps.rebuilt_first_bytes or 0,
-                                                        self.process_group, device)
+                                                        self.process_group, self.buckets[0].buffer.device)
         self._build(order)
         self.buckets_rebuilt = True
 
@@ -175,25 +153,19 @@ class Reducer:
 
     def prepare_for_forward(self) -> None:
         """Start of a synchronised forward: finish a backward that could not, rebuild buckets once."""
-        step = self.step
-        if step is not None:
-            # The last backward stopped half-way (an exception inside it) with buckets never launched: launch them
-            # now so the other ranks' waits complete, and raise here as they raise there (nothing if none was ready).
+        if self.step is not None:
+            # The last backward stopped half-way (an exception in it), buckets unlaunched: launch them now so the
+            # other ranks' waits complete, and raise here as they raise there (nothing if none was ready).
             self._finalize_backward()
         self.between_steps()
-        # Bucket views: a bucket no .grad points into gives its memory back until its next gradient (``idle_buckets``).
-        self.released_bytes = release_idle(self.buckets, self.grad_mode)
+        release_idle(self.buckets, self.grad_mode)  # bucket views: a bucket no .grad holds, freed until used
 
-    def prepare_after_forward(self, outputs: Any) -> None:
-        """After a synchronised forward: hooks count; note the parameters this backward will not reach.
-
-        ``outputs=None``: not known (torch's ``prepare_for_backward([])`` from a library), so nothing is
-        marked unused up front; with find_unused_parameters a parameter left without gradient is unused.
-        """
+    def prepare_after_forward(self, outputs: object) -> None:
+        """After a synchronised forward: hooks count; note the parameters this backward will not reach."""
         self.expect_hooks = True
         self.dist_autograd.at_forward(self._accumulators)
         # Ready only at backward start: a forward with no backward (eval, grad on) must not launch what peers never do.
-        self._unused_at_start = [] if outputs is None else self.usage.unused_before_backward(outputs, self._index_of)
+        self._unused_at_start = self.usage.unused_before_backward(outputs, self._index_of)
 
     # ------------------------------------------------------------- backward start
     def _fused_now(self) -> FusedCompression | None:  # read by the trace (``diagnostics.trace``) too
@@ -204,10 +176,8 @@ class Reducer:
         fast = None
         if (common_path and self.expect_hooks and self.grad_mode == COPY and not self.usage.active
                 and self._observed_order is None and self.events is None):  # the first backward records the order
-            hooked = self.comm_hook is not None
-            key = (self.layout_version, self.divisor, not hooked)
-            if self._fast_cache is None or self._fast_cache[0] != key:
-                self._fast_cache = (key, fast_table(self.buckets, len(self.params), self.divisor, hooked))
+            self._fast_cache = cached_fast_table(self._fast_cache, self.layout_version, self.buckets, len(self.params),
+                                                 self.divisor, hooked=self.comm_hook is not None)
             fast = self._fast_cache[1]
         plan = plan_backward(mode=self.grad_mode, divisor=self.divisor, comm_hook=self.comm_hook, fused=self.fused,
                              nonfinite=self.nonfinite, has_sparse=self.has_sparse,
@@ -228,9 +198,8 @@ class Reducer:
             self.observer.backward_start()
         if self._unused_at_start and (from_hook or backward_accumulates(self._accumulators)):
             self._mark_unused(step)
-        # Else this graph task runs no parameter's AccumulateGrad node (yet): a ``torch.autograd.grad`` through
-        # the outputs (a gradient penalty, an adversarial attack), which must launch nothing, or a model wholly
-        # behind reentrant checkpoints, whose nested backwards do: the first hook marks them (``on_grad``).
+        # Else this graph task runs no parameter's AccumulateGrad node (yet): a torch.autograd.grad through the outputs
+        # (must launch nothing), or a model wholly behind reentrant checkpoints: the first hook marks them (on_grad).
 
     def _mark_unused(self, step: Backward) -> None:
         unused, self._unused_at_start = self._unused_at_start, []
@@ -238,7 +207,7 @@ class Reducer:
         for i in unused:
             self._mark_ready(step, i, self.params[i].grad)
 
-    # ------------------------------------------------------------- per gradient (off the hook's common path)
+    # ------------------------------------------------------------- per gradient (the hook: ``make_hook``; else here)
     def on_grad(self, index: int, param: torch.Tensor) -> None:
         """Parameter ``index``'s gradient is in ``param.grad`` (its hook, or a distributed-autograd node)."""
         step = self.step
@@ -250,8 +219,7 @@ class Reducer:
             self._mark_unused(step)  # left by on_backward_start: no AccumulateGrad node was to run in its graph task
         step.hooks_fired = True
         grad = param.grad  # read once: a property into C++, per parameter per step
-        # A hook can fire with no gradient (an undefined gradient flowed back): not a use of the parameter.
-        try:
+        try:  # a hook can fire with no gradient (an undefined one flowed back): not a use of the parameter
             if self.usage.active and not self.usage.gradient_complete(index, self.names, grad is not None):
                 return  # static graph: more pieces of this gradient are still to come
         except RuntimeError as error:  # static_graph's changed graph: in the logging data too, as torch's
@@ -305,19 +273,13 @@ class Reducer:
         step = self.step
         if step is None:
             return
-        if not step.hooks_fired and not any(any(b.seen) for b in self.buckets):
-            # No parameter of this model got a gradient and nothing was launched: a torch.autograd.grad through
-            # the outputs (a gradient penalty, an adversarial attack), a loss that did not depend on the model
-            # (torch.func.functional_call with other tensors). Nothing to reduce, as in torch, and, as torch's
-            # reducer, still expecting this forward's backward: R1's loss.backward() after its autograd.grad.
+        if nothing_to_reduce(step, self.buckets):  # a torch.autograd.grad through the outputs: nothing, as torch
             self._end_step()
             return
         self.expect_hooks = False
         try:
             missing = self._mark_the_rest(step)
-            fast = not (self.gradient_as_bucket_view or step.graph_grads or step.missing_flag or step.fixups)
-            # torch's order, common path: each bucket copied back once its wait returns, overlapping those in flight.
-            early = fast and step.plan.copy_each
+            fast, early = copy_back_path(step)
             futures, self.post_backward_futures = self.post_backward_futures, []
             explain = None if self.module_changes is None else self.module_changes.explain
             status, waited = finish_collectives(step, self.buckets, self.usage, self.process_group, missing,
@@ -344,19 +306,14 @@ class Reducer:
     def _mark_the_rest(self, step: Backward) -> list[int]:
         """Mark every parameter still without a gradient, so every bucket launches (the other ranks wait in them);
         return the missing ones the flag is about (none with find_unused_parameters: those are unused)."""
-        if self.usage.in_static_first_iteration():
-            # Static graph, iteration 1: nothing was launched during backward; now every count is known.
+        if self.usage.in_static_first_iteration():  # nothing launched during backward; now every count is known
             order = self.usage.finish_static_first_iteration()
             if self._observed_order is not None:
                 self._observed_order = order
             for i in order + self.usage.static_unused:
                 if not self.is_ready(i):  # find_unused_parameters marked the unused ones already
                     self._mark_ready(step, i, self.params[i].grad)
-        missing = [i for b in self.buckets for i, s in zip(b.plan.param_indices, b.seen) if not s]
-        # With find_unused_parameters, a parameter reachable from the outputs that got no gradient (an
-        # output the loss did not use, an undefined gradient) is unused this time, as in torch, not an
-        # error: it contributes zeros and its .grad stays as it was where no rank used it.
-        step.missing_flag = bool(missing) and not self.usage.find_unused
+        missing, step.missing_flag = still_missing(self.buckets, self.usage.find_unused)  # find_unused: no flag
         for i in missing:
             self._mark_ready(step, i, self.params[i].grad)
         return missing if step.missing_flag else []
@@ -364,20 +321,15 @@ class Reducer:
     def shadow_backward(self) -> None:
         """A joined rank's stand-in for one backward (``join``): the same collectives, in the same order, with zeros."""
         self.release_works(keep=False)  # as at a real backward's start
-        unalias_grads(self.buckets, self.grad_mode)
+        zero_for_shadow(self.buckets, self.grad_mode)  # nothing of its own: adds nothing to the sum
         step = self._begin(common_path=False)
-        for bucket in self.buckets:
-            bucket.buffer.zero_()
-            if bucket.plan.sparse:
-                bucket.sparse = empty_sparse_like(bucket.params[0])  # nothing of its own: adds nothing to the sum
         try:
             finish_collectives(step, self.buckets, self.usage, self.process_group, [], joined=True, copy_each=False,
                                observer=None, futures=(), names=self.names, explain=None)
         finally:
             self._end_step()
         self.rounds += 1
-        # As after a real backward: the training ranks rebuild their buckets at their next forward (a
-        # broadcast), so a rank that joined before its own first backward must rebuild alongside them.
+        # As after a real backward: the training ranks rebuild at their next forward (a broadcast), so must this one.
         if self._observed_order is not None and not self.buckets_rebuilt:
             self.rebuild_pending = True
 
@@ -395,10 +347,54 @@ class Reducer:
         self.dist_autograd.remove()
 
     def release_works(self, keep: bool = True) -> None:
-        """Let go of the last backward's works: ``keep`` (at exit) hands them to the graveyard; otherwise (the
-        start of every backward, a rebuild) they are dropped, as torch's DDP drops its own (``lifetime``)."""
+        """The last backward's works: to the graveyard (``keep``, at exit), else dropped, as torch's (``lifetime``)."""
         release_reducer_works(self.__dict__, keep)
 
-    def __del__(self, _release: Any = release_reducer_works) -> None:  # bound here: module globals may be gone at exit
-        # A dropped DDP object, or finalisation's collection: its works must not be freed here (``lifetime``).
+    def __del__(self, _release: Callable[..., None] = release_reducer_works) -> None:
+        # A dropped DDP object, or finalisation's: works not freed here (``lifetime``); bound: globals may be gone.
         _release(self.__dict__, keep=True, clear=False)
+
+
+# ----------------------------------------------------------------- the per-parameter hook
+def make_hook(reducer_ref: Callable[[], Reducer | None], index: int) -> Callable[[torch.Tensor], None]:
+    """Parameter ``index``'s post-accumulate-grad hook; holds the reducer weakly (parameters outlive a dropped DDP).
+
+    Per parameter per backward, in Python (torch's is C++): where the plan has a common-path table (``step.fast_table``)
+    it does a subset of ``on_grad``'s steps, in order: mark the slot, one fused scale-and-copy, count down the bucket.
+    Anything else (no gradient, a second one, one with a graph or sparse, a direct or sparse bucket) goes through
+    ``on_grad``. Why, and what it saves: docs/architecture.md. The hot path: no attribute lookup or call to spare.
+    """
+
+    def hook(param: torch.Tensor) -> None:
+        reducer = reducer_ref()
+        if reducer is None:
+            return
+        step = reducer.step
+        if step is not None:
+            fast = step.plan.fast
+            if fast is not None:
+                entry = fast[index]
+                grad = param.grad
+                if entry is not None and grad is not None and not grad.requires_grad and not grad.is_sparse:
+                    bucket, slot, view, scale = entry
+                    seen = bucket.seen
+                    if not seen[slot]:  # a second gradient is an error: the slow path raises it
+                        step.hooks_fired = True
+                        seen[slot] = True
+                        bucket.grads[slot] = grad  # copy_back's target, and the non-finite check's input
+                        if scale is None:
+                            view.copy_(grad)
+                        else:
+                            torch.mul(grad, scale, out=view)
+                        pending = step.pending
+                        left = pending[bucket.index] - 1
+                        pending[bucket.index] = left
+                        if not left:
+                            reducer.bucket_full(step, bucket.index)
+                        return
+        if reducer.expect_hooks:
+            reducer.on_grad(index, param)
+        elif reducer.usage.track_window:
+            reducer.usage.used_in_window[index] = True  # no_sync micro-batch: synchronise this one later
+
+    return hook

@@ -91,6 +91,15 @@ class Bucket:
         self.seen = [False] * len(self.params)
 
 
+def still_missing(buckets: Sequence[Bucket], find_unused: bool) -> tuple[list[int], bool]:
+    """At the end of backward: the parameters still without a gradient (in bucket order), and whether that is the
+    missing-gradient flag. With find_unused_parameters, a parameter reachable from the outputs that got no gradient
+    (an output the loss did not use, an undefined gradient) is unused this time, as in torch, not an error: it
+    contributes zeros and its .grad stays as it was where no rank used it."""
+    missing = [i for b in buckets for i, s in zip(b.plan.param_indices, b.seen) if not s]
+    return missing, bool(missing) and not find_unused
+
+
 @dataclass
 class Status:
     any_missing: bool
@@ -196,7 +205,11 @@ class UsageTracker:
         return self._static_first
 
     def unused_before_backward(self, outputs: Any, index_of: dict[int, int]) -> list[int]:
-        """Parameters to mark ready right after forward: they will get no gradient in this backward."""
+        """Parameters to mark ready right after forward: they will get no gradient in this backward. ``outputs``
+        None: not known (torch's ``prepare_for_backward([])`` from a library), so none up front (with
+        find_unused_parameters a parameter left without gradient is unused at the end of backward)."""
+        if outputs is None:
+            return []
         if self.find_unused:
             started = time.perf_counter()
             reached, nodes = reachable_params(outputs, index_of)

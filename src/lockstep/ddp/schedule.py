@@ -10,7 +10,8 @@ index order); the status exchange, where this backward needs one, is launched ri
 hides behind their waits; the waits; the non-finite agreement; the status read; and, where any rank
 missed a gradient, the gather that names them. What differs between the two callers is only data (a
 joined rank's buckets hold zeros, it has no gradient missing and used none), never a collective.
-``tests/test_schedule.py`` records both ranks' collectives in every mode and compares them.
+``tests/test_schedule.py`` records both ranks' collectives in every mode and compares them. Of a step's three
+files (``wrapper``: the forward; ``reducer``: the backward around them), this one holds its collectives.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ mode, the divisor and the layout are all set between steps. So ``plan_backward``
 backward's start, into a frozen ``StepPlan`` that the per-parameter hook, the launches and the end of backward
 read; and everything a backward fills in (bucket countdowns, the launch order, what ``copy_back`` must still
 do) is one ``Backward``, made whole at the start and dropped whole at the end, never reset field by field.
+What only the backward's end can know (``nothing_to_reduce``, ``copy_back_path``) is read from it, as functions.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from lockstep.comm_hooks.base import issues_collectives_up_front
 from lockstep.ddp.fused_compress import FusedCompression
 from lockstep.ddp.launch_order import LaunchOrder
 from lockstep.ddp.reducer_state import Bucket
+from lockstep.diagnostics.nonfinite import NonfiniteCheck
 
 _FLOAT32_SCALED = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -30,6 +32,8 @@ COPY, ALIAS, VIEW = "copy", "alias", "view"
 
 # (bucket, slot, view, scale) per parameter index, or None where the hook must take the slow path.
 FastEntry = tuple[Bucket, int, torch.Tensor, Any]
+# ((layout version, divisor, no comm hook), the table): a reducer's cached common-path table (``cached_fast_table``).
+FastCache = tuple[tuple[int, int, bool], list[FastEntry | None]]
 
 
 def grad_mode(gradient_as_bucket_view: bool | None) -> str:
@@ -69,8 +73,8 @@ class StepPlan:
     """A called hook not known to issue its collectives up front: one of its buckets in flight at a time."""
     copy_each: bool
     """COPY mode's common path may copy each bucket back right after its wait (if nothing else forbids it)."""
-    nonfinite: Any
-    """``diagnostics.nonfinite.NonfiniteCheck`` (``detect_nonfinite=True``), or None."""
+    nonfinite: NonfiniteCheck | None
+    """The NaN/Inf check (``detect_nonfinite=True``), or None."""
     fast: list[FastEntry | None] | None
     """The hook's common-path table (``fast_table``), or None: every hook takes the slow path."""
 
@@ -82,7 +86,9 @@ class StepPlan:
         return 1.0 / self.divisor
 
 
-def fused_now(fused: FusedCompression | None, nonfinite: Any, has_sparse: bool) -> FusedCompression | None:
+def fused_now(
+    fused: FusedCompression | None, nonfinite: NonfiniteCheck | None, has_sparse: bool
+) -> FusedCompression | None:
     """The hook's average, run by the reducer; None where the hook is called (the NaN check's count needs it;
     a sparse gradient is the hook's to compress, as in torch)."""
     return fused if nonfinite is None and not has_sparse else None
@@ -94,8 +100,8 @@ def one_in_flight(comm_hook: Any, fused: FusedCompression | None) -> bool:
 
 
 def plan_backward(
-    *, mode: str, divisor: int, comm_hook: Any, fused: FusedCompression | None, nonfinite: Any, has_sparse: bool,
-    last_bucket_sparse: bool, tracks_usage: bool, fast: list[FastEntry | None] | None,
+    *, mode: str, divisor: int, comm_hook: Any, fused: FusedCompression | None, nonfinite: NonfiniteCheck | None,
+    has_sparse: bool, last_bucket_sparse: bool, tracks_usage: bool, fast: list[FastEntry | None] | None,
 ) -> StepPlan:
     """The plan of the backward about to start (a synchronised one, or a joined rank's shadow of one)."""
     fused = fused_now(fused, nonfinite, has_sparse)
@@ -116,7 +122,7 @@ def plan_backward(
 
 def fast_table(buckets: Sequence[Bucket], num_params: int, divisor: int, hooked: bool) -> list[FastEntry | None]:
     """Per parameter index, ``(bucket, slot, view, scale)`` for the hook's common path; None where the slow path must
-    run anyway (a direct or sparse bucket). Built once per layout, divisor and comm hook (``Reducer``'s cache).
+    run anyway (a direct or sparse bucket). Built once per layout, divisor and comm hook (``cached_fast_table``).
 
     The common path (``Reducer`` decides when it applies: copies, no usage tracking, buckets rebuilt, no event
     log) is a subset of the slow path's steps, in the same order: mark the slot, one fused scale-and-copy,
@@ -133,6 +139,16 @@ def fast_table(buckets: Sequence[Bucket], num_params: int, divisor: int, hooked:
                                          else 1.0 / divisor)
             table[i] = (bucket, slot, view, scale)
     return table
+
+
+def cached_fast_table(cache: FastCache | None, layout_version: int, buckets: Sequence[Bucket], num_params: int,
+                      divisor: int, hooked: bool) -> FastCache:
+    """The common-path table for this layout, divisor and comm hook: ``cache`` where they are the ones it was built
+    for, else a new one (``fast_table``, a Python loop over the parameters); the reducer keeps what this returns."""
+    key = (layout_version, divisor, not hooked)
+    if cache is not None and cache[0] == key:
+        return cache
+    return key, fast_table(buckets, num_params, divisor, hooked)
 
 
 @dataclass(slots=True, eq=False)
@@ -154,3 +170,19 @@ class Backward:
     """A gradient carried a graph (``create_graph=True``): copy_back must record its copy."""
     fixups: int = 0
     """Slots whose ``.grad`` copy_back must still set (0 on the common path: ALIAS then copies nothing back)."""
+
+
+def nothing_to_reduce(step: Backward, buckets: Sequence[Bucket]) -> bool:
+    """No parameter got a gradient and nothing was launched: a torch.autograd.grad through the outputs (a gradient
+    penalty, an adversarial attack), a loss that did not depend on the model (torch.func.functional_call with other
+    tensors). Nothing to reduce, as in torch, and, as torch's reducer, still expecting this forward's backward: R1's
+    loss.backward() after its autograd.grad."""
+    return not step.hooks_fired and not any(any(b.seen) for b in buckets)
+
+
+def copy_back_path(step: Backward) -> tuple[bool, bool]:
+    """At the end of ``step``: (fast, early). ``fast``: ``copy_back``'s common path, each slot copied into its
+    ``.grad`` (not with bucket views, a gradient carrying a graph, a missing gradient or a fixup). ``early``: also
+    each bucket copied back as soon as its wait returns, torch's order, overlapping the buckets still in flight."""
+    fast = not (step.plan.mode == VIEW or step.graph_grads or step.missing_flag or step.fixups)
+    return fast, fast and step.plan.copy_each

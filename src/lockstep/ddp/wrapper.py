@@ -1,11 +1,11 @@
 """DistributedDataParallel: the module wrapper, a drop-in for ``torch.nn.parallel.DistributedDataParallel``.
 
-Same constructor, same ``.module``, ``no_sync()`` and ``register_comm_hook``, same
-state_dict keys (``module.`` prefix). The wrapper itself does little: at
-construction it checks every rank built the same model and copies rank 0's state;
-each forward decides whether the coming backward is synchronised (not under
-``no_sync``, not without grad) and broadcasts buffers. The reducer
-(``lockstep.ddp.reducer``) does the gradient averaging during backward.
+Same constructor, same ``.module``, ``no_sync()`` and ``register_comm_hook``, same state_dict keys (``module.``
+prefix). The wrapper itself does little: at construction it checks every rank built the same model and copies rank
+0's state; each forward decides whether the coming backward is synchronised (not under ``no_sync``, not without
+grad) and broadcasts buffers. A step is written in three files: this one (the forward), ``reducer`` (backward start,
+the per-parameter hook, the launch, the end of backward) and ``schedule`` (every collective the backward issues);
+docs/architecture.md has its call path.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ largest difference, so every rank raises the same error, naming the parameter, t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -141,7 +141,7 @@ class PeriodicReplicaCheck:
     """
 
     def __init__(self, every: int | None, model: nn.Module, group: dist.ProcessGroup, first: bool = False,
-                 ignored: Sequence[str] = ()):
+                 ignored: Collection[str] = ()):
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(
                 f"DistributedDataParallel: check_replicas_every must be an int >= 1 or None, got {every!r}"
