@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_ranks
+from levels import full_only
 from lockstep.collectives import Peers, all_reduce, chunk_bounds, ring_all_reduce, tree_all_reduce
 from lockstep.collectives.ring import pick_segment_numel, receive_scratch
 
@@ -128,7 +129,8 @@ def _cases(rank: int, world_size: int):
     return out, errors, sub
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}ranks")
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=full_only("~17 s, a third group")), 4],
+                ids=lambda n: f"{n}ranks")
 def group_results(request):
     world_size = request.param
     return world_size, run_ranks(_cases, world_size=world_size, timeout_s=240)

@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+from levels import full_only
 
 from lockstep.train.checkpoint import list_checkpoints, load_checkpoint
 
@@ -56,6 +58,7 @@ def test_torchrun_drop_in_matches_torch_ddp_bit_for_bit(tmp_path):
     assert re.findall(r"epoch \d+ loss \S+", ours) == re.findall(r"epoch \d+ loss \S+", theirs)
 
 
+@full_only("~55 s: two launches; the Trainer's resume across launchers is also tests/test_trainer.py's")
 def test_wine_under_lockstep_launch_then_resumed_under_torchrun(tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "split"
     wine = ["examples/wine.py", "--save-every", "10"]

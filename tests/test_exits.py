@@ -19,6 +19,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from levels import full_only
 
 from lockstep.process_group import free_port
 
@@ -99,9 +100,9 @@ def _loop(launcher: str, ending: str, runs: int) -> list[str]:
     [
         ("torchrun", "destroy"),
         ("torchrun", "none"),
-        ("torchrun", "quick-destroy"),
-        ("torchrun", "quick-none"),
-        ("torchrun", "gather-destroy"),
+        pytest.param("torchrun", "quick-destroy", marks=full_only("~10 s a run")),
+        pytest.param("torchrun", "quick-none", marks=full_only("~10 s a run")),
+        pytest.param("torchrun", "gather-destroy", marks=full_only("~10 s a run")),
         ("lockstep-launch", "none"),
         ("spawn", "destroy"),
         ("spawn", "none"),

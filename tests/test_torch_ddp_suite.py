@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from levels import full_only
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = REPO / "tests" / "torch_suite" / "run_torch_ddp_tests.py"
@@ -263,6 +264,7 @@ def _run_rpc_suite(names: list[str], log_path) -> tuple[dict[str, str], str]:
     return dict(re.findall(r"^RESULT (test_\w+) (\w+)$", proc.stdout, re.M)), proc.stdout
 
 
+@full_only("~140 s: torch's DDP-under-RPC tests (tests/test_dist_autograd.py checks lockstep's RPC path in every run)")
 def test_ddp_under_distributed_autograd(tmp_path):
     outcomes, out = _run_rpc_suite([], tmp_path / "rpc.log")
     assert set(outcomes) == RPC_TESTS, f"ran {sorted(outcomes)}\n{out[-3000:]}"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from levels import full_only
 
 HERE = Path(__file__).resolve().parent / "library_scripts"
 PY = sys.executable
@@ -80,8 +81,12 @@ def _loads_without_lockstep(directory: Path) -> None:
     assert proc.returncode == 0 and "files loaded" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("env_hook, comm_hook, dynamo", [(False, "no", "no"), (True, "no", "no"), (False, "fp16", "no"),
-                                                     pytest.param(False, "no", "aot_eager", marks=_COMPILED)],
+@pytest.mark.parametrize("env_hook, comm_hook, dynamo", [
+    (False, "no", "no"),
+    (True, "no", "no"),
+    pytest.param(False, "fp16", "no", marks=full_only("~25 s, a comm hook through accelerate")),
+    pytest.param(False, "no", "aot_eager", marks=_COMPILED),
+],
                          ids=["use_as_torch_ddp", "env_var", "fp16_comm_hook", "dynamo_backend"])
 def test_accelerate_bit_identical(tmp_path, env_hook, comm_hook, dynamo):
     pytest.importorskip("accelerate")
@@ -103,7 +108,8 @@ def test_accelerate_bit_identical(tmp_path, env_hook, comm_hook, dynamo):
     _loads_without_lockstep(tmp_path / "lockstep")
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "lockstep_ddp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=full_only("~45 s, Lightning's stock strategy")),
+                                      "lockstep_ddp"])
 def test_lightning_bit_identical(tmp_path, strategy):
     pytest.importorskip("lightning")
     for impl in ("torch", "lockstep"):
@@ -114,7 +120,8 @@ def test_lightning_bit_identical(tmp_path, strategy):
     _loads_without_lockstep(tmp_path / "lockstep")
 
 
-@pytest.mark.parametrize("grad_ckpt", ["0", "1"], ids=["find_unused", "activation_checkpointing"])
+@pytest.mark.parametrize("grad_ckpt", ["0", pytest.param("1", marks=full_only("~35 s, a second Trainer run"))],
+                         ids=["find_unused", "activation_checkpointing"])
 def test_hf_trainer_bit_identical(tmp_path, grad_ckpt):
     """Transformers' Trainer (through Accelerate, with its own DDP arguments) on a tiny Llama built from its config:
     the straight run and a resume from its step-8 checkpoint end bit-identical to torch's DDP."""
