@@ -12,7 +12,7 @@ show no step skipped and every step's data equal to the uninterrupted run's.
 
 Cost: each kill run starts 5 processes that import torch (~15-20 s on 2 idle cores, more
 under load). The default run draws LOCKSTEP_KILL_RUNS=2 points (one in training, one in a
-checkpoint write); CI sets LOCKSTEP_KILL_RUNS=10, which draws every phase at least once.
+checkpoint write); LOCKSTEP_KILL_RUNS=10 draws every phase at least once (a release, or a change to checkpoints).
 LOCKSTEP_KILL_SEED picks the draw (printed; default fixed).
 """
 

@@ -4,7 +4,7 @@ Each case runs the same script twice (IMPL=torch, IMPL=lockstep) under the libra
 compares every rank's final state_dict with torch.equal. Skipped when the library is not installed.
 Cost on 2 cores: ~70 s (accelerate), ~100 s (lightning, 4 fits x 2), ~30 s (fabric), ~70 s (Transformers' Trainer,
 2 cases); the compiled cases
-~100 s more (LOCKSTEP_COMPILED_LIBRARIES=1, which CI sets).
+~100 s more (LOCKSTEP_COMPILED_LIBRARIES=1).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from levels import full_only
 
 HERE = Path(__file__).resolve().parent / "library_scripts"
 PY = sys.executable
-# The compiled cases (accelerate's --dynamo_backend, Fabric with a compiled model) cost ~100 s more: CI sets the
-# variable (.ci/run); tests/test_compile.py covers both orders of torch.compile in every run.
+# The compiled cases (accelerate's --dynamo_backend, Fabric with a compiled model) cost ~100 s more: set the
+# variable; tests/test_compile.py covers both orders of torch.compile in every run.
 _COMPILED = pytest.mark.skipif(os.environ.get("LOCKSTEP_COMPILED_LIBRARIES") != "1",
-                               reason="about 100 s: set LOCKSTEP_COMPILED_LIBRARIES=1 (CI does)")
+                               reason="about 100 s: set LOCKSTEP_COMPILED_LIBRARIES=1")
 
 
 # torch's own DDP can abort a rank at exit (gloo's thread freeing a work while the interpreter finalises:
