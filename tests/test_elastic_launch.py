@@ -8,7 +8,7 @@ step K so the test can kill -9 every process of node 1 at an exact step. Then:
   * the job finishes; each epoch's samples are used exactly once; the final checkpoint loads in plain torch;
   * the run equals, bit for bit, one stopped cleanly at step K on 4 ranks and resumed on 2
     (``test_kill_equals_a_clean_stop_and_resume``; without the grow-back).
-Each scenario costs 1-3 minutes on a loaded 2-core machine: behind LOCKSTEP_MULTINODE_FULL=1 (CI sets it).
+Each scenario costs 1-3 minutes on a loaded 2-core machine: behind LOCKSTEP_MULTINODE_FULL=1.
 The bad --nnodes values are checked without processes.
 """
 

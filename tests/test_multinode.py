@@ -220,7 +220,7 @@ def test_cut_link_ends_every_node_with_an_error_naming_the_lost_node(trained):
 
 
 @pytest.mark.skipif(os.environ.get("LOCKSTEP_MULTINODE_FULL") != "1",
-                    reason="about 90 s: set LOCKSTEP_MULTINODE_FULL=1 (CI does)")
+                    reason="about 90 s: set LOCKSTEP_MULTINODE_FULL=1")
 def test_cut_link_with_restarts_resumes_exactly_once_the_link_is_back(trained, tmp_path):
     launches, noticed_s = _cut_mid_training(tmp_path, 1, 29613)
     assert noticed_s < DETECT_BOUND_S, f"the loss took {noticed_s:.0f} s to notice"
