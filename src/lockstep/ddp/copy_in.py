@@ -43,7 +43,6 @@ from collections.abc import Sequence
 
 import torch
 
-from lockstep.ddp.idle_buckets import ensure_resident
 from lockstep.ddp.reducer_state import Bucket
 from lockstep.ddp.step import ALIAS, COPY, VIEW, Backward, StepPlan
 
@@ -59,8 +58,6 @@ def copy_in(step: Backward, params: Sequence[torch.nn.Parameter], names: Sequenc
     exchange at the end of backward tells.
     """
     plan = step.plan
-    if bucket.released:  # its memory given back since the last backward (``idle_buckets``): taken again now
-        ensure_resident(bucket)
     bucket.grads[slot] = grad  # the local gradient, kept to the end of backward (the non-finite check reads it)
     if bucket.plan.sparse:
         _sparse_in(step, params[index], names[index], bucket, grad, hooked)
@@ -205,7 +202,6 @@ def zero_for_shadow(buckets: Sequence[Bucket], mode: str) -> None:
     (``unalias_grads``: the order matters), then zeros, and an empty sparse gradient in a sparse bucket."""
     unalias_grads(buckets, mode)
     for bucket in buckets:
-        ensure_resident(bucket)  # given back at the last forward (``idle_buckets``): the zeros are sent
         bucket.buffer.zero_()
         if bucket.plan.sparse:
             bucket.sparse = empty_sparse_like(bucket.params[0])

@@ -25,7 +25,6 @@ from lockstep.ddp.dist_autograd import DistAutogradBridge
 from lockstep.ddp.errors import error_for_log, twice_message
 from lockstep.ddp.fused_compress import FusedCompression
 from lockstep.ddp.graph import backward_accumulates, grad_accumulators
-from lockstep.ddp.idle_buckets import release_idle
 from lockstep.ddp.launch_order import LaunchOrder
 from lockstep.ddp.layout import agree_on_order, build_layout
 from lockstep.ddp.lifetime import register_for_exit, remove_handles
@@ -158,7 +157,6 @@ class Reducer:
             # other ranks' waits complete, and raise here as they raise there (nothing if none was ready).
             self._finalize_backward()
         self.between_steps()
-        release_idle(self.buckets, self.grad_mode)  # bucket views: a bucket no .grad holds, freed until used
 
     def prepare_after_forward(self, outputs: object) -> None:
         """After a synchronised forward: hooks count; note the parameters this backward will not reach."""

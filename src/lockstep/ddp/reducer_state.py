@@ -55,7 +55,7 @@ class Bucket:
     flags), views, in-flight work."""
 
     __slots__ = ("index", "plan", "buffer", "flat", "views", "params", "grads", "seen", "work", "seq", "direct",
-                 "compressed", "compressed_views", "sparse", "released")
+                 "compressed", "compressed_views", "sparse")
 
     def __init__(self, index: int, plan: BucketPlan, params: Sequence[torch.nn.Parameter]):
         self.index = index
@@ -79,7 +79,6 @@ class Bucket:
         self.direct: torch.Tensor | None = None
         self.compressed: torch.Tensor | None = None  # ``fused_compress``: the buffer's bytes as the wire dtype
         self.compressed_views: list[torch.Tensor] = []
-        self.released = False  # its storage given back between steps (``idle_buckets``), until its next gradient
         self.reset()
 
     def reset(self) -> None:
