@@ -302,11 +302,8 @@ class _DropAgentFailureDump(logging.Filter):
             return True
         if self.logs is not None and isinstance(record.args, tuple) and len(record.args) >= 2:
             exitcode, local_rank = record.args[0], record.args[1]  # torch's agent logs both as ints
-            try:
-                if isinstance(exitcode, int) and isinstance(local_rank, int):
-                    self.logs.note_failure(exitcode, local_rank)
-            except (TypeError, ValueError):
-                pass
+            if isinstance(exitcode, int) and isinstance(local_rank, int):
+                self.logs.note_failure(exitcode, local_rank)
         return False
 
 
