@@ -17,6 +17,13 @@ all-reduce, so torch holds the in-flight buckets' copies at this point; lockstep
 into the first half of its own bytes (``ddp/fused_compress``), so it holds none. Before that, it kept every
 bucket's copy between steps: G/2 more than the bound.
 
+The step's other peak is the forward's end, where the activations are: a forward hook on the last layer counts
+the same way there. With bucket views after ``zero_grad()`` no ``.grad`` is set then, so torch's reducer holds
+its buckets (G) for nothing; lockstep gives an idle bucket's memory back at the forward's start and takes it
+again at its first gradient (``Bucket.release``), so it holds nothing there. Before that, on
+benchmarks/memory.py's transformer (activations 0.29 G at the start of backward), None and True peaked at
+parameters + buckets + activations, 0.77 G below copies' end-of-backward peak instead of a whole G.
+
 Limits: a tensor held only from C++ (a work's or a future's tensors) has no Python object for the collector
 to find; lockstep keeps every tensor it holds in Python objects, and the end-of-backward figures of
 ``benchmarks/memory.py`` (RSS) cover the rest.
@@ -25,6 +32,7 @@ to find; lockstep keeps every tensor it holds in Python objects, and the end-of-
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
@@ -83,15 +91,32 @@ def _cases(rank: int, world_size: int) -> dict:
                 # Only numbers in the hook's closure: a parameter held there would keep every case's model alive.
                 exclude = {p.untyped_storage().data_ptr() for p in params}
                 min_nbytes = weights[-1].numel() * weights[-1].element_size() // 2
-                peak = {"bytes": 0, "measure": False}
+                peak = {"bytes": 0, "forward_end": 0, "measure": False}
 
                 def measure(_param, peak=peak, exclude=exclude, min_nbytes=min_nbytes):
                     if peak["measure"]:
                         peak["bytes"] = max(peak["bytes"], _held_bytes(exclude, min_nbytes))
 
+                # Where the buckets were let go of (bucket views after zero_grad()), the last step's works may still
+                # be held by gloo's worker thread, which frees them once it next has the GIL: give it the GIL until
+                # nothing gradient-sized is left (at most 0.5 s). A bucket the reducer still holds never goes.
+                settle_below = grad_bytes // 20 if view is not False and set_to_none else 0
+
+                def measure_forward(_module, _inputs, _output, peak=peak, exclude=exclude, min_nbytes=min_nbytes,
+                                    settle_below=settle_below):
+                    if peak["measure"]:
+                        held = _held_bytes(exclude, min_nbytes)
+                        deadline = time.monotonic() + 0.5
+                        while held > settle_below and settle_below and time.monotonic() < deadline:
+                            time.sleep(0.002)  # releases the GIL
+                            held = _held_bytes(exclude, min_nbytes)
+                        peak["forward_end"] = held
+
                 first = module[0][0]
                 # After DDP's own hook on the same parameter: what the reducer keeps of its gradient counts.
                 handles = [p.register_post_accumulate_grad_hook(measure) for p in (first.weight, first.bias)]
+                # The last layer's forward: every activation made, backward not started (the activations' peak).
+                handles.append(module[-1].register_forward_hook(measure_forward))
                 opt = torch.optim.SGD(params, lr=0.01)
                 x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(rank))
                 y = torch.randint(0, WIDTH, (4,), generator=torch.Generator().manual_seed(10 + rank))
@@ -101,10 +126,44 @@ def _cases(rank: int, world_size: int) -> dict:
                     F.cross_entropy(ddp(x), y).backward()
                     opt.step()
                 results[(variant, set_to_none, view)] = peak["bytes"] / grad_bytes
+                results[("forward_end", variant, set_to_none, view)] = peak["forward_end"] / grad_bytes
                 for handle in handles:
                     handle.remove()
                 del ddp, module, opt, params, weights, first
+    results["kept"] = _kept_grad_case(rank)
     return results
+
+
+def _kept_grad_case(rank: int) -> dict:
+    """gradient_as_bucket_view=None, zero_grad(): a ``.grad`` kept by the user across the next forward keeps its
+    bucket (read at the forward's end: its values, not a crash), while the other buckets are given back."""
+    import lockstep
+
+    torch.manual_seed(0)
+    module = _model()
+    ddp = lockstep.DistributedDataParallel(module, bucket_cap_mb=0.3, gradient_as_bucket_view=None)
+    opt = torch.optim.SGD(module.parameters(), lr=0.01)
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(rank))
+    kept_param = module[-1][0].weight  # its gradient lands first: the first bucket
+    seen = {}
+
+    def at_forward_end(_module, _inputs, _output):
+        if "kept" in seen:
+            seen["equal"] = torch.equal(seen["kept"], seen["values"])  # reads the kept slot
+            seen["released"] = [not getattr(b, "resident", True) for b in ddp.reducer.buckets]  # (none before the fix)
+            seen["kept_bucket"] = next(b.index for b in ddp.reducer.buckets if any(p is kept_param for p in b.params))
+
+    module[-1].register_forward_hook(at_forward_end)
+    for step in range(3):
+        opt.zero_grad()
+        ddp(x).sum().backward()
+        if step == 2:  # the kept slot is still its bucket's: it got this step's average, as under torch's DDP
+            seen["follows"] = kept_param.grad is seen["kept"]
+        opt.step()
+        if step == 1:
+            seen["kept"] = kept_param.grad  # a slot of its bucket
+            seen["values"] = kept_param.grad.clone()
+    return {k: v for k, v in seen.items() if k not in ("kept", "values")}
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +185,39 @@ def test_gradient_memory_at_backward_peak(held, variant, set_to_none, view):
             f"rank {rank}, {variant}, zero_grad(set_to_none={set_to_none}), gradient_as_bucket_view={view}: "
             f"{ratio:.2f} models' gradients alive at the end of backward, bound {bound:.2f}"
         )
+
+
+@pytest.mark.parametrize("view", MODES, ids=lambda v: f"view={v}")
+@pytest.mark.parametrize("set_to_none", (True, False), ids=("zero_grad()", "set_to_none=False"))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gradient_memory_at_forward_end(held, variant, set_to_none, view):
+    """At the forward's end (the activations' peak of a model like benchmarks/memory.py's transformer), bucket
+    views after ``zero_grad()`` hold no gradient memory: no ``.grad`` is set and the idle buckets were given back
+    (``Bucket.release``). Before, the buckets (G) stayed, so None and True saved 0.77 of a model's gradients
+    against copies on that transformer instead of one. Copies hold their buckets (G), + G of ``.grad`` kept by
+    set_to_none=False; bucket views with set_to_none=False hold the buckets, which are the ``.grad``."""
+    if view is False:
+        low, high = 0.95, (2.0 if not set_to_none else 1.0) + 0.05
+    elif set_to_none:
+        low, high = 0.0, 0.05
+    else:
+        low, high = 0.95, 1.05
+    for rank, results in enumerate(held):
+        ratio = results[("forward_end", variant, set_to_none, view)]
+        assert low <= ratio <= high, (
+            f"rank {rank}, {variant}, zero_grad(set_to_none={set_to_none}), gradient_as_bucket_view={view}: "
+            f"{ratio:.2f} models' gradients alive at the forward's end, expected {low:.2f}-{high:.2f}"
+        )
+
+
+def test_kept_grad_keeps_its_bucket(held):
+    """A ``.grad`` kept across ``zero_grad()`` and the next forward (gradient_as_bucket_view=None) still reads its
+    values there and is the parameter's ``.grad`` again after the backward: its bucket is not given back, the
+    others are."""
+    for rank, results in enumerate(held):
+        kept = results["kept"]
+        assert kept["equal"], f"rank {rank}: the kept .grad changed before the backward"
+        assert kept["follows"], f"rank {rank}: the kept .grad is no longer its parameter's .grad after the backward"
+        released = kept["released"]
+        assert not released[kept["kept_bucket"]], f"rank {rank}: the kept .grad's bucket was given back"
+        assert sum(released) == len(released) - 1, f"rank {rank}: buckets given back {released}"

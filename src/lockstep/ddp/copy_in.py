@@ -58,6 +58,8 @@ def copy_in(step: Backward, params: Sequence[torch.nn.Parameter], names: Sequenc
     exchange at the end of backward tells.
     """
     plan = step.plan
+    if not bucket.resident:  # let go of at the forward's start (``Bucket.release``): a fresh buffer now
+        bucket.make_resident()
     bucket.grads[slot] = grad  # the local gradient, kept to the end of backward (the non-finite check reads it)
     if bucket.plan.sparse:
         _sparse_in(step, params[index], names[index], bucket, grad, hooked)
@@ -202,6 +204,7 @@ def zero_for_shadow(buckets: Sequence[Bucket], mode: str) -> None:
     (``unalias_grads``: the order matters), then zeros, and an empty sparse gradient in a sparse bucket."""
     unalias_grads(buckets, mode)
     for bucket in buckets:
+        bucket.make_resident()  # let go of at a forward's start (``Bucket.release``): the zeros are sent
         bucket.buffer.zero_()
         if bucket.plan.sparse:
             bucket.sparse = empty_sparse_like(bucket.params[0])

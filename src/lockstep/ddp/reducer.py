@@ -124,8 +124,7 @@ class Reducer:
         self.layout_version += 1  # the fast table's cache key
         self.step = None
 
-    def bucket_layout(self) -> list[list[int]]:
-        """Parameter indices (into ``params``) of each bucket, in launch order."""
+    def bucket_layout(self) -> list[list[int]]:  # parameter indices (into ``params``) of each bucket, in launch order
         return [list(b.plan.param_indices) for b in self.buckets]
 
     def rebuild_buckets(self) -> None:
@@ -157,6 +156,10 @@ class Reducer:
             # other ranks' waits complete, and raise here as they raise there (nothing if none was ready).
             self._finalize_backward()
         self.between_steps()
+        if self.grad_mode != COPY:  # bucket views: a bucket no .grad points into is freed until its next gradient
+            self.release_works(keep=False)  # the last backward's, all complete; they hold the buffers
+            for bucket in self.buckets:
+                bucket.release()
 
     def prepare_after_forward(self, outputs: object) -> None:
         """After a synchronised forward: hooks count; note the parameters this backward will not reach."""
@@ -228,8 +231,7 @@ class Reducer:
         self._mark_ready(step, index, grad, True)
 
     def is_ready(self, index: int) -> bool:  # parameter ``index`` is in its bucket in this backward
-        b, slot = self._location[index]
-        return self.buckets[b].seen[slot]
+        return self.buckets[self._location[index][0]].seen[self._location[index][1]]
 
     def _mark_ready(self, step: Backward, index: int, grad: torch.Tensor | None, hooked: bool = False) -> None:
         b, slot = self._location[index]

@@ -258,7 +258,7 @@ class WrapperSurface:
             "rank": dist.get_rank(self.process_group),
             "iteration": reducer.num_syncs,
             "num_buckets_reduced": len(reducer.buckets),
-            "bucket_sizes": ", ".join(str(b.flat.numel() * b.flat.element_size()) for b in reducer.buckets),
+            "bucket_sizes": ", ".join(str(b.plan.numel * b.flat.element_size()) for b in reducer.buckets),
             "has_rebuilt_buckets": int(reducer.buckets_rebuilt),
             "join_uneven_inputs": int(getattr(self, "_join_used", False)),  # set once a join hook was built
             # torch sets this after iterations in which the set of used parameters never changed.
