@@ -54,7 +54,13 @@ def _held_bytes(exclude: set[int], min_nbytes: int) -> int:
     seen: dict[int, int] = {}
     for obj in gc.get_objects():
         # TensorBase, the C type: isinstance(obj, torch.Tensor) goes through a Python __instancecheck__ (0.5 s a scan)
-        if isinstance(obj, torch._C.TensorBase) and obj.layout == torch.strided and obj.device.type == "cpu":
+        if not isinstance(obj, torch._C.TensorBase) or obj.layout != torch.strided:
+            continue
+        try:
+            on_cpu = obj.device.type == "cpu"
+        except RuntimeError:  # torch 2.4: a tensor of autograd's own with no device ("tensor does not have a device")
+            continue
+        if on_cpu:
             storage = obj.untyped_storage()
             if storage.nbytes() >= min_nbytes and storage.data_ptr() not in exclude:
                 seen[storage.data_ptr()] = storage.nbytes()
