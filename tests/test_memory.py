@@ -85,7 +85,7 @@ def _cases(rank: int, world_size: int) -> dict:
                 bury((), safe_after_s=0.0)
                 torch.manual_seed(0)
                 module = _model()
-                ddp = lockstep.DistributedDataParallel(module, bucket_cap_mb=0.3, gradient_as_bucket_view=view,
+                ddp = _releasing()(module, bucket_cap_mb=0.3, gradient_as_bucket_view=view,
                                                        find_unused_parameters=variant == "unused")
                 if variant == "allreduce":
                     ddp.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -137,7 +137,48 @@ def _cases(rank: int, world_size: int) -> dict:
                     handle.remove()
                 del ddp, module, opt, params, weights, first
     results["kept"] = _kept_grad_case(rank)
+    results["auto"] = _auto_policy_case(rank)  # last: it changes how this process's malloc gives memory back
     return results
+
+
+def _releasing() -> type:
+    """lockstep's DDP letting go of idle buckets at every forward (``release_idle_buckets = True``): the mechanism
+    under test here. The default (None) decides by the forward's activations on the CPU (``_auto_policy_case``)."""
+    import lockstep
+
+    class Releasing(lockstep.DistributedDataParallel):
+        release_idle_buckets = True
+
+    return Releasing
+
+
+def _auto_policy_case(rank: int) -> dict:
+    """The default policy on the CPU (``ddp/idle_buckets``), gradient_as_bucket_view=None, zero_grad(): a forward
+    whose activations are a sliver of the buckets (batch 4: 0.03 MB against 1 MB) stops letting go after its first
+    step, so no page comes back as a fault for nothing; one whose activations dwarf them (batch 2048, 16 MB) goes on.
+    malloc gives every block of 64 KB or more back to the kernel at once, as benchmarks/memory.py has it, so the
+    process's resident memory follows the tensors."""
+    import ctypes
+
+    import lockstep
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD (glibc); also stops its dynamic threshold
+    out = {}
+    for batch in (4, 2048):
+        torch.manual_seed(0)
+        module = _model()
+        ddp = lockstep.DistributedDataParallel(module, bucket_cap_mb=0.3, gradient_as_bucket_view=None)
+        opt = torch.optim.SGD(module.parameters(), lr=0.01)
+        x = torch.randn(batch, WIDTH, generator=torch.Generator().manual_seed(rank))
+        resident = []
+        module[-1].register_forward_hook(lambda *_: resident.append([b.resident for b in ddp.reducer.buckets]))
+        for _ in range(4):
+            opt.zero_grad()
+            ddp(x).sum().backward()
+            opt.step()
+        out[batch] = {"resident_at_forward_end": resident, "worth_it": ddp.reducer.idle.worth_it}
+        del ddp, module, opt
+    return out
 
 
 def _kept_grad_case(rank: int) -> dict:
@@ -147,7 +188,7 @@ def _kept_grad_case(rank: int) -> dict:
 
     torch.manual_seed(0)
     module = _model()
-    ddp = lockstep.DistributedDataParallel(module, bucket_cap_mb=0.3, gradient_as_bucket_view=None)
+    ddp = _releasing()(module, bucket_cap_mb=0.3, gradient_as_bucket_view=None)
     opt = torch.optim.SGD(module.parameters(), lr=0.01)
     x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(rank))
     kept_param = module[-1][0].weight  # its gradient lands first: the first bucket
@@ -213,6 +254,23 @@ def test_gradient_memory_at_forward_end(held, variant, set_to_none, view):
         assert low <= ratio <= high, (
             f"rank {rank}, {variant}, zero_grad(set_to_none={set_to_none}), gradient_as_bucket_view={view}: "
             f"{ratio:.2f} models' gradients alive at the forward's end, expected {low:.2f}-{high:.2f}"
+        )
+
+
+def test_default_policy_on_cpu_lets_go_only_where_activations_would_sit_on_the_buckets(held):
+    """``release_idle_buckets=None`` on the CPU: with activations a sliver of the buckets, the first forward lets go
+    (its step measures that nothing sat on them) and the later ones keep their buckets; with large activations every
+    forward after the first lets go. Before the policy, letting go cost the 10.5M MLP +13 ms a step in page faults."""
+    for rank, results in enumerate(held):
+        small, large = results["auto"][4], results["auto"][2048]
+        assert not small["worth_it"], f"rank {rank}: small activations judged worth letting go for"
+        assert small["resident_at_forward_end"][0] == [False] * len(small["resident_at_forward_end"][0])
+        assert all(all(r) for r in small["resident_at_forward_end"][2:]), (
+            f"rank {rank}: small activations, buckets still let go of: {small['resident_at_forward_end']}"
+        )
+        assert large["worth_it"], f"rank {rank}: large activations judged not worth letting go for"
+        assert not any(any(r) for r in large["resident_at_forward_end"]), (
+            f"rank {rank}: large activations, a bucket kept: {large['resident_at_forward_end']}"
         )
 
 

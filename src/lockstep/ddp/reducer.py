@@ -25,6 +25,7 @@ from lockstep.ddp.dist_autograd import DistAutogradBridge
 from lockstep.ddp.errors import error_for_log, twice_message
 from lockstep.ddp.fused_compress import FusedCompression
 from lockstep.ddp.graph import backward_accumulates, grad_accumulators
+from lockstep.ddp.idle_buckets import IdleBuckets
 from lockstep.ddp.launch_order import LaunchOrder
 from lockstep.ddp.layout import agree_on_order, build_layout
 from lockstep.ddp.lifetime import register_for_exit, remove_handles
@@ -66,6 +67,7 @@ class Reducer:
         find_unused_parameters: bool = False,  # find, after each forward, the parameters its graph does not reach
         static_graph: bool = False,  # learn unused parameters and hook counts in iteration 1, reuse them after
         sparse: Sequence[bool] | None = None,  # per parameter, torch's expect_sparse_gradient (``copy_in``); None: none
+        release_idle_buckets: bool | None = None,  # bucket views: free idle buckets between steps (``idle_buckets``)
     ):
         self.params = list(params)
         self.names = list(names)
@@ -106,6 +108,7 @@ class Reducer:
         self._accumulators = grad_accumulators(self.params)  # tells autograd.grad from backward (``graph``)
         self.dist_autograd = DistAutogradBridge(self)  # backwards whose gradients land in an RPC context
         self._fast_cache: FastCache | None = None  # (layout, divisor, hook) -> the hook's common-path table
+        self.idle = IdleBuckets(release_idle_buckets if self.grad_mode != COPY else False)  # bucket views only
         self.buckets: list[Bucket] = []
         self.layout_version = 0
         self._build(list(reversed(range(len(self.params)))))
@@ -127,8 +130,7 @@ class Reducer:
     def bucket_layout(self) -> list[list[int]]:  # parameter indices (into ``params``) of each bucket, in launch order
         return [list(b.plan.param_indices) for b in self.buckets]
 
-    def rebuild_buckets(self) -> None:
-        """Rebuild once from the first synced backward's ready order (rank 0's, so all ranks agree)."""
+    def rebuild_buckets(self) -> None:  # once, from the first synced backward's ready order (rank 0's: all agree)
         self.rebuild_pending = False
         observed, self._observed_order = self._observed_order or [], None
         order, self.first_bucket_bytes = agree_on_order(observed, len(self.params), self.caps.rebuilt_first_bytes or 0,
@@ -136,8 +138,7 @@ class Reducer:
         self._build(order)
         self.buckets_rebuilt = True
 
-    def relayout(self, bucket_caps_bytes: list[int]) -> None:
-        """New buckets with these caps, in the current order (the auto-tuner's trials; every rank at the same round)."""
+    def relayout(self, bucket_caps_bytes: list[int]) -> None:  # new caps, the same order: the auto-tuner's trials
         self.bucket_caps_bytes = bucket_caps_bytes
         self._build(self._param_order)
 
@@ -156,10 +157,9 @@ class Reducer:
             # other ranks' waits complete, and raise here as they raise there (nothing if none was ready).
             self._finalize_backward()
         self.between_steps()
-        if self.grad_mode != COPY:  # bucket views: a bucket no .grad points into is freed until its next gradient
+        if self.idle.wanted(self.buckets):  # bucket views: idle buckets let go of between steps (``idle_buckets``)
             self.release_works(keep=False)  # the last backward's, all complete; they hold the buffers
-            for bucket in self.buckets:
-                bucket.release()
+            self.idle.at_forward_start(self.buckets)  # a bucket no .grad points into goes until its next gradient
 
     def prepare_after_forward(self, outputs: object) -> None:
         """After a synchronised forward: hooks count; note the parameters this backward will not reach."""
@@ -194,6 +194,7 @@ class Reducer:
         # Runs once the whole backward is done: the only safe point to wait for the buckets.
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         self.release_works(keep=False)  # before this backward launches its own
+        self.idle.at_backward_start()
         step = self._begin(common_path=True)
         if self.observer is not None:
             self.observer.backward_start()
@@ -346,8 +347,7 @@ class Reducer:
         remove_handles(self._handles)
         self.dist_autograd.remove()
 
-    def release_works(self, keep: bool = True) -> None:
-        """The last backward's works: to the graveyard (``keep``, at exit), else dropped, as torch's (``lifetime``)."""
+    def release_works(self, keep: bool = True) -> None:  # the last works: to the graveyard (``keep``) or dropped
         release_reducer_works(self.__dict__, keep)
 
     def __del__(self, _release: Callable[..., None] = release_reducer_works) -> None:

@@ -60,11 +60,7 @@ from lockstep.ddp.torch_surface import (
     move_to,
 )
 from lockstep.diagnostics.progress import observer_for
-from lockstep.diagnostics.watchdog import (
-    FROM_ENV,
-    resolve_hang_timeout,
-    watch_for_hangs,
-)
+from lockstep.diagnostics.watchdog import FROM_ENV, resolve_hang_timeout, watch_for_hangs
 
 
 # torch's class is subclassed for isinstance only; two of lockstep's members differ in type from torch's stubs.
@@ -95,11 +91,12 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             backward to the next ``zero_grad``; the values are the default's bit for bit (the same fused scale-and-copy
             in); see "Differences" below for what aliasing means. True: torch's bucket views: with
             ``zero_grad(set_to_none=True)`` the fresh gradient is copied in once per step and the bucket divided at
-            launch; ``set_to_none=False`` keeps the view and avoids the copy. With ``detect_nonfinite=True`` None means
-            False (the check stops a step before .grad sees the average). With False, a CPU parameter of at least
-            ``direct_min_bytes`` (class attribute, 4 MiB; None: never) is all-reduced in its own ``.grad``, scaled in
-            place: no copy in or out, ``.grad`` autograd's tensor, values torch's bit for bit; copied where that is
-            unsafe (a comm hook, ...: ``lockstep.ddp.copy_in``).
+            launch; ``set_to_none=False`` keeps the view and avoids the copy. None and True free a bucket no .grad
+            points into between steps (class attribute ``release_idle_buckets``, ``lockstep.ddp.idle_buckets``).
+            ``detect_nonfinite=True`` makes None False (the check stops a step before .grad sees the average). With
+            False, a CPU parameter of at least ``direct_min_bytes`` (class attribute, 4 MiB; None: never) is
+            all-reduced in its own ``.grad``, scaled in place: no copy in or out, values torch's bit for bit; copied
+            where that is unsafe (a comm hook, ...: ``lockstep.ddp.copy_in``).
         static_graph: the first iteration records unused parameters and how many pieces each gradient arrives in
             (activation checkpointing); later iterations reuse that.
         delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
@@ -143,6 +140,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
 
     direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES  # see gradient_as_bucket_view; a subclass may change it
     small_first_bucket: bool | None = None  # see bucket_cap_mb; None: where it pays (``small_first_bucket_pays``)
+    release_idle_buckets: bool | None = None  # see gradient_as_bucket_view; None: where it pays (``idle_buckets``)
 
     def __init__(
         self,
@@ -245,6 +243,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
             sparse=[produces_sparse_gradient(self.module, n) for n, _ in named],
+            release_idle_buckets=self.release_idle_buckets,
         )
         reducer.module_changes = module_changes.ModuleChanges(self.module, reducer.params, reducer.names,
                                                               self.parameters_to_ignore)
