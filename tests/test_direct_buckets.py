@@ -219,8 +219,9 @@ def test_assign_buckets_direct_rules():
     params = list(mlp.parameters())  # w0 32 KiB, b0, w1 64 KiB, b1, w2 2 KiB, b2
     order = list(reversed(range(len(params))))
     plans = assign_buckets(params, order, 1 << 20, 1 << 20, direct_min_bytes=16 * 1024)
-    # w1 goes direct and closes the small bucket before it; w0 would be last, so it joins b0's bucket.
-    assert [(p.param_indices, p.direct) for p in plans] == [([5, 4, 3], False), ([2], True), ([1, 0], False)]
+    # w1 and w0 go direct and leave the small bucket open: the biases and w2 share one bucket, last (it closes last).
+    # Before, w1 closed it ([5, 4, 3]) and w0, which would have been last, joined b0's bucket, copied.
+    assert [(p.param_indices, p.direct) for p in plans] == [([2], True), ([0], True), ([5, 4, 3, 1], False)]
     # Where the bucket before it had reached its cap (b0 alone fills 512 bytes), the last large parameter
     # stays a plain bucket of its own.
     plans = assign_buckets(params, order, 512, 512, direct_min_bytes=16 * 1024)

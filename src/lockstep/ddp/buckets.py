@@ -111,8 +111,11 @@ def assign_buckets(
     last parameter comes, a sparse one at once), then those left open: bucket 0 is expected to be ready first.
 
     ``direct_min_bytes``: a CPU parameter at least this large gets a bucket of its own, marked
-    ``direct`` (it closes the open bucket of its kind, as a full one would): its gradient can be
-    all-reduced where autograd left it, with no copy in or out (``copy_in``). The last bucket is never
+    ``direct``: its gradient can be all-reduced where autograd left it, with no copy in or out (``copy_in``).
+    Like a sparse one it leaves the open bucket of its kind open and counts towards no cap, so the small
+    parameters around large ones (their biases) share one bucket instead of one each between them: one
+    all-reduce call each (~0.5 ms on gloo) saved, and where a direct parameter would be last, the bucket
+    after it keeps it direct (the 10.5M MLP's first layer: 8 MB not copied in and back). The last bucket is never
     direct (it carries the status flag in a spare element): a direct parameter that would be last joins
     the bucket before it where that one had not reached its cap (torch's rule would have put it there),
     or stays a plain bucket of its own.
@@ -141,10 +144,7 @@ def assign_buckets(
             closed.append(BucketPlan([index], [0], 0, p.dtype, p.device, sparse=True))
             continue
         if direct_min_bytes is not None and nbytes >= direct_min_bytes and p.device.type == "cpu":
-            if plan is not None and plan.param_indices:
-                closed.append(plan)
             closed.append(BucketPlan([index], [0], p.numel(), p.dtype, p.device, direct=True))
-            open_buckets[key] = (None, 0, n_closed + 1 + bool(plan is not None and plan.param_indices))
             continue
         if plan is None:
             plan = BucketPlan([], dtype=p.dtype, device=p.device)
