@@ -31,6 +31,9 @@ def _child(fn, rank, world_size, port, args, result_queue, backend, timeout_s, i
         LOCAL_WORLD_SIZE=str(world_size),
     )
     os.environ.update(env or {})
+    import faulthandler
+
+    faulthandler.enable()  # a rank that dies of a signal (SIGSEGV, SIGABRT) prints every thread's stack first
     import torch
     import torch.distributed as dist
 

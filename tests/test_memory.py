@@ -154,8 +154,7 @@ def _releasing() -> type:
 
 def _auto_policy_case(rank: int) -> dict:
     """The default policy on the CPU (``ddp/idle_buckets``), gradient_as_bucket_view=None, zero_grad(): a forward
-    whose activations are a sliver of the buckets (batch 4: 0.03 MB against 1 MB) stops letting go after its first
-    step, so no page comes back as a fault for nothing; one whose activations dwarf them (batch 2048, 16 MB) goes on.
+    whose activations are a sliver of the buckets (batch 4: 0.03 MB against 1 MB) stops letting go after two steps, so no page comes back as a fault for nothing; one whose activations dwarf them (batch 2048, 16 MB) goes on.
     malloc gives every block of 64 KB or more back to the kernel at once, as benchmarks/memory.py has it, so the
     process's resident memory follows the tensors."""
     import ctypes
@@ -264,7 +263,8 @@ def test_default_policy_on_cpu_lets_go_only_where_activations_would_sit_on_the_b
     for rank, results in enumerate(held):
         small, large = results["auto"][4], results["auto"][2048]
         assert not small["worth_it"], f"rank {rank}: small activations judged worth letting go for"
-        assert small["resident_at_forward_end"][0] == [False] * len(small["resident_at_forward_end"][0])
+        # Let go of at the first two forwards (two judgements below the share), kept from the third on.
+        assert not any(any(r) for r in small["resident_at_forward_end"][:2]), small["resident_at_forward_end"]
         assert all(all(r) for r in small["resident_at_forward_end"][2:]), (
             f"rank {rank}: small activations, buckets still let go of: {small['resident_at_forward_end']}"
         )

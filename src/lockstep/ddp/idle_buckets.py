@@ -13,8 +13,9 @@ MLP (42 MB of buckets, activations of 3 MB) that was +13 ms a step (+14%), to sa
 its peak is the end of backward. So on the CPU the reducer watches what the forward itself allocates while the
 buckets are let go of (the growth of the process's resident memory, two reads of /proc/self/statm per step,
 ~10 us each) and keeps letting go only while that growth is at least ``MIN_ACTIVATION_SHARE`` of the bytes let
-go of: where a forward's activations are that large, the buckets would have sat under them. Once below, the
-buckets stay for the rest of the run (one decision: a model's activations do not shrink step after step).
+go of: where a forward's activations are that large, the buckets would have sat under them. Below it twice in a
+row (once may be a bucket whose last work gloo's thread freed late, during the forward), the buckets stay for the
+rest of the run: a model's activations do not shrink step after step.
 ``release`` forces the policy (True: always, False: never, as torch's reducer); None is the above.
 """
 
@@ -49,6 +50,7 @@ class IdleBuckets:
         """True: let go at every forward; False: never (torch's behaviour); None: on a GPU always, on the CPU while
         the forward's activations are at least ``MIN_ACTIVATION_SHARE`` of the buckets let go of."""
         self.worth_it = True  # None's verdict on the CPU so far
+        self._strikes = 0  # forwards in a row whose activations were below the share (CPU, policy None)
         self.released_bytes = 0  # at the last forward's start (diagnostics, tests)
         self._resident_after: int | None = None  # resident bytes right after letting go (CPU, policy None)
 
@@ -69,4 +71,7 @@ class IdleBuckets:
         if before is not None:
             now = resident_bytes()
             if now is not None and now - before < self.released_bytes * MIN_ACTIVATION_SHARE:
-                self.worth_it = False
+                self._strikes += 1
+                self.worth_it = self._strikes < 2
+            else:
+                self._strikes = 0
