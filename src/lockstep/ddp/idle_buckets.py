@@ -51,14 +51,14 @@ class IdleBuckets:
         the forward's activations are at least ``MIN_ACTIVATION_SHARE`` of the buckets let go of."""
         self.worth_it = True  # None's verdict on the CPU so far
         self._strikes = 0  # forwards in a row whose activations were below the share (CPU, policy None)
-        self.released_bytes = 0  # at the last forward's start (diagnostics, tests)
+        self.released_bytes = 0  # at the last forward's start: what the judgement weighs the forward's memory against
         self._resident_after: int | None = None  # resident bytes right after letting go (CPU, policy None)
 
     def wanted(self, buckets: Sequence[Bucket]) -> bool:
         """Whether this forward's start should let go of idle buckets (the reducer then drops the last works)."""
-        if self.release is not None or not buckets:
-            return bool(self.release) and bool(buckets)
-        return self.worth_it or buckets[0].plan.device.type != "cpu"
+        if not buckets or self.release is False:
+            return False
+        return self.release is True or self.worth_it or buckets[0].plan.device.type != "cpu"
 
     def at_forward_start(self, buckets: Sequence[Bucket]) -> None:
         self.released_bytes = sum(bucket.release() for bucket in buckets)
