@@ -20,7 +20,8 @@ bucket's copy between steps: G/2 more than the bound.
 The step's other peak is the forward's end, where the activations are: a forward hook on the last layer counts
 the same way there. With bucket views after ``zero_grad()`` no ``.grad`` is set then, so torch's reducer holds
 its buckets (G) for nothing; lockstep gives an idle bucket's memory back at the forward's start and takes it
-again at its first gradient (``Bucket.release``), so it holds nothing there. Before that, on
+again at its first gradient (``Bucket.release``; the cases here force it, ``release_idle_buckets = True``, and
+the default's CPU policy has a case of its own), so it holds nothing there. Before that, on
 benchmarks/memory.py's transformer (activations 0.29 G at the start of backward), None and True peaked at
 parameters + buckets + activations, 0.77 G below copies' end-of-backward peak instead of a whole G.
 
@@ -86,7 +87,7 @@ def _cases(rank: int, world_size: int) -> dict:
                 torch.manual_seed(0)
                 module = _model()
                 ddp = _releasing()(module, bucket_cap_mb=0.3, gradient_as_bucket_view=view,
-                                                       find_unused_parameters=variant == "unused")
+                                   find_unused_parameters=variant == "unused")
                 if variant == "allreduce":
                     ddp.register_comm_hook(None, default_hooks.allreduce_hook)
                 elif variant == "fp16":
@@ -154,7 +155,8 @@ def _releasing() -> type:
 
 def _auto_policy_case(rank: int) -> dict:
     """The default policy on the CPU (``ddp/idle_buckets``), gradient_as_bucket_view=None, zero_grad(): a forward
-    whose activations are a sliver of the buckets (batch 4: 0.03 MB against 1 MB) stops letting go after two steps, so no page comes back as a fault for nothing; one whose activations dwarf them (batch 2048, 16 MB) goes on.
+    whose activations are a sliver of the buckets (batch 4: 0.03 MB against 1 MB) stops letting go after two steps,
+    so no page comes back as a fault for nothing; one whose activations dwarf them (batch 2048, 16 MB) goes on.
     malloc gives every block of 64 KB or more back to the kernel at once, as benchmarks/memory.py has it, so the
     process's resident memory follows the tensors."""
     import ctypes
