@@ -84,6 +84,77 @@ def test_the_graveyard_lets_go_only_of_works_older_than_the_safe_age():
     assert [works for _, works in graveyard] == [["c"]]
 
 
+def test_the_graveyard_keeps_a_work_still_in_flight_however_old():
+    import collections
+    import types
+
+    graveyard = collections.deque()
+    now = [100.0]
+    clock = lambda: now[0]  # noqa: E731
+    in_flight = types.SimpleNamespace(is_completed=lambda: False)
+    bury([in_flight], graveyard, clock, safe_after_s=5.0)
+    bury(["later"], graveyard, clock, safe_after_s=5.0)
+    now[0] = 200.0
+    bury([], graveyard, clock, safe_after_s=5.0)
+    assert [works for _, works in graveyard] == [[in_flight], ["later"]]  # and what came after it, in order
+    in_flight.is_completed = lambda: True
+    bury([], graveyard, clock, safe_after_s=5.0)
+    assert not graveyard
+
+
+def _raise_in_forward_under_join_then_exit(rank: int, port: int) -> None:
+    """A rank of torch's ``test_ddp_uneven_input_exception``, as its harness runs it: the forward raises inside
+    ``join()``, the group is destroyed, and the process exits while the traceback still holds the DDP object."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    import lockstep
+
+    class Raises(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.param = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, _):
+            raise ValueError("intentional")
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = lockstep.DistributedDataParallel(Raises())
+    try:
+        with model.join():
+            model(torch.ones(1)).sum().backward()
+    except ValueError:
+        pass
+    else:
+        os._exit(3)
+    dist.destroy_process_group()
+    sys.exit(0)  # multiprocessing's _bootstrap frees the traceback (and the DDP object, and its group) here
+
+
+def test_a_forward_that_raises_under_join_exits_0():
+    # torch 2.4 (the smoke set): the join's all-reduces were dropped in flight, and the group's destructor, run with
+    # the GIL held, waited for gloo's worker, which waited for the GIL to free their tensors: a hang in 1 run of 2.
+    import multiprocessing
+
+    from lockstep.process_group import free_port
+
+    ctx = multiprocessing.get_context("fork")
+    for attempt in range(6):
+        port = free_port()
+        ranks = [ctx.Process(target=_raise_in_forward_under_join_then_exit, args=(r, port)) for r in range(2)]
+        for p in ranks:
+            p.start()
+        for p in ranks:
+            p.join(30)
+        hung = [r for r, p in enumerate(ranks) if p.exitcode is None]
+        for r in hung:
+            ranks[r].kill()
+        assert not hung, f"attempt {attempt}: rank(s) {hung} still running 30 s after the forward raised"
+        assert [p.exitcode for p in ranks] == [0, 0], f"attempt {attempt}"
+
+
 def test_a_dropped_reducer_hands_its_works_to_the_graveyard():
     # Reducer.__del__ runs where no exception can surface (an "Exception ignored" line at most), so a broken
     # one goes unseen while the works it should keep are freed wherever the last reference drops.

@@ -21,8 +21,9 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import JoinHook
+from torch.distributed.algorithms.join import Join, JoinHook
 
+from lockstep.ddp.lifetime import bury
 from lockstep.ddp.replicas import broadcast_coalesced
 
 
@@ -96,6 +97,17 @@ def common_rank(ddp: JoinableDDP, candidate: bool) -> int:
     return int(rank.item())
 
 
+def notify_not_joined(ddp: JoinableDDP) -> dist.Work | None:
+    """torch's "not joined yet" all-reduce of this forward (``Join.notify_join_context``), its work kept in
+    ``lifetime``'s graveyard until done. A forward that raises drops it in flight; if the process group is then
+    freed at exit (the traceback lets go of the DDP object), torch 2.4 joins gloo's worker holding the GIL while
+    that worker waits for the GIL to free the work's tensor: a hang, seen in torch's
+    ``test_ddp_uneven_input_exception``."""
+    work = Join.notify_join_context(ddp)  # type: ignore[arg-type]
+    bury((work,))
+    return work
+
+
 def join_divisor(ddp: JoinableDDP, join_work: dist.Work | None) -> int:
     """The average's denominator for this forward: the world size, or under ``join(divide_by_initial_world_size=False)``
     the ranks still training (the "not joined" all-reduce's sum: a host sync per forward, only there)."""
@@ -113,6 +125,7 @@ def backward_sync_round(ddp: JoinableDDP, synced: bool, joined: bool) -> bool:
     """
     flag = torch.ones(1, device=ddp.join_device) if synced and not joined else torch.zeros(1, device=ddp.join_device)
     work = dist.all_reduce(flag, group=ddp.process_group, async_op=True)
+    bury((work,))  # as notify_not_joined's: a forward that raises leaves it in flight
     if not joined:
         ddp._join_sync_work = work
         return synced

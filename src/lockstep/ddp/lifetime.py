@@ -29,6 +29,14 @@ core from it there; if the script then runs to interpreter exit first (a ``barri
 100: ``runLoop`` -> ``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``).
 ``settle_gloo_workers``, run at exit, waits (GIL released) until no gloo worker is on a core or waiting
 for one, so they have let go before finalisation starts.
+
+Not only at finalisation: torch 2.4 frees a ``ProcessGroup`` without releasing the GIL, and its destructor
+joins gloo's workers. A work dropped in flight (a forward that raises inside ``join()`` drops its "not joined"
+all-reduce) is freed by the worker when it completes, which takes the GIL: if the group's last reference goes
+first (the traceback that held the DDP object, freed as a multiprocessing child exits), both wait for good
+(torch's ``test_ddp_uneven_input_exception``, 1 run in 2 on torch 2.4, torch's own DDP too). Works that
+can be dropped in flight (the join's, the Trainer's stop flag) are buried as they are launched, and the
+graveyard keeps a work until it has completed, however old.
 """
 
 from __future__ import annotations
@@ -52,17 +60,27 @@ _GRAVEYARD: collections.deque[tuple[float, list[Any]]] = collections.deque()
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_GRAVEYARD))
 
 
-def bury(works: Iterable[Any], graveyard: collections.deque = _GRAVEYARD, clock: Any = time.monotonic,
-         safe_after_s: float = _SAFE_AFTER_S) -> None:
-    """Keep finished works (``Work`` objects or futures) alive for good; see the module docstring.
+def _finished(works: list[Any]) -> bool:
+    """Every work completed (a ``Work``'s ``is_completed``, a future's ``done``; anything else counts as finished):
+    one still queued behind a slow peer keeps its place, and those buried after it, however old."""
+    for work in works:
+        done = getattr(work, "is_completed", None) or getattr(work, "done", None)
+        if done is not None and not done():
+            return False
+    return True
 
-    Works buried more than ``safe_after_s`` ago are let go first (on a live interpreter, long after
+
+def bury(works: Iterable[Any], graveyard: collections.deque = _GRAVEYARD, clock: Any = time.monotonic,
+         safe_after_s: float = _SAFE_AFTER_S, finished: Any = _finished) -> None:
+    """Keep works (``Work`` objects or futures), finished or in flight, alive for good; see the module docstring.
+
+    Works buried more than ``safe_after_s`` ago and finished are let go first (on a live interpreter, long after
     gloo's thread did): a dropped DDP object's bucket buffers are held that long, until the next call.
     Callable from ``__del__`` during finalisation: everything it uses comes in as default arguments,
     not through the module's globals, which may already be gone.
     """
     now = clock()
-    while graveyard and now - graveyard[0][0] > safe_after_s:
+    while graveyard and now - graveyard[0][0] > safe_after_s and finished(graveyard[0][1]):
         graveyard.popleft()
     kept = [w for w in works if w is not None]
     if kept:

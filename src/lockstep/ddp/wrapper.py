@@ -43,6 +43,7 @@ from lockstep.ddp.join import (
     backward_sync_round,
     common_rank,
     join_divisor,
+    notify_not_joined,
 )
 from lockstep.ddp.observe import attach
 from lockstep.ddp.optim_in_backward import take_over_optimizers_in_backward
@@ -274,7 +275,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             self._lazy_init_done = True
             self.reducer.optimizers_in_backward = take_over_optimizers_in_backward(self.reducer.params)
         in_join = self._join_config.enable  # inside model.join() (torch's flag; it stays set after, as torch's)
-        join_work = Join.notify_join_context(self) if in_join else None  # every forward, as torch
+        join_work = notify_not_joined(self) if in_join else None  # every forward, as torch
         if synced:
             self.reducer.divisor = join_divisor(self, join_work)
             self.reducer.prepare_for_forward()  # before any other collective of this iteration

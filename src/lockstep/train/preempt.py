@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.ddp.lifetime import bury
 from lockstep.slurm import PREEMPT_DIR_ENV, REQUEUE_EXIT_CODE  # the contract with launch/, at the bottom layer
 
 __all__ = ["PREEMPT_DIR_ENV", "REQUEUE_EXIT_CODE", "Preempted", "PreemptionWatch", "leave_marker"]
@@ -89,6 +90,7 @@ class PreemptionWatch:
                 return True
         self._flag.fill_(1 if self.requested else 0)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        bury((self._work,))  # a step that raises drops it in flight: see ddp/lifetime.py (torch 2.4's exit hang)
         return False
 
     def drain(self) -> None:
