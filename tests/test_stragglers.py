@@ -25,3 +25,12 @@ def test_a_wait_its_own_phases_do_not_explain_is_communication():
     found = find_straggler([_rank(0.2, 1.4, 1.4), _rank(0.2, 1.4, 2.5)])
     assert found["rank"] == 0 and found["cause"] == "communication"
     assert "communication or between steps, not to data loading or compute" in straggler_line(1, found)
+
+
+def test_a_short_step_prints_tenths_so_the_phases_it_names_differ():
+    # A 3 ms step: whole milliseconds read "compute (3 ms per step; the others 3 ms)" for a rank 0.6 ms slower.
+    found = find_straggler([_rank(0.01, 0.34, 0.01), _rank(0.01, 0.28, 0.07)])
+    assert found["rank"] == 0 and found["cause"] == "compute"
+    line = straggler_line(2, found)
+    assert "made the others wait 0.6 ms per step (17% of the step)" in line, line
+    assert line.endswith("its time went to compute (3.4 ms per step; the others 2.8 ms)"), line

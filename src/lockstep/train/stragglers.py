@@ -54,16 +54,22 @@ def find_straggler(ranks: list[dict[str, float]], threshold: float = 0.1) -> dic
                           for k in ("data_s", "compute_s", "comm_s")}}
 
 
+def _ms(value: float) -> str:
+    """Milliseconds as the line prints them: a tenth below 10 ms, where whole numbers would read "3 ms; the others
+    3 ms" for a rank that did spend 0.6 ms more."""
+    return f"{value:.1f}" if value < 9.95 else f"{value:.0f}"
+
+
 def straggler_line(epoch: int, found: dict) -> str:
     """One line for the progress output, e.g. "epoch 3: straggler rank 1 made the others wait 48 ms per step
     (41% of the step): its time went to data loading (52 ms per step; the others 1 ms)"."""
-    head = (f"epoch {epoch}: straggler rank {found['rank']} made the others wait {found['made_wait_ms']:.0f} ms per "
+    head = (f"epoch {epoch}: straggler rank {found['rank']} made the others wait {_ms(found['made_wait_ms'])} ms per "
             f"step ({found['wait_share']:.0%} of the step): ")
     own, others = found["own_ms"], found["others_ms"]
     if found["cause"] == "communication":  # its own phases do not explain the wait: say so with their numbers
         return head + (f"its time went to communication or between steps, not to data loading or compute "
-                       f"({own['data']:.0f} and {own['compute']:.0f} ms per step; the others "
-                       f"{others['data']:.0f} and {others['compute']:.0f} ms)")
+                       f"({_ms(own['data'])} and {_ms(own['compute'])} ms per step; the others "
+                       f"{_ms(others['data'])} and {_ms(others['compute'])} ms)")
     key = "data" if found["cause"] == "data loading" else "compute"
-    return head + (f"its time went to {found['cause']} ({own[key]:.0f} ms per step; "
-                   f"the others {others[key]:.0f} ms)")
+    return head + (f"its time went to {found['cause']} ({_ms(own[key])} ms per step; "
+                   f"the others {_ms(others[key])} ms)")
