@@ -12,9 +12,9 @@ What stays, in case a work still holds a Python object (a Python dispatcher or f
 around a user's backward is in the same thread-local state): a reducer that dies (its DDP object was
 dropped) and, at interpreter exit, every live reducer hand their last works to ``bury``, a graveyard
 that is never freed, so the main thread's reference is never dropped and the worker's cannot be the
-last. Entries older than ``_SAFE_AFTER_S`` are dropped when the next arrives or a reducer is built
-(long since let go by gloo, on a live interpreter). Works are not buried at every step any more: held
-for seconds, the works of every step pinned glibc's heap (RSS +0.4 to +0.7 GB for the 10.5M MLP,
+last. Entries older than ``_SAFE_AFTER_S`` and completed are dropped when the next arrives or a reducer is
+built (long since let go by gloo, on a live interpreter). The buckets' works are not buried at every step any
+more: held for seconds, the works of every step pinned glibc's heap (RSS +0.4 to +0.7 GB for the 10.5M MLP,
 all of it given back by ``malloc_trim``), where torch's DDP holds none.
 
 The hooks hold the reducer weakly, so a dropped DDP object takes its reducer, buffers and
