@@ -125,8 +125,8 @@ def backward_sync_round(ddp: JoinableDDP, synced: bool, joined: bool) -> bool:
     """
     flag = torch.ones(1, device=ddp.join_device) if synced and not joined else torch.zeros(1, device=ddp.join_device)
     work = dist.all_reduce(flag, group=ddp.process_group, async_op=True)
-    bury((work,))  # as notify_not_joined's: a forward that raises leaves it in flight
     if not joined:
+        bury((work,))  # as notify_not_joined's: a forward that raises leaves it in flight
         ddp._join_sync_work = work
         return synced
     work.wait()
