@@ -31,6 +31,10 @@ def main():
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--max-steps", type=int, default=None)
     args = p.parse_args()
+    try:  # every rank (every node has its own disk), before the group: a bad path costs no start-up
+        os.makedirs(args.directory, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"elastic_loop.py: cannot create the checkpoint directory {args.directory}: {e.strerror}") from None
     env = lockstep.init()
     try:
         torch.manual_seed(0)
@@ -52,7 +56,7 @@ def main():
             sampler.set_epoch(epoch)
             lockstep.resume(sampler, checkpoint["sampler"], step)  # call 2: at whatever world size this is
             if env.rank == 0:
-                print(f"resumed from step {step} (epoch {epoch}) at world size {env.world_size}, "
+                print(f"resumed from step {step} (epoch {epoch + 1}) at world size {env.world_size}, "
                       f"{accum} micro-batches per step; saved by {checkpoint['sampler']['num_replicas']} ranks")
 
         while epoch < args.epochs:
@@ -75,9 +79,9 @@ def main():
                     os.replace(path + ".tmp", path)  # atomic: a kill mid-save leaves the previous one
                 if args.max_steps is not None and step >= args.max_steps:
                     return
-            epoch += 1
+            epoch += 1  # epochs done; printed 1-based, as the Trainer does
             if env.rank == 0:
-                print(f"epoch {epoch - 1} done at step {step}, loss {loss.item():.4f}")
+                print(f"epoch {epoch} done at step {step}, loss {loss.item():.4f}")
     finally:
         lockstep.shutdown()
 

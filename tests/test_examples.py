@@ -80,13 +80,26 @@ def test_wine_under_lockstep_launch_then_resumed_under_torchrun(tmp_path):
 def test_elastic_loop_goes_on_at_another_world_size(tmp_path):
     # 20 steps of global batch 64 on 2 ranks (4 micro-batches each), then the rest on 1 rank (8 each):
     # the epoch continues at sample 20 x 64 = 1280 of its 1792, with the same global batch
-    _run(LOCKSTEP_LAUNCH + ["examples/elastic_loop.py", str(tmp_path), "--max-steps", "20"])
-    one = [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "1", "examples/elastic_loop.py", str(tmp_path),
+    ckpt = tmp_path / "ckpt"  # not there yet, as in docs/preemptible.md's /tmp/ckpt: the script creates it
+    _run(LOCKSTEP_LAUNCH + ["examples/elastic_loop.py", str(ckpt), "--max-steps", "20"])
+    one = [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "1", "examples/elastic_loop.py", str(ckpt),
            "--epochs", "2"]
     proc = subprocess.run(one, cwd=REPO, capture_output=True, text=True, timeout=240)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
-    assert "resumed from step 20 (epoch 0) at world size 1, 8 micro-batches per step; saved by 2 ranks" in text
-    assert "epoch 0 done at step 28" in text and "epoch 1 done at step 56" in text  # 28 steps per epoch, kept
-    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert "resumed from step 20 (epoch 1) at world size 1, 8 micro-batches per step; saved by 2 ranks" in text
+    # 28 steps per epoch, kept; epochs 1-based as the Trainer prints them
+    assert "epoch 1 done at step 28" in text and "epoch 2 done at step 56" in text and "epoch 0" not in text
+    state = torch.load(ckpt / "checkpoint.pt", weights_only=True)
     assert state["step"] == 55 and state["sampler"]["num_replicas"] == 1
+
+
+def test_elastic_loop_names_a_directory_it_cannot_create(tmp_path):
+    # refused before the process group starts, so the script alone (no launcher) shows the line a rank prints
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc = subprocess.run([sys.executable, "examples/elastic_loop.py", str(blocker)], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"elastic_loop.py: cannot create the checkpoint directory {blocker}: File exists"], proc.stderr
