@@ -34,7 +34,8 @@ def main():
     try:  # every rank (every node has its own disk), before the group: a bad path costs no start-up
         os.makedirs(args.directory, exist_ok=True)
     except OSError as e:
-        raise SystemExit(f"elastic_loop.py: cannot create the checkpoint directory {args.directory}: {e.strerror}") from None
+        message = f"elastic_loop.py: cannot create the checkpoint directory {args.directory}: {e.strerror}"
+        raise SystemExit(message) from None
     env = lockstep.init()
     try:
         torch.manual_seed(0)
