@@ -97,3 +97,18 @@ def test_bad_log_dir_is_one_line_exit_2_before_any_worker(capsys, tmp_path):
         assert cli_main(["--log-dir", bad, "--nproc-per-node", "2", SCRIPT]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"lockstep launch: error: --log-dir {bad!r} cannot be created"), err
+
+
+def test_master_addr_given_as_loopback_is_taken_for_several_nodes(capsys):
+    # torchrun takes --master-addr/--master-port as the rendezvous endpoint when --rdzv-endpoint is absent, 127.0.0.1
+    # included (several agents on one host); it was refused as "--master-addr is required" although it was given.
+    for nnodes, low in (("1:2", 1), ("2", None)):
+        opts, _, _ = parse_launch_args(["--nnodes", nnodes, "--master-addr", "127.0.0.1", "--master-port", "29500",
+                                        SCRIPT], env={})
+        assert (opts.master_addr, opts.master_port, opts.nnodes, opts.min_nodes) == ("127.0.0.1", 29500, 2, low)
+    opts, _, _ = parse_launch_args(["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:29400", SCRIPT], env={})
+    assert (opts.master_addr, opts.master_port) == ("127.0.0.1", 29400)
+    # not given at all: still one line naming the flag
+    assert cli_main(["--nnodes", "1:2", SCRIPT]) == 2
+    assert capsys.readouterr().err == ("lockstep launch: error: --master-addr (or --rdzv-endpoint) is required with "
+                                       "--nnodes > 1: the address of node 0\n")
