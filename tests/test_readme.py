@@ -17,6 +17,15 @@ def test_readme_opens_with_setup_and_main_job_then_tests():
     assert commands[1].startswith("python -m pip install torch==2.13.0") and "pytest" in commands[1]
 
 
+def test_the_demo_command_installs_the_package_alone_and_the_test_command_the_dev_extra():
+    # issue #34 item 4: the dev extra is ~75 packages (4-5 min) that the demo never imports; `pip install -e .`
+    # (~30) runs it. A fresh venv with only these two installs ran `lockstep demo` on 2026-11-26.
+    demo, tests = _readme_commands()[:2]
+    assert demo == "python -m pip install torch==2.13.0 && python -m pip install -e . && lockstep demo"
+    assert "dev" not in demo
+    assert 'python -m pip install -e ".[dev]" && python -m pytest' in tests
+
+
 def test_ci_runs_the_readme_test_command():
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
     assert _readme_commands()[1] in ci
