@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 from torch.distributed.run import get_args_parser
@@ -54,7 +57,18 @@ def test_torchrun_rendezvous_flags_mean_what_they_mean_in_torchrun():
                                     SCRIPT], env={})
     assert (opts.master_addr, opts.master_port, opts.run_id, opts.rdzv_timeout_s) == ("node0", 29400, "job7", 12)
     assert opts.rdzv_conf == (("read_timeout", "30"),)
+    # torch's is_host (this node serves the c10d store): lockstep's node 0 does; passed through when it agrees
+    for value, node_rank, said in (("true", None, "true"), ("Yes", "0", "true"), ("0", "1", "false")):
+        extra = [] if node_rank is None else ["--node-rank", node_rank]
+        opts, _, _ = parse_launch_args(["--nnodes", "2", "--master-addr", "h", "--rdzv-conf", f"is_host={value}",
+                                        *extra, SCRIPT], env={})
+        assert opts.rdzv_conf == (("is_host", said),) and opts.node_rank == int(node_rank or 0)
     bad = [
+        (["--nnodes", "2", "--master-addr", "h", "--node-rank", "1", "--rdzv-conf", "is_host=true"],
+         "--rdzv-conf is_host=true, but this node is --node-rank 1: lockstep launch serves the rendezvous store on"),
+        (["--nnodes", "2", "--master-addr", "h", "--rdzv-conf", "is_host=false"],
+         "--rdzv-conf is_host=false, but this node is --node-rank 0, .+ give this node its --node-rank"),
+        (["--rdzv-conf", "is_host=maybe"], "--rdzv-conf is_host takes true or false"),
         (["--rdzv-backend", "etcd"], "--rdzv-backend 'etcd' is not supported"),
         (["--rdzv-conf", "colour=red"], "--rdzv-conf: unknown key 'colour'"),
         (["--rdzv-endpoint", "node0"], "--rdzv-endpoint must be HOST:PORT"),
@@ -112,3 +126,26 @@ def test_master_addr_given_as_loopback_is_taken_for_several_nodes(capsys):
     assert cli_main(["--nnodes", "1:2", SCRIPT]) == 2
     assert capsys.readouterr().err == ("lockstep launch: error: --master-addr (or --rdzv-endpoint) is required with "
                                        "--nnodes > 1: the address of node 0\n")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_one_host_meet_with_torchruns_is_host(tmp_path):
+    # Two agents on one machine (one host name, as containers that share it): torchrun's users say which one
+    # hosts the c10d store with is_host; lockstep launch used to refuse the key, and 127.0.0.1 as --master-addr.
+    # Real launches (~15 s): node 0 gives no --node-rank (is_host=true means node 0), node 1 gives its own.
+    # A fixed --nnodes 2: with 1:2 a node 1 slow to start on a loaded machine would miss the first round.
+    common = [sys.executable, "-m", "lockstep", "launch", "--nnodes", "2", "--nproc-per-node", "1",
+              "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    nodes = [common + ["--rdzv-conf", "is_host=true", SCRIPT],
+             common + ["--node-rank", "1", "--rdzv-conf", "is_host=false", SCRIPT]]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in nodes]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err
+    assert "allreduce rank=0 world=2 local_rank=0 master=127.0.0.1 sum=3" in outs[0][0], outs[0]
+    assert "allreduce rank=1 world=2 local_rank=0 master=127.0.0.1 sum=3" in outs[1][0], outs[1]

@@ -23,9 +23,12 @@ TORCHRUN_NOT_SUPPORTED = {
     "torchrun.logs_specs entry point would lose both",
 }
 
-# --rdzv-conf keys torch's c10d rendezvous reads; lockstep's own keys (is_host, lockstep_*) are set by the launcher.
+# --rdzv-conf keys torch's c10d rendezvous reads; lockstep's own keys (lockstep_*) are set by the launcher.
 RDZV_CONF_KEYS = frozenset({"join_timeout", "timeout", "last_call_timeout", "close_timeout", "read_timeout",
-                            "keep_alive_interval", "keep_alive_max_attempt", "heartbeat", "use_libuv", "store_type"})
+                            "keep_alive_interval", "keep_alive_max_attempt", "heartbeat", "use_libuv", "store_type",
+                            "is_host"})
+# torch's RendezvousParameters.get_as_bool spellings, for is_host
+_TRUE, _FALSE = ("1", "true", "t", "yes", "y"), ("0", "false", "f", "no", "n")
 RDZV_BACKENDS = ("c10d", "static")  # both meet through lockstep's wrapper of torch's c10d rendezvous
 
 
@@ -74,7 +77,25 @@ def parse_rdzv_conf(value: str) -> dict[str, str]:
         if key.strip() not in RDZV_CONF_KEYS:
             raise ValueError(f"--rdzv-conf: unknown key {key.strip()!r} (known: {', '.join(sorted(RDZV_CONF_KEYS))})")
         conf[key.strip()] = val.strip()
+    if "is_host" in conf:
+        value = conf["is_host"].lower()
+        if value not in _TRUE + _FALSE:
+            raise ValueError(f"--rdzv-conf is_host takes true or false (torch's 1/0, yes/no too), got {value!r}")
+        conf["is_host"] = "true" if value in _TRUE else "false"
     return conf
+
+
+def check_is_host(conf: dict[str, str], node_rank: int) -> None:
+    """torch's c10d key ``is_host``: whether this node serves the rendezvous store (torchrun users set it where
+    the nodes share a host name, so torch cannot tell from the name). lockstep launch serves it on node 0,
+    decided by ``--node-rank`` and never by the host name, so the key is passed through when it agrees and is an
+    error naming both when it does not (a client that thinks it hosts, or two hosts, would never meet)."""
+    if conf.get("is_host") == "true" and node_rank != 0:
+        raise ValueError(f"--rdzv-conf is_host=true, but this node is --node-rank {node_rank}: lockstep launch "
+                         "serves the rendezvous store on --node-rank 0")
+    if conf.get("is_host") == "false" and node_rank == 0:
+        raise ValueError("--rdzv-conf is_host=false, but this node is --node-rank 0, which serves the rendezvous "
+                         "store under lockstep launch: give this node its --node-rank (1 or more)")
 
 
 def parse_local_ranks(value: str) -> frozenset[int]:

@@ -142,6 +142,7 @@ def _parse(argv: Sequence[str], env: Mapping[str, str]) -> tuple[LaunchOptions, 
     # Asked of the flags, not the value: 127.0.0.1 given on purpose (several agents on one host) is torchrun's too.
     if options.nnodes > 1 and options.source != "slurm" and ns.master_addr is None:
         raise ValueError("--master-addr (or --rdzv-endpoint) is required with --nnodes > 1: the address of node 0")
+    flags.check_is_host(dict(options.rdzv_conf), options.node_rank)
     flags.worker_command(ns, sys.executable)  # raises naming a missing script, or -m with --no-python
     if options.log_dir:
         flags.check_log_dir(options.log_dir)
