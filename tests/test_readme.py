@@ -2,6 +2,7 @@
 
 import os
 import re
+import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,3 +43,26 @@ def test_readme_stays_a_two_minute_read_and_its_links_resolve():
     # mkdocs.yml's nav lists every page the README links to (mkdocs --strict checks the pages' own links).
     nav = open(os.path.join(ROOT, "mkdocs.yml")).read()
     assert all(os.path.basename(link) in nav for link in links if link.startswith("docs/") and link.endswith(".md"))
+
+
+def test_ci_runs_the_tests_from_a_checkout_folder_named_lockstep(tmp_path):
+    # issue #34 item 1: CI clones into a folder of its own naming; .ci/run must still run the suite from .../lockstep.
+    # A stand-in `python` (the first command .ci/run runs after choosing its folder) prints where it was started and
+    # fails, which ends the script there.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python").write_text('#!/bin/sh\necho "python ran in $PWD"; [ -f tests/test_readme.py ] && echo "tree here"\n'
+                                 "exit 1\n")
+    (fake / "ip").write_text("#!/bin/sh\nexit 0\n")  # so that the iproute2 check installs nothing
+    for tool in fake.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", os.path.join(ROOT, ".ci", "run")], env=env, capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode != 0, proc.stdout
+    ran_in = re.search(r"^python ran in (.+)$", proc.stdout, re.MULTILINE)
+    assert ran_in, proc.stdout + proc.stderr
+    assert os.path.basename(ran_in[1]) == "lockstep", proc.stdout
+    assert "tree here" in proc.stdout, proc.stdout
+    if os.path.basename(ROOT) != "lockstep":
+        assert not os.path.exists(os.path.dirname(ran_in[1])), "the copy outlived the run"
