@@ -56,6 +56,15 @@ class Node:
         """Cut (``up=False``) or restore this node's end of the link; its address stays configured."""
         _ip("-n", self.namespace, "link", "set", self.interface, "up" if up else "down")
 
+    def shape(self, rate: str) -> None:
+        """Limit what this node sends over the link to ``rate`` (tc's syntax: ``100mbit``, ``2.5gbit``).
+
+        A token bucket (tbf) on the veth end inside the namespace; ``replace`` re-shapes an end shaped before.
+        tbf, not netem: netem is missing from some kernels (this one's), tbf is always built in.
+        """
+        subprocess.run(["tc", "-n", self.namespace, "qdisc", "replace", "dev", self.interface, "root", "tbf",
+                        "rate", rate, "burst", "256kb", "latency", "100ms"], check=True, capture_output=True, text=True)
+
 
 def _remove(namespaces: list[str]) -> None:
     for ns in namespaces:
