@@ -21,7 +21,13 @@ from test_launch import HERE, clean_env, run_launch, script
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reports")
+    # A script in a folder named `lockstep` (what `git clone .../lockstep` gives) that fails inside torch
+    clone = tmp / "lockstep" / "examples"
+    clone.mkdir(parents=True)
+    (clone / "train.py").write_text("import torch\n\n\ndef load():\n    return torch.load('/no/such/ckpt.pt')\n\n\n"
+                                    "load()\n")
     jobs = {
+        "lockstep_folder": ["--nproc-per-node", "1", str(clone / "train.py")],
         "missing_module": ["--nproc-per-node", "2", script("missing_module.py")],
         "early_exit": ["--nproc-per-node", "2", script("early_exit.py")],
         # torchrun's flags: --standalone, -m, --local-ranks-filter, -r/-t, and a --log-dir used twice
@@ -68,6 +74,16 @@ def test_a_rank_that_exits_0_early_is_named_with_where_the_others_wait(runs):
     text = "\n".join(_report(proc.stderr))
     assert "rank 1 exited cleanly (exit code 0) while rank 0 was still running" in text, text
     assert "early_exit.py\", line 15" in text  # rank 0's position: its first forward, waiting for rank 1
+
+
+def test_report_names_the_users_line_in_a_folder_named_lockstep(runs):
+    # issue #34: a path containing /lockstep/ was taken for library code, so the report named torch's line
+    proc = runs["lockstep_folder"]
+    assert proc.returncode == 1, proc.stderr
+    text = "\n".join(_report(proc.stderr))
+    assert "FileNotFoundError" in text, text
+    where = text.split("FileNotFoundError", 1)[1].splitlines()[1].strip()
+    assert where == f'File "{runs["tmp"] / "lockstep" / "examples" / "train.py"}", line 5, in load', text
 
 
 def test_torchrun_flags_run_a_module_standalone_with_filters_and_a_folder_per_job(runs):

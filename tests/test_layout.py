@@ -20,7 +20,7 @@ PACKAGE = ROOT / "src" / "lockstep"
 
 # part -> layer. A part is a subpackage or a top-level module; a module may import parts of lower layers.
 LAYERS = {
-    "slurm": 0, "sampler": 0, "network": 0,
+    "slurm": 0, "sampler": 0, "network": 0, "code_paths": 0,
     "process_group": 1,
     "collectives": 2,
     "comm_hooks": 3,

@@ -19,16 +19,16 @@ hang timeout is hung in DDP. The watchdog also notices a training thread stuck i
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
-import sysconfig
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
+
+from lockstep.code_paths import is_framework_code, is_library_code
 
 DDP_PHASES = ("forward", "backward", "wait")
 
@@ -120,26 +120,10 @@ def observer_for(reducer: Any) -> ProgressObserver:
 
 
 # ------------------------------------------------------------------- where in the user's code
-_LOCKSTEP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-@functools.lru_cache(maxsize=1)
-def _dirs() -> tuple[str, str, str]:
-    import torch
-
-    stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
-    return _LOCKSTEP_DIR, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, stdlib
-
-
 def _is_library(filename: str) -> bool:
-    if filename.startswith("<frozen"):
-        return True
-    lockstep_dir, torch_dir, stdlib = _dirs()
-    path = os.path.abspath(filename)
-    if path.startswith((lockstep_dir, torch_dir)):
-        return True
-    # site-packages lives under the stdlib folder: a user's installed package counts as the user's code
-    return path.startswith(stdlib) and "-packages" + os.sep not in path
+    # A user's installed package (a model library) counts as the user's code here: the innermost frame
+    # outside torch and lockstep is where the step was called from.
+    return is_library_code(filename, installed_packages=False)
 
 
 def user_location(frame: FrameType | None) -> str:
@@ -175,9 +159,8 @@ def current_collective(frame: FrameType | None) -> str | None:
 def in_library_code(frame: FrameType | None) -> bool:
     """True while some frame of the stack is torch's or lockstep's: the thread is still inside the DDP
     step its phase names, not back in the user's code after an exception left the phase behind."""
-    lockstep_dir, torch_dir, _ = _dirs()
     while frame is not None:
-        if os.path.abspath(frame.f_code.co_filename).startswith((lockstep_dir, torch_dir)):
+        if is_framework_code(frame.f_code.co_filename):
             return True
         frame = frame.f_back
     return False

@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import LogsDest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from lockstep.code_paths import is_library_code
 from lockstep.diagnostics.watchdog import HANG_EXIT_CODE
 from lockstep.diagnostics.watchdog import LOG_DIR_ENV as REPORT_DIR_ENV
 
@@ -216,17 +217,16 @@ def exception_line(lines: list[str], rank: int | str) -> str:
     return exc[0].strip() if exc else ""
 
 
+_FRAME = re.compile(r'\s*File "(?P<file>[^"]+)", line \d+')
+
+
 def _innermost_frame(block: list[str]) -> str:
-    """The traceback's innermost frame in the user's code (not torch's, not lockstep's, not the stdlib's)."""
-    frames = [line.strip() for line in block if line.startswith('  File "')]
-    library = (
-        os.sep + "site-packages" + os.sep,
-        os.sep + "lockstep" + os.sep,
-        "<frozen ",
-        os.sep + "lib" + os.sep + "python",
-    )
-    user = [f for f in frames if not any(part in f for part in library)]
-    return (user or frames or [""])[-1]
+    """The traceback's innermost frame in the user's code (not torch's, not lockstep's, not an installed
+    package's, not the stdlib's), judged by where those really are (lockstep.code_paths), never by a folder's
+    name: a user's script in a clone named ``lockstep`` is the user's."""
+    frames = [(line.strip(), match["file"]) for line in block if (match := _FRAME.match(line))]
+    user = [text for text, filename in frames if not is_library_code(filename)]
+    return (user or [text for text, _ in frames] or [""])[-1]
 
 
 def _error_text(failure: ProcessFailure, stderr_lines: list[str], shown: bool) -> tuple[list[str], bool]:
