@@ -70,3 +70,57 @@ def test_env_reports_versions_backends_interfaces_and_variables():
     assert env["TORCH_SOME_API_TOKEN"] == "<hidden>" and "UNRELATED_VAR" not in env
     text = _lockstep("env", env=extra)
     assert text.returncode == 0 and "- backends:\n  - gloo: True" in text.stdout and "  - NCCL_DEBUG: INFO" in text.stdout
+
+
+LAUNCH_SCRIPT = str(Path(__file__).resolve().parent / "launch_scripts" / "allreduce.py")
+
+
+def _in_process(capsys, *argv: str) -> tuple[int, str, str]:
+    """``lockstep ARGV`` through the dispatcher, in this process: (exit code, stdout, stderr). Cheap: no worker
+    starts, and torch is imported once for all the cases."""
+    from lockstep import cli
+
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as e:  # a subcommand's argparse exits itself (--help, a bad argument)
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_bad_argument_is_one_line_naming_it_without_the_usage_block(capsys):
+    # (argv, the whole of stderr); the docs promise one line: it came after argparse's usage (23 lines for launch)
+    cases = [
+        (["launch", "--nnodes", "3:2", LAUNCH_SCRIPT],
+         "lockstep launch: error: argument --nnodes: '3:2': MIN 3 is larger than MAX 2\n"),
+        (["launch", "--nproc-per-node", "many", LAUNCH_SCRIPT], "lockstep launch: error: argument --nproc-per-node/"
+         "--nproc_per_node: --nproc-per-node must be an integer, auto, cpu, gpu or xpu, got 'many'\n"),
+        (["launch", "--max-restarts", "x", LAUNCH_SCRIPT],
+         "lockstep launch: error: argument --max-restarts/--max_restarts: invalid int value: 'x'\n"),
+        (["launch", "--start-method", "thread", LAUNCH_SCRIPT], "lockstep launch: error: argument --start-method/"
+         "--start_method: invalid choice: 'thread' (choose from spawn, fork, forkserver)\n"),
+        (["launch", "--nnodes", "3:2"], "lockstep launch: error: argument --nnodes: '3:2': MIN 3 is larger than MAX 2\n"),
+        (["launch", "--colour", "red", LAUNCH_SCRIPT],
+         "lockstep launch: error: unrecognized arguments: --colour\n  see lockstep launch --help\n"),
+        (["demo", "--epochs", "0"], "lockstep demo: error: --epochs must be >= 1, got 0\n"),
+        (["plan", "--params", "lots"], "lockstep plan: error: argument --params: invalid float value: 'lots'\n"),
+        (["slurm-script", "--nodes", "two", "train.py"],
+         "lockstep slurm-script: error: argument --nodes: invalid int value: 'two'\n"),
+        (["env", "--yaml"], "lockstep env: error: unrecognized arguments: --yaml\n  see lockstep env --help\n"),
+        (["nope"], "lockstep: error: unknown command 'nope' (commands: launch, slurm-script, demo, bench, plan, env)\n"),
+    ]
+    for argv, expected in cases:
+        code, out, err = _in_process(capsys, *argv)
+        if "invalid choice" in expected and "'spawn'" in err:  # Python < 3.12 quotes the choices
+            expected = expected.replace("spawn, fork, forkserver", "'spawn', 'fork', 'forkserver'")
+        assert (code, out, err) == (2, "", expected), argv
+
+
+def test_no_help_shows_markdown_backticks(capsys):
+    # `lockstep demo --help` showed ``lockstep demo``: the docstring's markup, not text for a terminal
+    commands = [[], *([name] for name in ("launch", "slurm-script", "demo", "bench", "plan", "env")),
+                ["bench", "allreduce"], ["bench", "scaling"]]
+    for command in commands:
+        code, out, err = _in_process(capsys, *command, "--help")
+        assert code == 0 and err == "" and "usage:" in out, command
+        assert "`" not in out, f"lockstep {' '.join(command)} --help: {[l for l in out.splitlines() if '`' in l]}"

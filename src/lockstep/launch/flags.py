@@ -18,7 +18,7 @@ from lockstep.launch.elastic import parse_nnodes
 # torchrun options that lockstep launch refuses, and why (a one-line error names the reason).
 TORCHRUN_NOT_SUPPORTED = {
     "--run-path": "it runs the script with runpy inside the agent's spawned workers; lockstep launch starts each "
-    "worker as its own `python -u SCRIPT` (the same script runs unchanged without the flag)",
+    "worker as its own 'python -u SCRIPT' (the same script runs unchanged without the flag)",
     "--logs-specs": "lockstep launch's own logs spec writes the rank prefixes and the failure report; a custom "
     "torchrun.logs_specs entry point would lose both",
 }
@@ -169,9 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--role", default="default", help="the workers' role name (torch's agent; default: default)")
     add("--event-log-handler", "--event_log_handler", default="null",
         help="torch's elastic event log handler (default: null)")
-    add("-m", "--module", action="store_true", help="run SCRIPT as a module, like `python -m` (torchrun's -m)")
+    add("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m (torchrun's -m)")
     add("--no-python", "--no_python", action="store_true",
-        help="run SCRIPT as an executable, without prepending `python -u`")
+        help="run SCRIPT as an executable, without prepending python -u")
     add("--signals-to-handle", "--signals_to_handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         help="signals the agent forwards to the workers before stopping (default: SIGTERM,SIGINT,SIGHUP,SIGQUIT)")
     add("--shutdown-timeout", "--shutdown_timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",

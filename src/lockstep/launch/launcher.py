@@ -259,7 +259,8 @@ def cli_main(argv: Sequence[str]) -> int:
 
 def slurm_script_main(argv: Sequence[str]) -> int:
     """``lockstep slurm-script ...``: print an sbatch script that runs ``lockstep launch`` on every node."""
-    p = argparse.ArgumentParser(prog="lockstep slurm-script", description=sbatch_script.__doc__, allow_abbrev=False)
+    description = (sbatch_script.__doc__ or "").replace("``", "")  # a terminal shows rst's markup as is
+    p = argparse.ArgumentParser(prog="lockstep slurm-script", description=description, allow_abbrev=False)
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (default: 1)")
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node to request (default: 0)")
     p.add_argument("--nproc-per-node", type=int, default=None,

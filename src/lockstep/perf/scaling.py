@@ -265,7 +265,7 @@ def world_sizes(requested: list[int], threads: int, oversubscribe: bool) -> tupl
 
 
 def cli_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="lockstep bench scaling", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="lockstep bench scaling", description=__doc__.splitlines()[0].replace("``", ""))
     p.add_argument("--model", default="transformer",
                    help="mlp, cnn, transformer or module:factory (default transformer)")
     p.add_argument("--nproc", default=None, help="world sizes, e.g. 1,2,4 (default: 1,2,4,... up to the cores or GPUs)")

@@ -135,7 +135,7 @@ def _quiet_signal_shutdown():
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="lockstep demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="lockstep demo", description=__doc__.splitlines()[0].replace("``", ""))
     p.add_argument("--nproc", type=int, default=2, help="processes (ranks) to train on (default 2)")
     p.add_argument("--epochs", type=int, default=12, help="passes over the training set (default 12)")
     p.add_argument("--out", default=None, help="output directory (default runs/<timestamp>)")
