@@ -113,7 +113,9 @@ def test_ctrl_c_is_one_line_exit_130_the_checkpoint_intact_and_resume_continues_
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("lockstep demo: stopped by SIGINT; the last checkpoint ") and "--resume" in last, last
     (step, path), = list_checkpoints(out)
-    assert f"ckpt-{step:09d}.pt is intact" in last and verify(path) is None
+    # issue 34, item 5: the hint is a command to paste; without --epochs it trains to the interrupted run's 40
+    assert last.endswith(f"ckpt-{step:09d}.pt is intact; continue with: lockstep demo --resume --out {out}")
+    assert verify(path) is None and load_checkpoint(path)["target_epochs"] == 40
     interrupted = load_checkpoint(path)["run_id"]
     # resume it with matplotlib unimportable: a note up front, training, the accuracy line last, no plot
     blocked = tmp_path / "no_matplotlib" / "matplotlib"
@@ -124,6 +126,8 @@ def test_ctrl_c_is_one_line_exit_130_the_checkpoint_intact_and_resume_continues_
     resumed = _demo("--epochs", epochs, "--out", out, "--resume", env=env)
     stdout, stderr = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, stdout + stderr
+    assert f"[rank0]: lockstep: resumed from step {step} (epoch {step // 23} of {epochs} finished) out of {path}\n" \
+        in stdout, stdout
     assert "matplotlib is not installed, so no curves.png" in stderr and "Traceback" not in stderr
     assert re.fullmatch(r"test accuracy \d\.\d\d", stdout.strip().splitlines()[-1])
     assert not (out / "curves.png").exists()
@@ -131,6 +135,14 @@ def test_ctrl_c_is_one_line_exit_130_the_checkpoint_intact_and_resume_continues_
     assert new_step == step + 23 and load_checkpoint(new_path)["run_id"] == interrupted  # the same run, continued
     runs = {r.get("run") for r in read_metrics(out / "metrics.jsonl")}
     assert runs == {interrupted}
+    # issue 34, item 5: resumed once more, with nothing left: said at once, exit 0, no rank started, no
+    # "0 samples/s"; the target is the last run's (--epochs above), not the default 12
+    again = subprocess.run([sys.executable, "-m", "lockstep", "demo", "--resume", "--out", str(out)],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and again.stderr == "", again.stdout + again.stderr
+    assert again.stdout.splitlines() == [
+        f"lockstep demo: nothing to train: the checkpoint {new_path} finished epoch {epochs} of {epochs}; "
+        f"to train 2 more: lockstep demo --resume --out {out} --epochs {epochs + 2}"]
 
 
 def test_read_only_out_is_one_line_before_any_rank_starts(tmp_path):
@@ -152,3 +164,33 @@ def test_read_only_out_is_one_line_before_any_rank_starts(tmp_path):
     assert stderr.strip().splitlines() == [f"lockstep demo: --out {target / 'run'} is not writable: "
                                            + ("Read-only file system" if os.geteuid() == 0 else "Permission denied")]
     assert stdout == ""
+
+
+def _fake_checkpoint(directory, epoch: int, target_epochs: int | None):
+    from lockstep.train.checkpoint import checkpoint_path, save_atomic
+
+    payload = {"format": "lockstep-trainer-v1", "step": 23 * epoch, "epoch": epoch, "batches_done": 0}
+    if target_epochs is not None:
+        payload["target_epochs"] = target_epochs
+    return save_atomic(payload, checkpoint_path(directory, 23 * epoch))
+
+
+def test_resume_without_epochs_trains_to_the_interrupted_runs_target(tmp_path):
+    # issue 34, item 5: `--resume --out DIR` (the Ctrl-C hint) of a 40-epoch run stopped at epoch 13 ended at
+    # once with "0 samples/s": the default 12 epochs were already done
+    from lockstep.train.demo import _continue_command, _epochs_to_train, _parse
+
+    path = _fake_checkpoint(tmp_path, epoch=13, target_epochs=40)
+    assert _epochs_to_train(_parse(["--resume", "--out", str(tmp_path)]), tmp_path) == (40, None)
+    assert _epochs_to_train(_parse(["--resume", "--out", str(tmp_path), "--epochs", "20"]), tmp_path) == (20, None)
+    epochs, line = _epochs_to_train(_parse(["--resume", "--out", str(tmp_path), "--epochs", "13", "--seed", "4"]),
+                                    tmp_path)
+    assert epochs == 13 and line == (f"lockstep demo: nothing to train: the checkpoint {path} finished epoch 13 of "
+                                     f"13; to train 2 more: lockstep demo --resume --out {tmp_path} --seed 4 "
+                                     f"--epochs 15")
+    assert _epochs_to_train(_parse(["--out", str(tmp_path)]), tmp_path) == (12, None)  # not resuming: the default
+    older = tmp_path / "older"  # a checkpoint from before the target was kept: the default, 12
+    _fake_checkpoint(older, epoch=5, target_epochs=None)
+    assert _epochs_to_train(_parse(["--resume", "--out", str(older)]), older) == (12, None)
+    ns = _parse(["--nproc", "3", "--batch-size", "16", "--lr", "0.1", "--epochs", "40", "--out", "runs/x"])
+    assert _continue_command(ns, tmp_path) == f"lockstep demo --resume --out {tmp_path} --nproc 3 --batch-size 16"

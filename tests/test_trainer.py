@@ -5,6 +5,8 @@ One spawned group runs every scenario (``_scenarios``); the tests assert on what
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -101,15 +103,26 @@ def _scenarios(rank, world_size, root):
     #    initialised model in the same processes (the RNG has moved on since the checkpoint)
     crashed, none = _train(os.path.join(root, "b"), crash_at=7)
     assert none is None and crashed.step == 7
-    resumed_b, summary_b = _train(os.path.join(root, "b"), init_seed=99, resume=True)
+    with contextlib.redirect_stdout(io.StringIO()) as said_b:
+        resumed_b, summary_b = _train(os.path.join(root, "b"), init_seed=99, resume=True)
+    out["b_said"] = said_b.getvalue()
     out["b_params"] = _params(resumed_b.model)
     out["b_resumed_from"] = str(resumed_b.resumed_from)
     out["b_summary"] = summary_b
     out["b_run_ids"] = (crashed.run_id, resumed_b.run_id)
     # 3. checkpoint exactly at an epoch's last step (5 steps per epoch), crash in the next epoch
     _train(os.path.join(root, "c"), crash_at=8, save_every_steps=5)
-    resumed_c, _ = _train(os.path.join(root, "c"), init_seed=98, resume=True, save_every_steps=5)
+    with contextlib.redirect_stdout(io.StringIO()) as said_c:
+        resumed_c, _ = _train(os.path.join(root, "c"), init_seed=98, resume=True, save_every_steps=5)
     out["c_params"] = _params(resumed_c.model)
+    out["c_said"] = said_c.getvalue()
+    # ... and resumed again: nothing left (3 of 3 epochs; then max_steps reached), said, nothing written
+    c_files = sorted(os.listdir(os.path.join(root, "c")))
+    for key, more in (("c_done_epochs", {}), ("c_done_steps", {"epochs": 5, "max_steps": 15})):
+        with contextlib.redirect_stdout(io.StringIO()) as said:
+            _, summary = _train(os.path.join(root, "c"), resume=True, save_every_steps=5, **more)
+        out[key] = (said.getvalue(), summary["steps"], summary["samples_per_s"])
+    out["c_files_unchanged"] = sorted(os.listdir(os.path.join(root, "c"))) == c_files
     # 4. stop early with max_steps, then continue with the full budget
     _train(os.path.join(root, "d"), max_steps=4, save_every_steps=None)
     resumed_d, _ = _train(os.path.join(root, "d"), init_seed=97, resume=True, save_every_steps=None)
@@ -310,6 +323,24 @@ def test_resume_after_crash_is_bit_identical(results):
     for epoch in (1, 2):
         for key in ("train_loss", "eval_loss", "eval_accuracy", "eval_samples"):
             assert a_epochs[epoch][key] == b_epochs[epoch][key], (epoch, key)
+
+
+def test_a_resumed_run_says_where_it_resumed_or_that_nothing_is_left(results):
+    # issue 34, item 5: no run said where it resumed; one with nothing left ended silently at "0 samples/s"
+    root, out = results
+    b, c = os.path.join(root, "b"), os.path.join(root, "c")
+    said = out[0]["b_said"].splitlines()
+    assert said[0] == f"lockstep: resumed from step 6 (epoch 2 of 3, batch 2 of 10) out of {b}/ckpt-000000006.pt"
+    assert out[0]["c_said"].splitlines()[0] == (f"lockstep: resumed from step 5 (epoch 1 of 3, batch 10 of 10) out of "
+                                                f"{c}/ckpt-000000005.pt")
+    assert out[0]["c_done_epochs"] == (f"lockstep: nothing to train: the checkpoint {c}/ckpt-000000015.pt finished "
+                                       f"epoch 3 of 3; set TrainerConfig.epochs above 3 to train further\n", 15, 0.0)
+    assert out[0]["c_done_steps"] == (f"lockstep: nothing to train: the checkpoint {c}/ckpt-000000015.pt is at "
+                                      f"step 15, TrainerConfig.max_steps=15; raise max_steps (or leave it None) to "
+                                      f"train further\n", 15, 0.0)
+    for rank in range(2):
+        assert out[rank]["c_files_unchanged"]
+    assert out[1]["b_said"] == out[1]["c_said"] == "" and out[1]["c_done_epochs"][0] == ""  # rank 0 speaks
 
 
 def test_checkpoints_keep_last_k_and_load_weights_only(results):

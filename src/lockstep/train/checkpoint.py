@@ -39,6 +39,7 @@ from lockstep.train.checkpoint_files import (  # noqa: F401  (re-exported: the p
     save_atomic,
     verify,
 )
+from lockstep.train.preempt import note_checkpoint
 
 
 class CheckpointWarning(UserWarning):
@@ -104,6 +105,7 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
         payload = {"format": FORMAT, "run_id": trainer.run_id, "step": trainer.step, "epoch": trainer.epoch,
                    "batches_done": trainer.batches_done, "world_size": trainer.world_size,
                    "global_batch": trainer.global_batch, "batch_size": trainer.config.batch_size,
+                   "target_epochs": trainer.config.epochs,  # what `lockstep demo --resume` trains up to
                    "model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
                    "scheduler": scheduler.state_dict() if scheduler is not None else None, "ranks": gathered,
                    "scaler": trainer.precision.state_dict()}  # fp16's GradScaler: scale and growth tracker
@@ -116,6 +118,7 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
                 str(e) if isinstance(e, CheckpointSaveError) else f"checkpoint {directory}: {type(e).__name__}: {e}"
             ]
         if path is not None:
+            note_checkpoint(path)  # a Ctrl-C of `lockstep launch` names it
             try:
                 prune_checkpoints(directory, trainer.config.keep_last, run_id=trainer.run_id)  # this run's only
             except OSError as e:  # the new checkpoint is safe; an old one that will not go is only untidy
@@ -131,7 +134,7 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
             warnings.warn(f"{status[0]}; training goes on (TrainerConfig.on_save_error='continue')",
                           CheckpointWarning, stacklevel=2)
         return None
-    trainer._saved_step = trainer.step
+    trainer._saved_at = (trainer.step, trainer.epoch)
     trainer.last_checkpoint = checkpoint_path(trainer.config.checkpoint_dir, trainer.step)  # on every rank
     return path
 
@@ -243,7 +246,7 @@ def load_trainer_checkpoint(trainer) -> str | None:
     trainer.step, trainer.epoch, trainer.batches_done = payload["step"], payload["epoch"], payload["batches_done"]
     if payload.get("run_id"):  # the resumed run is that run: its later checkpoints and metrics lines join it
         trainer.run_id = payload["run_id"]
-    trainer._saved_step = trainer.step
+    trainer._saved_at = (trainer.step, trainer.epoch)
     if resized:
         trainer.grad_accum_steps, trainer.global_batch, trainer.batches_done = accum, global_batch, batches_done
         trainer.sampler.load_state_dict(shared)  # the global position: every rank continues the same order

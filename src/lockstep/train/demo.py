@@ -70,7 +70,9 @@ def train_worker(out_dir: str, epochs: int, batch_size: int, lr: float, seed: in
         trainer = Trainer(model, optimizer, nn.functional.cross_entropy, train_data, test_data, config,
                                    device=torch.device("cpu"), on_epoch_end=_end_epoch)
         summary = trainer.fit()
-        if not trainer.history:  # a resumed run with no epoch left: evaluate what it has
+        if not summary["samples_per_s"]:  # resumed with nothing left: the Trainer said so (rank 0), nothing to add
+            return {"summary": summary, "comm": None, "world_size": env.world_size}
+        if not trainer.history:  # resumed within the last epoch (no epoch summary): evaluate what it has
             summary["eval_accuracy"] = trainer.evaluate()["eval_accuracy"]
         comm = trainer.comm_report()
         if env.rank == 0:
@@ -137,7 +139,8 @@ def _quiet_signal_shutdown():
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lockstep demo", description=__doc__.splitlines()[0].replace("``", ""))
     p.add_argument("--nproc", type=int, default=2, help="processes (ranks) to train on (default 2)")
-    p.add_argument("--epochs", type=int, default=12, help="passes over the training set (default 12)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="passes over the training set (default 12; with --resume, the resumed run's own)")
     p.add_argument("--out", default=None, help="output directory (default runs/<timestamp>)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per step per rank (default 32)")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
@@ -148,11 +151,43 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                        help="start a new run in --out, deleting the checkpoints of the run there")
     ns = p.parse_args(list(argv))
     for name in ("nproc", "epochs", "batch_size"):
-        if getattr(ns, name) < 1:
+        if getattr(ns, name) is not None and getattr(ns, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
     if not ns.lr > 0:
         p.error(f"--lr must be > 0, got {ns.lr}")
     return ns
+
+
+DEFAULT_EPOCHS = 12
+
+
+def _epochs_to_train(ns: argparse.Namespace, out_dir: Path) -> tuple[int, str | None]:
+    """The epochs the run trains up to, and the line that says there is nothing left (None: there is).
+
+    Without --epochs a resumed run trains to the target of the run it continues (kept in its checkpoint), so
+    the Ctrl-C hint `--resume --out DIR` finishes what was started; --epochs sets a new target."""
+    if not ns.resume:
+        return ns.epochs or DEFAULT_EPOCHS, None
+    from lockstep.train.checkpoint_files import load_checkpoint, newest_good_checkpoint
+
+    good, _ = newest_good_checkpoint(out_dir)  # the one the Trainer will resume from (it warns about bad ones)
+    if good is None:
+        return ns.epochs or DEFAULT_EPOCHS, None
+    saved = load_checkpoint(good)
+    epochs = ns.epochs or saved.get("target_epochs") or DEFAULT_EPOCHS  # older checkpoints kept no target
+    if saved["epoch"] < epochs:
+        return epochs, None
+    done = saved["epoch"]
+    return epochs, (f"lockstep demo: nothing to train: the checkpoint {good} finished epoch {done} of {epochs}; "
+                    f"to train 2 more: {_continue_command(ns, out_dir)} --epochs {done + 2}")
+
+
+def _continue_command(ns: argparse.Namespace, out_dir: Path) -> str:
+    """The command that trains the rest of an interrupted run: its data split (--seed), layout and batch; the
+    target epochs come from the checkpoint, and --lr from the optimizer state it holds."""
+    flags = [f"--{name.replace('_', '-')} {getattr(ns, name)}" for name, default in
+             (("nproc", 2), ("batch_size", 32), ("seed", 0)) if getattr(ns, name) != default]
+    return " ".join(["lockstep demo --resume --out", str(out_dir), *flags])
 
 
 def cli_main(argv: Sequence[str]) -> int:
@@ -182,8 +217,12 @@ def cli_main(argv: Sequence[str]) -> int:
             print("lockstep demo: " + conflict_message(out_dir, foreign, "continue it with --resume, choose a new "
                                                        "--out, or replace it with --overwrite"), file=sys.stderr)
             return 2
+    epochs, nothing_left = _epochs_to_train(ns, out_dir)
+    if nothing_left:  # said before any rank starts: a finished run is not an error
+        print(nothing_left, flush=True)
+        return 0
     plotting = _have_matplotlib()
-    print(f"lockstep demo: CNN on scikit-learn digits, {ns.nproc} CPU processes, {ns.epochs} epochs -> {out_dir}",
+    print(f"lockstep demo: CNN on scikit-learn digits, {ns.nproc} CPU processes, {epochs} epochs -> {out_dir}",
           flush=True)
     if not plotting:
         print("lockstep demo: matplotlib is not installed, so no curves.png (pip install matplotlib); "
@@ -192,7 +231,7 @@ def cli_main(argv: Sequence[str]) -> int:
         with _quiet_signal_shutdown():
             results = launch_function(
                 train_worker,
-                args=(str(out_dir.resolve()), ns.epochs, ns.batch_size, ns.lr, ns.seed, ns.resume, ns.overwrite),
+                args=(str(out_dir.resolve()), epochs, ns.batch_size, ns.lr, ns.seed, ns.resume, ns.overwrite),
                 nproc_per_node=ns.nproc,
                 log_rank=0,
             )
@@ -202,11 +241,13 @@ def cli_main(argv: Sequence[str]) -> int:
     except (KeyboardInterrupt, SignalException) as e:  # Ctrl-C (or a kill): the agent has stopped the workers
         sig = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.Signals(e.sigval)
         good, _ = newest_good_checkpoint(out_dir)
-        kept = (f"the last checkpoint {good} is intact: continue with --resume --out {out_dir}" if good
+        kept = (f"the last checkpoint {good} is intact; continue with: {_continue_command(ns, out_dir)}" if good
                 else "no checkpoint was written yet")
         print(f"lockstep demo: stopped by {sig.name}; {kept}", file=sys.stderr)
         return 128 + sig.value
     result = results[0]
+    if result["comm"] is None:  # resumed with nothing left (rank 0 said so): not an error
+        return 0
     png = out_dir / "curves.png"
     written = [str(out_dir / "metrics.jsonl"), str(result["summary"]["last_checkpoint"])]
     if plotting:

@@ -4,7 +4,8 @@ Under ``lockstep launch`` (or any redirection) stderr is a pipe or a file, and t
 (carriage returns, no newline) reach the launcher's line-by-line forwarding only when the bar closes,
 so a person saw nothing between epochs. Off a terminal the bar therefore writes each refresh as a
 line of its own, at most once every ``forwarded_interval_s``. The postfix carries the step time and
-the communication share (the all-reduce wait over the step time, from ``ddp.comm_stats()``).
+the communication share (the all-reduce wait over the step time, from ``ddp.comm_stats()``). The lines a
+resumed run prints first (where it resumed, or that nothing is left to train) are here too.
 """
 
 from __future__ import annotations
@@ -81,3 +82,26 @@ def step_postfix(train_loss: float, samples_per_s: float, step_s: float | None,
         postfix["comm"] = f"{comm_share:.0%}"
     postfix["samples_per_s"] = f"{samples_per_s:.0f}"
     return postfix
+
+
+def resumed_line(path: str, step: int, epoch: int, batches_done: int, epoch_batches: int, epochs: int,
+                 resized_from: int | None = None, world_size: int | None = None) -> str:
+    """Rank 0's one line when a run resumes: where in the run the checkpoint put it, 1-based as the bar counts.
+
+    ``epoch`` is the number of finished epochs (the Trainer's count); ``batches_done`` the micro-batches of the
+    next one already trained, out of ``epoch_batches``."""
+    if batches_done:
+        where = f"epoch {epoch + 1} of {epochs}, batch {batches_done} of {epoch_batches}"
+    else:
+        where = f"epoch {epoch} of {epochs} finished" if epoch else f"the start of epoch 1 of {epochs}"
+    resized = f"; saved by {resized_from} ranks, now {world_size}" if resized_from is not None else ""
+    return f"lockstep: resumed from step {step} ({where}{resized}) out of {path}"
+
+
+def nothing_left_line(path: str, step: int, epoch: int, epochs: int, max_steps: int | None) -> str:
+    """Rank 0's one line when a resumed run has nothing left to train, and how to train further."""
+    if max_steps is not None and step >= max_steps:
+        return (f"lockstep: nothing to train: the checkpoint {path} is at step {step}, TrainerConfig.max_steps="
+                f"{max_steps}; raise max_steps (or leave it None) to train further")
+    return (f"lockstep: nothing to train: the checkpoint {path} finished epoch {epoch} of {epochs}; "
+            f"set TrainerConfig.epochs above {epoch} to train further")

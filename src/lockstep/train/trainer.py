@@ -43,7 +43,7 @@ from lockstep.train.preempt import (
     PreemptionWatch,
     leave_marker,
 )
-from lockstep.train.progress import progress_bar, step_postfix
+from lockstep.train.progress import nothing_left_line, progress_bar, resumed_line, step_postfix
 from lockstep.train.resize import accum_steps_for
 from lockstep.train.run_identity import claim_checkpoint_dir
 from lockstep.train.stragglers import find_straggler, gather_epoch, straggler_line
@@ -138,7 +138,8 @@ class Trainer:
         self._loss_sum, self._loss_count = 0.0, 0  # this rank's training loss this epoch (kept in checkpoints)
         self._train_time_s, self._samples_seen = 0.0, 0
         self.history: list[dict] = []
-        self.last_checkpoint, self._saved_step, self.resumed_from = None, None, None
+        self.last_checkpoint, self.resumed_from = None, None
+        self._saved_at: tuple[int, int] | None = None  # (step, epoch) of the last checkpoint saved or loaded
         self.resized_from: int | None = None  # the world size of a checkpoint resumed at another size
         # set by open_writer_files (rank 0's, on every rank); a resume adopts the checkpoint's
         self.run_id: str | None = None
@@ -177,6 +178,9 @@ class Trainer:
             claim_checkpoint_dir(cfg.checkpoint_dir, run_id, self.resumed_from is not None, cfg.overwrite,
                                  self.is_writer, self.group)
         self.metrics.run_id = run_id
+        if self.resumed_from is not None and not self._report_resume():
+            self.metrics.close()
+            return self.summary()  # nothing trained: no metrics lines, no checkpoint, no trace
         if self.is_writer and not self.metrics.sinks and (log_dir := cfg.resolved_log_dir()):
             try:  # rank 0 alone: a failure here must not end rank 0 and leave the others waiting
                 self.metrics.sinks = open_run_loggers(log_dir, run_id, cfg.tensorboard)  # closed with metrics
@@ -201,7 +205,9 @@ class Trainer:
                 self._end_epoch()
             if watch is not None:
                 watch.drain()
-            if cfg.checkpoint_dir and self._saved_step != self.step:
+            # the position, not the step: a save at an epoch's last step precedes its evaluation, and a checkpoint
+            # left there would make a finished run resume into that evaluation again and again
+            if cfg.checkpoint_dir and self._saved_at != (self.step, self.epoch):
                 self.save_checkpoint(on_error="raise" if self.preempted else None)
             if self.ddp.trace is not None and not self.ddp.trace.finished:
                 self.ddp.trace.write()  # a run shorter than the window: write what was recorded
@@ -220,6 +226,21 @@ class Trainer:
             leave_marker(dist.get_rank(), self.step, str(self.last_checkpoint))
             raise Preempted(self.step, str(self.last_checkpoint))
         return self.summary()
+
+    def _report_resume(self) -> bool:
+        """Rank 0 says where the run resumed, or that nothing is left to train; False in the latter case (every
+        rank decides alike, from the same checkpoint)."""
+        cfg, path = self.config, str(self.resumed_from)
+        if self.epoch >= cfg.epochs or self._stopped():
+            if self.is_writer:
+                print(nothing_left_line(path, self.step, self.epoch, cfg.epochs, cfg.max_steps), flush=True)
+            return False
+        if self.is_writer:
+            # the sampler holds what is left of the resumed epoch; the DataLoader keeps the last short batch
+            epoch_batches = self.batches_done + math.ceil(len(self.sampler) / cfg.batch_size)
+            print(resumed_line(path, self.step, self.epoch, self.batches_done, epoch_batches, cfg.epochs,
+                               self.resized_from, self.world_size), flush=True)  # stdout: the bar's stream
+        return True
 
     def _open_sample_log(self, path_template: str) -> None:
         path = path_template.replace("{rank}", str(self.rank))
