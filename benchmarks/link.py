@@ -10,7 +10,9 @@ every iteration times one step of each entry in a rotating order, each after a b
     compute            forward + backward + SGD step, no DDP
     allreduce          one blocking all-reduce of a flat fp32 buffer of the gradients' bytes (checks the shaping)
     floor              compute, then that all-reduce, then the step: compute-then-send, nothing overlapped
-    torch, torch_fp16, torch_powersgd           torch's DDP (25 MB), with its fp16_compress_hook, its PowerSGD (rank 1)
+    torch, torch_fp16  torch's DDP (25 MB buckets), and with its fp16_compress_hook
+    torch_powersgd     torch's PowerSGD hook (rank 1) in one bucket: it issues collectives from future callbacks,
+                       which gloo runs in a different order on each rank when there are several buckets (an abort)
     lockstep, lockstep_auto, lockstep_fp16, lockstep_powersgd
                        lockstep's DDP: default, bucket_cap_mb="auto", lockstep.comm_hooks' fp16 and PowerSGD hooks
     lockstep_overlap   lockstep's DDP with model.overlap_optimizer_step(opt) (skipped, saying so, where it is missing)
@@ -61,6 +63,8 @@ MEASURES = ("forward", "compute", "allreduce")
 CONTENDERS = ("floor", "torch", "torch_fp16", "torch_powersgd", "lockstep", "lockstep_auto", "lockstep_fp16",
               "lockstep_powersgd", "lockstep_overlap")
 POWERSGD_START = 2  # start_powerSGD_iter: torch's needs > 1 with error feedback; warm-up adds these steps
+OVERLAP_PROBE_STEPS = 2  # overlap_optimizer_step measures the link over its first two rounds
+ONE_BUCKET_MB = 1 << 20  # a cap no model here reaches
 SLOW_RATE_BITS = 500e6
 SLOW_SCHEDULE = (2, 2)  # (blocks, block steps) below SLOW_RATE_BITS unless the flags are given
 
@@ -183,7 +187,11 @@ def _build(name: str, build: Callable[[], nn.Module], hook_wrap=None):
     if name == "floor":
         model = _Floor(module)
     elif name.startswith("torch"):
-        model = nn.parallel.DistributedDataParallel(module)
+        # torch's PowerSGD issues its second all-reduce from a future callback: with several buckets, gloo's
+        # threads issue them in a different order on each rank (a size mismatch that aborts the run, seen here
+        # on every model), so it gets one bucket, the one layout where that cannot happen.
+        one_bucket = name == "torch_powersgd"
+        model = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=ONE_BUCKET_MB if one_bucket else None)
         hook, state = {"torch": (default_hooks.allreduce_hook, None),
                        "torch_fp16": (default_hooks.fp16_compress_hook, None),
                        "torch_powersgd": (torch_powersgd.powerSGD_hook, torch_powersgd.PowerSGDState(
@@ -204,23 +212,49 @@ def _build(name: str, build: Callable[[], nn.Module], hook_wrap=None):
     return model, opt
 
 
-def _runner(name: str, model, opt, x, y, flat: torch.Tensor) -> Callable[[], None]:
-    if name == "forward":
-        return lambda: model(x)
-    if name == "allreduce":
-        return lambda: dist.all_reduce(flat)
+def _runner(name: str, model, opt, x, y, flat: torch.Tensor) -> Callable[[], float | None]:
+    """One timed slot of an entry: None (the caller times the call) or the seconds it measured itself."""
+    def forward() -> None:
+        model(x)
+
+    def allreduce() -> None:
+        dist.all_reduce(flat)
+
+    if name in ("forward", "allreduce"):
+        return forward if name == "forward" else allreduce
+    if name == "lockstep_overlap":
+        return lambda: _overlapped_steps(model, opt, x, y)
     return lambda: _step(model, opt, x, y)
 
 
-def _warm_up(name: str, model, run: Callable[[], None], steps: int) -> None:
+def _overlapped_steps(model, opt, x, y) -> float:
+    """Two steps back to back, the second timed; then ``finish_step()``.
+
+    Under overlap_optimizer_step a step returns with its buckets still on the wire and the next forward waits
+    for them, so a step timed alone is too cheap, and its tail would slow whatever runs next in the rotation.
+    The first step starts with nothing in flight; the second is a steady-state step (its forward waits per
+    layer for the first's buckets); finish_step() lands the second's buckets, a tail a loop pays once, so the
+    next entry starts on an idle wire.
+    """
+    _step(model, opt, x, y)
+    start = time.perf_counter()
+    _step(model, opt, x, y)
+    elapsed = time.perf_counter() - start
+    model.finish_step()
+    return elapsed
+
+
+def _warm_up(name: str, model, run: Callable[[], object], steps: int) -> None:
     if name == "lockstep_auto":  # its trials; the schedule counts steps, so every rank runs as many
         while not model.reducer.tuner.done:
             run()
-    for _ in range(steps + (POWERSGD_START if name.endswith("_powersgd") else 0)):
+    extra = {"lockstep_powersgd": POWERSGD_START, "torch_powersgd": POWERSGD_START,
+             "lockstep_overlap": OVERLAP_PROBE_STEPS}.get(name, 0)
+    for _ in range(steps + extra):
         run()
 
 
-def _time_rotation(runs: dict[str, Callable[[], None]], steps: int) -> dict[str, list[float]]:
+def _time_rotation(runs: dict[str, Callable[[], float | None]], steps: int) -> dict[str, list[float]]:
     """Seconds per call of each entry, ``steps`` iterations, the order rotated each iteration, a barrier before each."""
     names = list(runs)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -229,8 +263,8 @@ def _time_rotation(runs: dict[str, Callable[[], None]], steps: int) -> dict[str,
         for name in names[shift:] + names[:shift]:
             dist.barrier()
             start = time.perf_counter()
-            runs[name]()
-            times[name].append(time.perf_counter() - start)
+            measured = runs[name]()
+            times[name].append(time.perf_counter() - start if measured is None else measured)
     return times
 
 
@@ -292,26 +326,37 @@ def _traced_step(model, opt, x, y, spans: list) -> None:
 
 def _trace_all(kind: str, built: dict, x, y, cfg: dict, rank: int) -> None:
     """One traced step per contender: lockstep's recorder on the timed model; torch and floor on a fresh one."""
+    for name in cfg["contenders"]:
+        out_dir = Path(cfg["trace"]) / cfg["rate"] / kind / name
+        if name.startswith("lockstep"):
+            _trace_lockstep(name, *built[name], x, y, out_dir)
+        else:
+            _trace_fresh(name, MODELS[kind][0], x, y, cfg["warmup"], out_dir if rank == 0 else None)
+
+
+def _trace_lockstep(name: str, model, opt, x, y, out_dir: Path) -> None:
+    """lockstep's own recorder (every rank) attached for one more step of the timed model, the optimizer marked."""
     from lockstep.ddp.observe import attach, detach
     from lockstep.diagnostics.trace import TraceRecorder
 
-    for name in cfg["contenders"]:
-        out_dir = Path(cfg["trace"]) / cfg["rate"] / kind / name
-        model, opt = built[name]
-        if name.startswith("lockstep"):
-            step = model.reducer.num_syncs + 1
-            recorder = TraceRecorder(model.reducer, model.process_group, out_dir, (step, step), quiet=True)
-            model.reducer.observer = attach(model.reducer.observer, recorder)
-            dist.barrier()
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            start = time.perf_counter()
-            opt.step()
-            recorder.mark("optimizer step", start, time.perf_counter())
-            recorder.write()
-            model.reducer.observer = detach(model.reducer.observer, recorder)
-            continue
-        _trace_fresh(name, MODELS[kind][0], x, y, cfg["warmup"], out_dir if rank == 0 else None)
+    overlap = name == "lockstep_overlap"
+    if overlap:  # the traced step's forward then waits for this one's buckets, as in a loop
+        _step(model, opt, x, y)
+    # One step is run and the window written by hand; overlap's window is two steps wide because its reducer
+    # counts synchronised steps differently (lockstep's recorder then says the window ended early).
+    step = model.reducer.num_syncs + 1
+    recorder = TraceRecorder(model.reducer, model.process_group, out_dir, (step, step + overlap), quiet=True)
+    model.reducer.observer = attach(model.reducer.observer, recorder)
+    dist.barrier()
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    start = time.perf_counter()
+    opt.step()
+    recorder.mark("optimizer step", start, time.perf_counter())
+    recorder.write()
+    model.reducer.observer = detach(model.reducer.observer, recorder)
+    if overlap:
+        model.finish_step()
 
 
 def _trace_fresh(name: str, build, x, y, warmup: int, out_dir: Path | None) -> None:
