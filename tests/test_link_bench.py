@@ -1,0 +1,104 @@
+"""``benchmarks/link.py``'s pure parts, from given numbers: the limits, the paired ratios, the table, the rate
+parsing, the slow-rate schedule and the Chrome trace. The run itself needs root and two namespaces (minutes at
+each rate); its skip message is not tested here (the tests run as root)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def link():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import link as module
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+# Two blocks: the issue's 1 Gbit/s MLP figures, then a block where the machine ran 10% slower.
+BLOCKS = {
+    "forward": [42.0, 46.2], "compute": [120.0, 132.0], "allreduce": [345.0, 379.5],
+    "torch": [435.0, 478.5], "lockstep": [433.0, 460.0], "torch_fp16": [307.0, 330.0], "lockstep_fp16": [260.0, 300.0],
+}
+
+
+def test_limits_are_taken_per_block_and_summarised(link):
+    table = link.link_table(BLOCKS)
+    assert table["measured_ms"] == {"forward": 44.1, "compute": 126.0, "allreduce": 362.25}
+    lim = table["limits_ms"]
+    # DDP limit max(compute, forward + all-reduce): 387 and 425.7; wire limit max(compute, all-reduce): 345, 379.5.
+    assert lim["ddp"] == pytest.approx((387.0 + 425.7) / 2)
+    assert lim["wire"] == pytest.approx((345.0 + 379.5) / 2)
+    # fp16 halves the all-reduce: 42 + 172.5 = 214.5; the wire's half (172.5) against compute 120.
+    assert lim["ddp_fp16"] == pytest.approx((214.5 + 235.95) / 2)
+    assert lim["wire_fp16"] == pytest.approx((172.5 + 189.75) / 2)
+
+
+def test_each_contender_is_paired_block_by_block_with_its_own_limits_and_torch(link):
+    rows = link.link_table(BLOCKS)["contenders"]
+    assert list(rows) == ["torch", "torch_fp16", "lockstep", "lockstep_fp16"]  # CONTENDERS' order
+    torch_row = rows["torch"]
+    assert torch_row["ms"] == pytest.approx(456.75)
+    assert torch_row["ddp_limit"]["median"] == pytest.approx(435 / 387)  # both blocks 1.124: paired, drift cancels
+    assert torch_row["ddp_limit"]["min"] == pytest.approx(435 / 387) and torch_row["torch"]["median"] == 1.0
+    lockstep = rows["lockstep"]
+    assert lockstep["ddp_limit"]["min"] == pytest.approx(460 / 425.7)
+    assert lockstep["ddp_limit"]["max"] == pytest.approx(433 / 387)
+    assert lockstep["wire_limit"]["max"] == pytest.approx(433 / 345)
+    assert lockstep["torch"]["min"] == pytest.approx(460 / 478.5) and lockstep["torch_ref"] == "torch"
+    fp16 = rows["lockstep_fp16"]
+    assert fp16["limits"] == "fp16" and fp16["torch_ref"] == "torch_fp16"
+    assert fp16["ddp_limit"]["min"] == pytest.approx(260 / 214.5)  # the issue's 1.21
+    assert fp16["torch"]["max"] == pytest.approx(300 / 330)
+    assert link.torch_reference("lockstep_powersgd") == "torch_powersgd"
+
+
+def test_without_torch_there_is_no_torch_ratio_and_the_table_says_so(link):
+    blocks = {k: v for k, v in BLOCKS.items() if k not in ("torch", "torch_fp16")}
+    table = link.link_table(blocks)
+    assert "torch" not in table["contenders"]["lockstep"]
+    lines = link.markdown_section("1gbit, mlp", table)
+    assert lines[0] == "### 1gbit, mlp"
+    assert "DDP limit max(compute, forward + all-reduce) 406.4 ms" in lines[2]
+    row = next(line for line in lines if line.startswith("| lockstep |"))
+    assert row == "| lockstep | 446.5 | 1.100 [1.081-1.119] | 1.234 [1.212-1.255] | - | fp32 |"
+
+
+def test_rates_and_the_slow_schedule(link):
+    assert link.rate_bits("100mbit") == 1e8 and link.rate_bits("2.5gbit") == 2.5e9 and link.rate_bits("800kbit") == 8e5
+    with pytest.raises(ValueError, match="rate '1gbps' must look like"):
+        link.rate_bits("1gbps")
+    defaults = SimpleNamespace(blocks=None, block_steps=None)
+    assert link.schedule("1gbit", defaults) == (4, 4, "")
+    blocks, steps, note = link.schedule("100mbit", defaults)
+    assert (blocks, steps) == (2, 2) and "2 blocks of 2 steps at 100mbit" in note
+    assert link.schedule("100mbit", SimpleNamespace(blocks=3, block_steps=None)) == (3, 4, "")
+
+
+def test_bad_flags_exit_2_naming_the_flag(link, capsys):
+    for argv, says in ((["--rates", "1gbps"], "--rates: rate '1gbps'"),
+                       (["--models", "vgg"], "--models: unknown model"),
+                       (["--ranks-per-node", "0"], "--ranks-per-node must be >= 1")):
+        with pytest.raises(SystemExit) as e:
+            link.main(argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_chrome_trace_puts_compute_first_and_times_from_the_first_span(link):
+    spans = [("all-reduce bucket 0", "bucket 0", 1.05, 1.40, {"nbytes_fp32": 4}),
+             ("forward", "compute", 1.0, 1.04, {}), ("backward", "compute", 1.04, 1.12, {})]
+    trace = link.chrome_trace(spans)
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert names == {0: "compute", 1: "bucket 0"}
+    spans_out = {e["name"]: e for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert spans_out["forward"]["ts"] == 0 and spans_out["forward"]["tid"] == 0
+    assert spans_out["all-reduce bucket 0"]["ts"] == pytest.approx(50_000)
+    assert spans_out["all-reduce bucket 0"]["dur"] == pytest.approx(350_000)
