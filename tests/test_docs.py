@@ -7,7 +7,8 @@ A block is marked by an HTML comment on the line before its fence (invisible on 
     <!-- run: launch file=NAME [args="FLAGS"] [expect="TEXT"] [exit=N] -->
         saved as NAME and run with `python -m lockstep launch --nproc-per-node 2 FLAGS NAME` in a fresh folder
     <!-- run: shell name=NAME [expect="TEXT"] [exit=N] -->
-        each line a command, run by bash in a fresh folder
+        each line a command, run by bash in a fresh folder that holds a link to the repository's examples/
+        (the pages run them as `lockstep launch ... examples/NAME.py`, from the repository's root)
     <!-- output: NAME -->
         the block below shows (part of) the output of the run named NAME (its file= or name=), on any page
 
@@ -103,6 +104,7 @@ def execute(run: Run, folder: Path) -> subprocess.CompletedProcess:
         p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p))
     env.pop("LOCKSTEP_HANG_TIMEOUT_S", None)  # the pages' examples assume lockstep's defaults
     if run.mode == "shell":
+        (folder / "examples").symlink_to(ROOT / "examples")
         cmd = ["bash", "-euo", "pipefail", "-c", run.code]
     else:
         script = folder / (run.name if run.name.endswith(".py") else "block.py")
