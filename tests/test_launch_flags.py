@@ -3,7 +3,8 @@
 In process and without workers (cheap): the two argparse parsers are compared, so an option that a new
 torch adds to ``torch.distributed.run`` fails ``test_every_torchrun_option_is_handled`` until
 ``launch/flags.py`` handles it or lists why not. What the flags do to a running job is checked end to
-end in test_launch_reports.py.
+end in test_launch_reports.py; the one launch here (~15 s) is two agents meeting on loopback with torchrun's
+``is_host``, which the parser alone cannot show.
 """
 
 from __future__ import annotations
