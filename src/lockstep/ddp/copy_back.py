@@ -83,27 +83,35 @@ def wait_buckets(buckets: Sequence[Bucket], hooked: bool, observer: Any, copy_ea
     """
     waited = 0.0
     for bucket in buckets:
-        if observer is not None:
-            observer.wait_start(bucket.index, bucket.seq)
-        start = time.perf_counter()
-        result = bucket.work.wait()
-        waited += time.perf_counter() - start
-        if observer is not None:
-            observer.wait_end(bucket.index, bucket.seq)
-        if fused is not None:
-            fused.finish(bucket, bucket is buckets[-1], copy_each)
-            continue
-        if hooked:
-            tensor = result[0] if isinstance(result, (list, tuple)) else result
-            if bucket.plan.sparse:
-                if tensor is not bucket.sparse:
-                    assert bucket.sparse is not None  # copy_in set it
-                    bucket.sparse.copy_(tensor)
-                continue
-            target = bucket.flat if bucket.direct is None else bucket.direct
-            if tensor.data_ptr() != target.data_ptr():
-                target.copy_(tensor.view(-1))
-        if copy_each and bucket.direct is None and not bucket.plan.sparse:
-            # the common path: every one set
-            torch._foreach_copy_(cast("list[torch.Tensor]", bucket.grads), bucket.views)
+        waited += wait_bucket(bucket, bucket is buckets[-1], hooked, observer, copy_each, fused)
+    return waited
+
+
+def wait_bucket(bucket: Bucket, last: bool, hooked: bool, observer: Any, copy_each: bool, fused: Any = None) -> float:
+    """``wait_buckets`` for one bucket (``last``: the last in index order, which carries the spare element); the
+    overlapped optimizer step (``overlap_step``) waits for each bucket where the next forward first needs it.
+    Returns the seconds waited."""
+    if observer is not None:
+        observer.wait_start(bucket.index, bucket.seq)
+    start = time.perf_counter()
+    result = bucket.work.wait()
+    waited = time.perf_counter() - start
+    if observer is not None:
+        observer.wait_end(bucket.index, bucket.seq)
+    if fused is not None:
+        fused.finish(bucket, last, copy_each)
+        return waited
+    if hooked:
+        tensor = result[0] if isinstance(result, (list, tuple)) else result
+        if bucket.plan.sparse:
+            if tensor is not bucket.sparse:
+                assert bucket.sparse is not None  # copy_in set it
+                bucket.sparse.copy_(tensor)
+            return waited
+        target = bucket.flat if bucket.direct is None else bucket.direct
+        if tensor.data_ptr() != target.data_ptr():
+            target.copy_(tensor.view(-1))
+    if copy_each and bucket.direct is None and not bucket.plan.sparse:
+        # the common path: every one set
+        torch._foreach_copy_(cast("list[torch.Tensor]", bucket.grads), bucket.views)
     return waited

@@ -33,6 +33,7 @@ from lockstep.ddp.lifetime import release_works as release_reducer_works
 from lockstep.ddp.module_changes import ModuleChanges
 from lockstep.ddp.observe import Observer
 from lockstep.ddp.optim_in_backward import step_optimizers_in_backward
+from lockstep.ddp.overlap_step import OverlappedStep
 from lockstep.ddp.reducer_state import Bucket, UsageTracker, still_missing
 from lockstep.ddp.schedule import CommHook, finish_collectives, issue_bucket
 from lockstep.ddp.step import (
@@ -92,6 +93,7 @@ class Reducer:
         self.module_changes: ModuleChanges | None = None  # explains missing gradients; None = off
         self.events: list[tuple] | None = None  # tests: ("ready", i) / ("launch", b); None = off
         self.optimizers_in_backward = False  # torch's _apply_optimizer_in_backward on these parameters
+        self.overlap: OverlappedStep | None = None  # an optimizer stepped in the next forward (``overlap_step``)
         self.post_backward_futures: list = []  # a buffer comm hook's futures, waited for at the end of backward
         self.expect_hooks = False  # set by a synchronised forward: other backwards' hooks do nothing
         self.step: Backward | None = None  # the running backward's state, from its start to its end
@@ -150,6 +152,13 @@ class Reducer:
         if self.tuner is not None and not self.tuner.done:
             self.tuner.between_steps(self, hook_known=not one_in_flight(self.comm_hook, self._fused_now()))
 
+    def overlap_at_forward_start(self, full: bool) -> None:
+        """A forward starts while a deferred round may be in flight (``overlap_step``): read its flag, or finish it
+        where this forward rebuilds or retunes the buckets or ``full`` (the caller reads every parameter)."""
+        if self.overlap is not None:
+            retune = self.tuner is not None and not self.tuner.done
+            self.overlap.at_forward_start(full or self.rebuild_pending or retune)
+
     def prepare_for_forward(self) -> None:
         """Start of a synchronised forward: finish a backward that could not, rebuild buckets once."""
         if self.step is not None:
@@ -183,7 +192,9 @@ class Reducer:
         plan = plan_backward(mode=self.grad_mode, divisor=self.divisor, comm_hook=self.comm_hook, fused=self.fused,
                              nonfinite=self.nonfinite, has_sparse=self.has_sparse,
                              last_bucket_sparse=self.buckets[-1].plan.sparse, tracks_usage=self.usage.active, fast=fast)
-        self.step = Backward(plan, list(self._sizes), LaunchOrder(self.buckets, self._launch, plan.one_in_flight))
+        sequence = None if self.overlap is None else self.overlap.sequence_for(self.layout_version)
+        self.step = Backward(plan, list(self._sizes),
+                             LaunchOrder(self.buckets, self._launch, plan.one_in_flight, sequence))
         return self.step
 
     def on_backward_start(self, from_hook: bool = False) -> None:
@@ -191,6 +202,8 @@ class Reducer:
         if self.step is not None:
             return
         refuse_compiled_autograd()  # its trace would run our hooks, not the real backward (``compiled``)
+        if self.overlap is not None:
+            self.overlap.finish()  # a round still in flight (a backward with no forward through the wrapper)
         # Runs once the whole backward is done: the only safe point to wait for the buckets.
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         self.release_works(keep=False)  # before this backward launches its own
@@ -263,6 +276,8 @@ class Reducer:
             observer.bucket_launch(bucket.index, bucket.flat.numel(), bucket.seq)
         step = self.step
         assert step is not None
+        if self.overlap is not None:
+            self.overlap.launched(first=step.order.next_index == 0)
         self.direct_launches += bucket.direct is not None
         group, hook = self.process_group, self.comm_hook
         bucket.work = issue_bucket(bucket, step, len(self.buckets), group, hook, self.comm_hook_state)
@@ -278,30 +293,48 @@ class Reducer:
             self._end_step()
             return
         self.expect_hooks = False
+        deferred = False
         try:
             missing = self._mark_the_rest(step)
+            if self.overlap is not None:
+                step.order.drain()  # in the agreed sequence; the round may stay in flight into the next forward
+                deferred = self.overlap.defer(step, missing)
+                if deferred:
+                    return
             fast, early = copy_back_path(step)
             futures, self.post_backward_futures = self.post_backward_futures, []
             explain = None if self.module_changes is None else self.module_changes.explain
             status, waited = finish_collectives(step, self.buckets, self.usage, self.process_group, missing,
                                                 joined=False, copy_each=early, observer=self.observer, futures=futures,
                                                 names=self.names, explain=explain)
-            self.comm_wait_s += waited
             if not early:
                 copy_back(self.buckets, self.params, status.globally_used, self.grad_mode, fast)
-            if self.optimizers_in_backward:
-                step_optimizers_in_backward(self.params)
-            self.num_syncs += 1
-            self.rounds += 1
-            if self.observer is not None:
-                self.observer.backward_end(self.num_syncs)
-            if self._observed_order is not None and not self.buckets_rebuilt:
-                self.rebuild_pending = True
+            if self.overlap is not None:
+                self.overlap.finished_in_full()
+            self.end_round(waited, reset=False)
         except Exception as error:  # as torch's reducer, noted for the wrapper's logging data
             self.logged_error = error_for_log(error)
             raise
         finally:
             self.dist_autograd.at_end_of_backward(self.params)  # under distributed autograd: averages into the context
+            if deferred:
+                self.step = None  # the buckets keep this backward's gradients until its round closes (``overlap``)
+            else:
+                self._end_step()
+
+    def end_round(self, waited_s: float, reset: bool = True) -> None:
+        """A synchronised backward's averages are in ``.grad``: its bookkeeping (``reset``: the buckets let go of its
+        gradients here; the end of backward does that itself, and a deferred round's close asks for it)."""
+        self.comm_wait_s += waited_s
+        if self.optimizers_in_backward:
+            step_optimizers_in_backward(self.params)
+        self.num_syncs += 1
+        self.rounds += 1
+        if self.observer is not None:
+            self.observer.backward_end(self.num_syncs)
+        if self._observed_order is not None and not self.buckets_rebuilt:
+            self.rebuild_pending = True
+        if reset:
             self._end_step()
 
     def _mark_the_rest(self, step: Backward) -> list[int]:

@@ -47,6 +47,7 @@ from lockstep.ddp.join import (
 )
 from lockstep.ddp.observe import attach
 from lockstep.ddp.optim_in_backward import take_over_optimizers_in_backward
+from lockstep.ddp.overlap_step import OverlappedStep
 from lockstep.ddp.pickling import Pickling
 from lockstep.ddp.replicas import (
     broadcast_coalesced,
@@ -262,6 +263,9 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         if self.device_ids is not None:
             inputs, kwargs = move_to(inputs, self.device), move_to(kwargs, self.device)
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        in_join = self._join_config.enable  # inside model.join() (torch's flag; it stays set after, as torch's)
+        # A round of overlap_optimizer_step's in flight: its flag read before this forward's collectives.
+        self.reducer.overlap_at_forward_start(full=in_join or self._replica_check is not None)
         if diagnose.profiler_enabled() is not self._profiling:  # one flag read per forward
             diagnose.toggle_profiler_ranges(self, not self._profiling)
         observer = self.reducer.observer
@@ -274,7 +278,6 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             # As torch's lazy init: _apply_optimizer_in_backward may be called after construction.
             self._lazy_init_done = True
             self.reducer.optimizers_in_backward = take_over_optimizers_in_backward(self.reducer.params)
-        in_join = self._join_config.enable  # inside model.join() (torch's flag; it stays set after, as torch's)
         join_work = notify_not_joined(self) if in_join else None  # every forward, as torch
         if synced:
             self.reducer.divisor = join_divisor(self, join_work)
@@ -307,6 +310,8 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         finally:
             if pending is not None:
                 pending.finish()
+            if self.reducer.overlap is not None:
+                self.reducer.overlap.finish()  # the buckets of parameters this forward did not use
         if observer is not None:
             observer.forward_end()
         if sync_buffers and buffer_hook is not None and not buffer_hook[2]:
@@ -367,6 +372,9 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             enable: False turns the context manager into a no-op.
             throw_on_early_termination: raise on every rank as soon as one runs out of data.
         """
+        if self.reducer.overlap is not None and enable:
+            raise RuntimeError("DistributedDataParallel.join: not with overlap_optimizer_step (a joined rank's "
+                               "stand-in backwards do not defer); use the plain step for uneven inputs")
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
@@ -386,6 +394,29 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
     def comm_stats(self) -> dict[str, float]:
         """Time this rank spent waiting for all-reduces at the end of backward (not hidden by overlap)."""
         return {"comm_wait_s": self.reducer.comm_wait_s, "steps": self.reducer.num_syncs}
+
+    def overlap_optimizer_step(self, optimizer: torch.optim.Optimizer,
+                               sent_during_backward_mb: float | None = None) -> None:
+        """Step ``optimizer`` in the next forward, per bucket, as each average lands (not in lockstep's torch API).
+
+        After this, ``optimizer.step()`` returns at once and each module's parameters are updated just before that
+        module's next forward runs, once its bucket's average is back; the buckets the first layers need are sent
+        ahead of the large late ones. Parameters are bit-identical to the plain step for element-wise optimizers
+        (SGD, Adam, AdamW, ...). Until the next forward (or ``finish_step()``) ``.grad`` holds this rank's own
+        gradients and the parameters the last step's values: see docs/ddp.md#overlapping-the-optimizer-step.
+
+        Args:
+            optimizer: the ``torch.optim.Optimizer`` over this model's parameters (not LBFGS).
+            sent_during_backward_mb: bytes of buckets sent in index order during backward before the rest go
+                first-layers-first; None measures the link over two rounds and agrees across ranks.
+        """
+        self.reducer.overlap = OverlappedStep(self.reducer, optimizer, self.module, sent_during_backward_mb)
+
+    def finish_step(self) -> None:
+        """With ``overlap_optimizer_step``: wait for every bucket and apply the noted step now (a full wait). Before
+        reading ``.grad`` (clipping by global norm, a GradScaler's unscale_) or the parameters outside a forward."""
+        if self.reducer.overlap is not None:
+            self.reducer.overlap.finish()
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -1,0 +1,393 @@
+"""The optimizer step overlapped with the next forward: each bucket's parameters updated where they are first needed.
+
+A DDP step can start sending gradients only after its forward, and the next forward can start only after the last
+bucket's average is back and the optimizer has stepped: on a link slower than the backward, the step is at least
+forward + all-reduce. But the next forward needs the *first* layers first, whose gradients a reverse-ordered DDP
+sends *last*. So, once bound (``DistributedDataParallel.overlap_optimizer_step``):
+
+* ``opt.step()`` returns at once, noting the step (and the hyperparameters it would use: an LR scheduler stepped
+  after it does not reach this step); ``opt.zero_grad()`` is noted too for the parameters still in flight.
+* The end of backward issues the buckets still held back and returns without waiting (``Reducer._finalize_backward``).
+* The next forward waits, in a pre-hook of each module that owns parameters, only for that module's buckets: each
+  bucket's average is copied into ``.grad`` and the optimizer steps that bucket's parameters alone (the same
+  optimizer, its ``param_groups`` narrowed for the call), then the noted ``zero_grad`` applies to them. The end of
+  the forward finishes what it did not use.
+* Buckets launch in a fixed sequence (``launch_order.priority_sequence``): those the wire can carry during backward
+  in index order, then the rest from the last (the first layers) back, so the first layers' averages are not stuck
+  behind large late ones. How many go first is measured on the plain order's rounds and agreed by one all-reduce
+  (the minimum over ranks) at a round boundary, so every rank issues the same sequence.
+
+For an element-wise optimizer (SGD, momentum, Adam, AdamW, ...) the update of each parameter is the same arithmetic
+on the same numbers as a full ``opt.step()``, so the parameters are bit-identical to plain DDP's. What it changes in
+a script, and what forces a full wait (``finish``): docs/ddp.md#overlapping-the-optimizer-step.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep.ddp.copy_back import wait_bucket
+from lockstep.ddp.errors import raise_missing_gradients
+from lockstep.ddp.launch_order import priority_sequence
+from lockstep.ddp.step import COPY, Backward, copy_back_path
+
+Reducer = Any  # lockstep.ddp.reducer.Reducer, which imports this module
+
+# Rounds timed in the plain order (after the bucket rebuild and the auto-tuner) before the sequence is agreed.
+MEASURED_ROUNDS = 2
+# Optimizers whose step is not one element-wise update per parameter: every step needs every gradient.
+_WHOLE_STEP_OPTIMIZERS = ("LBFGS", "ZeroRedundancyOptimizer")
+
+
+def check_can_overlap(reducer: Reducer, optimizer: Any) -> None:
+    """Refuse, with a one-line reason naming the argument, what the overlapped step cannot do exactly."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"overlap_optimizer_step: optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+    if type(optimizer).__name__ in _WHOLE_STEP_OPTIMIZERS:
+        raise ValueError(f"overlap_optimizer_step: {type(optimizer).__name__} steps with a closure over every "
+                         "gradient at once; nothing can overlap: use the plain step")
+    if reducer.grad_mode != COPY:
+        raise ValueError("overlap_optimizer_step needs gradient_as_bucket_view=False (the default): with bucket "
+                         "views .grad is the buffer still on the wire")
+    if reducer.usage.find_unused or reducer.usage.static_graph:
+        raise ValueError("overlap_optimizer_step does not support find_unused_parameters=True or static_graph=True "
+                         "(their status exchange needs every bucket first)")
+    if reducer.nonfinite is not None:
+        raise ValueError("overlap_optimizer_step does not support detect_nonfinite=True (its verdict needs every "
+                         "bucket before any update)")
+    if getattr(reducer, "overlap", None) is not None:
+        raise RuntimeError("overlap_optimizer_step: an optimizer is bound already (one per DistributedDataParallel)")
+
+
+class _Round:
+    """One deferred backward: its buckets in flight, which are finished, the seconds waited."""
+
+    __slots__ = ("step", "done", "left", "waited_s", "flag_checked", "agreed")
+
+    def __init__(self, step: Backward, num_buckets: int, agreed: tuple[Any, torch.Tensor] | None):
+        self.step = step
+        self.done = [False] * num_buckets
+        self.left = num_buckets
+        self.waited_s = 0.0
+        self.flag_checked = False
+        self.agreed = agreed  # the sequence agreement's (work, tensor), issued behind this round's buckets
+
+
+class OverlappedStep:
+    """The optimizer bound to one reducer: deferred ``step``/``zero_grad``, per-module waits, the launch sequence."""
+
+    def __init__(self, reducer: Reducer, optimizer: torch.optim.Optimizer, module: nn.Module,
+                 sent_during_backward_mb: float | None = None):
+        check_can_overlap(reducer, optimizer)
+        self.reducer = reducer
+        self.optimizer = optimizer
+        self.round: _Round | None = None
+        self.step_hyperparams: list[dict[str, Any]] | None = None  # the noted opt.step()'s, None: none noted
+        self.zero_set_to_none: bool | None = None  # the noted opt.zero_grad()'s argument, None: none noted
+        self.sequence: list[int] | None = None  # agreed launch sequence; None: index order
+        self.sequence_layout = 0  # the reducer's layout_version the sequence is for
+        self.fixed_bytes = None if sent_during_backward_mb is None else int(sent_during_backward_mb * 2**20)
+        self._timings: list[tuple[int, float, float, float]] = []  # (layout, first launch, drain, last done) s
+        self._first_launch_s = 0.0
+        self._drain_s = 0.0
+        self._agreed_in_full: tuple[Any, torch.Tensor] | None = None
+        self._warned: set[str] = set()
+        self._patch_optimizer(optimizer)
+        index_of = {id(p): i for i, p in enumerate(reducer.params)}
+        self._handles = []
+        for sub in module.modules():
+            owned = [index_of[id(p)] for p in sub.parameters(recurse=False) if id(p) in index_of]
+            if owned:
+                self._handles.append(sub.register_forward_pre_hook(self._pre_hook(owned)))
+        self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.finish()))
+
+    # ----------------------------------------------------------------- the optimizer's methods, deferred
+    def _patch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self._step = optimizer.step  # bound; an LR scheduler's wrapper around it, if one was made first
+        self._zero_grad = optimizer.zero_grad
+        self._state_dict = optimizer.state_dict
+        owner = self
+
+        def step(opt: Any, closure: Callable[[], Any] | None = None) -> Any:
+            return owner.note_step(closure)
+
+        def zero_grad(opt: Any, set_to_none: bool = True) -> None:
+            owner.note_zero_grad(set_to_none)
+
+        def state_dict(opt: Any) -> dict[str, Any]:
+            owner.finish()
+            return owner._state_dict()
+
+        if hasattr(self._step, "_wrapped_by_lr_sched"):
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # a scheduler made first stays quiet
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+        optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
+        optimizer.state_dict = types.MethodType(state_dict, optimizer)  # type: ignore[method-assign]
+
+    def note_step(self, closure: Callable[[], Any] | None) -> Any:
+        """``opt.step()``: with a round in flight, note it (and its hyperparameters) and return; else step now."""
+        if closure is not None or self.round is None or self.step_hyperparams is not None:
+            self.finish()  # a closure re-evaluates the loss; a second step in one round steps on the same grads
+            return self._step(closure) if closure is not None else self._step()
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # an LR scheduler checks it (torch)
+        self.step_hyperparams = [{k: _snapshot(v) for k, v in g.items() if k != "params"}
+                                 for g in self.optimizer.param_groups]
+        self._update_foreign()
+        for b, done in enumerate(self.round.done):
+            if done:  # finished before the step was noted (a full wait asked for them): update them now
+                self._update(self.reducer.buckets[b].params)
+        return None
+
+    def note_zero_grad(self, set_to_none: bool) -> None:
+        """``opt.zero_grad()``: the parameters still in flight are zeroed after their update; the others now."""
+        if self.round is None or self.step_hyperparams is None:
+            self.finish()  # no step noted: dropping a round's gradients unstepped is what the user asked for
+            self._zero_grad(set_to_none)
+            return
+        self.zero_set_to_none = set_to_none
+        pending = {id(p) for b, done in zip(self.reducer.buckets, self.round.done) if not done for p in b.params}
+        self._call_on(lambda p: id(p) not in pending, lambda: self._zero_grad(set_to_none))
+
+    # ----------------------------------------------------------------- the reducer's side
+    def sequence_for(self, layout_version: int) -> list[int] | None:
+        """The launch sequence of the next backward (None: index order)."""
+        return self.sequence if self.sequence_layout == layout_version else None
+
+    def defer(self, step: Backward, missing: list[int]) -> bool:
+        """End of a backward, every bucket launched (in the sequence): keep the round in flight and return True,
+        or False where this round must be finished now (the reducer then waits as without the option)."""
+        reducer = self.reducer
+        self._drain_s = time.perf_counter()
+        agreed = self._maybe_agree()
+        plan = step.plan
+        _, early = copy_back_path(step)
+        if not (early and not plan.flag_apart and not plan.one_in_flight and not missing):
+            self._warn_once("path", "overlap_optimizer_step: this backward is finished in full (a comm hook whose "
+                            "collectives are not issued up front, sparse gradients, or a gradient with a graph)")
+            self._agreed_in_full = agreed
+            return False
+        if reducer._observed_order is not None and not reducer.buckets_rebuilt:
+            self._agreed_in_full = agreed  # the first round: finished in full, so the rebuild comes where torch's does
+            return False
+        self.round = _Round(step, len(reducer.buckets), agreed)
+        return True
+
+    def finished_in_full(self) -> None:
+        """The reducer waited for a round that ``defer`` declined: time it, read the agreement it carried."""
+        self._record_timing(time.perf_counter())
+        agreed, self._agreed_in_full = self._agreed_in_full, None
+        if agreed is not None:
+            self._read_agreement(agreed)
+
+    def launched(self, first: bool) -> None:
+        """A bucket was launched (``first``: the backward's first)."""
+        if first:
+            self._first_launch_s = time.perf_counter()
+
+    def at_forward_start(self, full: bool) -> None:
+        """A forward through the wrapper starts: the missing-gradient flag is read before this forward's own
+        collectives (so a rank that raises issues the same collectives as one that raised at its backward);
+        ``full``: something about to read every parameter or rebuild the buckets needs the round finished."""
+        if self.round is not None:
+            if full:
+                self.finish()
+            else:
+                self._check_flag()
+
+    def finish(self) -> None:
+        """Wait for every bucket still in flight and apply the noted step and zero_grad: a full wait."""
+        if self.round is not None:
+            self._finish_buckets(range(len(self.reducer.buckets)))
+
+    def finish_params(self, indices: Sequence[int]) -> None:
+        """Finish the buckets that hold these parameters (indices into the reducer's)."""
+        location = self.reducer._location
+        self._finish_buckets(sorted({location[i][0] for i in indices}, reverse=True))
+
+    def _pre_hook(self, owned: list[int]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self.round is not None:
+                self.finish_params(owned)
+        return hook
+
+    def _finish_buckets(self, indices: Sequence[int]) -> None:
+        self._check_flag()
+        for b in indices:
+            r = self.round
+            if r is None:
+                return
+            if not r.done[b]:
+                self._finish_bucket(r, b)
+
+    def _finish_bucket(self, r: _Round, b: int) -> None:
+        reducer = self.reducer
+        bucket = reducer.buckets[b]
+        plan = r.step.plan
+        r.waited_s += wait_bucket(bucket, b == len(reducer.buckets) - 1, plan.hooked, reducer.observer, True,
+                                  plan.fused)
+        r.done[b] = True
+        r.left -= 1
+        if self.step_hyperparams is not None:
+            self._update(bucket.params)
+        if r.left == 0:
+            self._close(r)
+
+    def _check_flag(self) -> None:
+        """Wait for the last bucket (it carries the missing-gradient flag) and raise, on every rank alike, before
+        any parameter is updated, if any rank missed a gradient."""
+        r = self.round
+        if r is None or r.flag_checked:
+            return
+        r.flag_checked = True
+        last = len(self.reducer.buckets) - 1
+        reducer = self.reducer
+        bucket = reducer.buckets[last]
+        r.waited_s += wait_bucket(bucket, True, r.step.plan.hooked, reducer.observer, True, r.step.plan.fused)
+        r.done[last] = True
+        r.left -= 1
+        self._record_timing(time.perf_counter())  # in index order the last launched: the wire's end
+        status = reducer.usage.exchange_status([], False, bucket, reducer.process_group)
+        if status.any_missing:
+            for b in range(last):
+                if not r.done[b]:
+                    r.waited_s += wait_bucket(reducer.buckets[b], False, r.step.plan.hooked, None, True,
+                                              r.step.plan.fused)
+            self.step_hyperparams = self.zero_set_to_none = None  # nothing is applied: the step raises
+            self._close(r)
+            explain = None if reducer.module_changes is None else reducer.module_changes.explain
+            raise_missing_gradients(status.missing, reducer.names, reducer.process_group, False, status.late, explain)
+        if self.step_hyperparams is not None:
+            self._update(bucket.params)
+        if r.left == 0:
+            self._close(r)
+
+    def _close(self, r: _Round) -> None:
+        """Every bucket finished: the round's bookkeeping, as at the end of a plain backward."""
+        self.round = None
+        self.step_hyperparams = self.zero_set_to_none = None
+        if r.agreed is not None:
+            self._read_agreement(r.agreed)
+        self.reducer.end_round(r.waited_s)
+
+    # ----------------------------------------------------------------- the update of a subset
+    def _update(self, params: Sequence[nn.Parameter]) -> None:
+        """The noted step on ``params`` alone, with the hyperparameters it was noted with; then the noted zero_grad."""
+        ids = {id(p) for p in params}
+        noted = self.step_hyperparams
+        assert noted is not None
+        groups = self.optimizer.param_groups
+        saved = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        try:
+            for g, values in zip(groups, noted):
+                g.update(values)
+            self._call_on(lambda p: id(p) in ids, self._step)
+        finally:
+            for g, values in zip(groups, saved):
+                g.update(values)
+        if self.zero_set_to_none is not None:
+            set_to_none = self.zero_set_to_none
+            self._call_on(lambda p: id(p) in ids, lambda: self._zero_grad(set_to_none))
+
+    def _update_foreign(self) -> None:
+        """The optimizer's parameters that this DDP does not average (another model's, ignored ones) step now."""
+        mine = {id(p) for p in self.reducer.params}
+        if any(id(p) not in mine for g in self.optimizer.param_groups for p in g["params"]):
+            self._call_on(lambda p: id(p) not in mine, self._step)
+
+    def _call_on(self, keep: Callable[[torch.Tensor], bool], call: Callable[[], Any]) -> None:
+        """``call()`` with each param group narrowed to the parameters ``keep`` accepts (groups left empty out)."""
+        opt = self.optimizer
+        groups = opt.param_groups
+        full = [g["params"] for g in groups]
+        try:
+            narrowed = []
+            for g, params in zip(groups, full):
+                g["params"] = [p for p in params if keep(p)]
+                if g["params"]:
+                    narrowed.append(g)
+            if narrowed:
+                opt.param_groups = narrowed
+                call()
+        finally:
+            opt.param_groups = groups
+            for g, params in zip(groups, full):
+                g["params"] = params
+
+    # ----------------------------------------------------------------- the launch sequence
+    def _record_timing(self, done_s: float) -> None:
+        self._timings.append((self.reducer.layout_version, self._first_launch_s, self._drain_s, done_s))
+        del self._timings[:-MEASURED_ROUNDS]
+
+    def _maybe_agree(self) -> tuple[Any, torch.Tensor] | None:
+        """Issue, once, the all-reduce that agrees on how many buckets go in index order before the rest go last
+        first: the minimum over ranks of each one's estimate. Every rank decides to issue it from the same facts
+        (the layout's version, the rounds timed on it), so the collective sequence stays the same."""
+        reducer = self.reducer
+        version = reducer.layout_version
+        if self.sequence_layout == version or not reducer.buckets_rebuilt:
+            return None
+        if reducer.tuner is not None and not reducer.tuner.done:
+            return None
+        timed = [t for t in self._timings if t[0] == version]
+        if self.fixed_bytes is None and len(timed) < MEASURED_ROUNDS:
+            return None
+        estimate = torch.tensor([self._estimate(timed)], dtype=torch.int64)
+        if dist.get_backend(reducer.process_group) == "nccl":
+            estimate = estimate.to(reducer.buckets[0].buffer.device)
+        work = dist.all_reduce(estimate, op=dist.ReduceOp.MIN, group=reducer.process_group, async_op=True)
+        self.sequence_layout = version  # no second agreement on this layout
+        return work, estimate
+
+    def _read_agreement(self, agreed: tuple[Any, torch.Tensor]) -> None:
+        """The agreed count (the all-reduce queued behind a round's buckets, complete once they are)."""
+        work, estimate = agreed
+        work.wait()
+        self.sequence = priority_sequence(len(self.reducer.buckets), int(estimate.item()))
+
+    def _estimate(self, timed: list[tuple[int, float, float, float]]) -> int:
+        """Buckets the wire carries during backward: bytes/s from the plain-order rounds (first launch to the last
+        average back) times the backward's sending time (first launch to its end), as a count of leading buckets."""
+        sizes = [b.plan.numel * b.plan.dtype.itemsize for b in self.reducer.buckets]
+        if self.fixed_bytes is not None:
+            budget = float(self.fixed_bytes)
+        else:
+            rates, windows = [], []
+            for _, first, drain, done in timed:
+                rates.append(sum(sizes) / max(done - first, 1e-6))
+                windows.append(drain - first)
+            if min(done - drain for _, _, drain, done in timed) < 0.05 * max(windows):
+                return len(sizes)  # the averages were back about when backward ended: the wire keeps up
+            budget = min(rates) * min(windows)
+        count, total = 0, 0
+        for size in sizes:
+            if total + size > budget:
+                break
+            total += size
+            count += 1
+        return max(count, 1)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=3)
+
+    def remove(self) -> None:
+        """Unbind: finish, remove the hooks, give the optimizer its own methods back."""
+        self.finish()
+        for handle in self._handles:
+            handle.remove()
+        opt = self.optimizer
+        opt.step, opt.zero_grad, opt.state_dict = self._step, self._zero_grad, self._state_dict  # type: ignore
+
+
+def _snapshot(value: Any) -> Any:
+    """A hyperparameter as it is now (a tensor learning rate is updated in place by schedulers)."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
