@@ -194,3 +194,24 @@ def test_resume_without_epochs_trains_to_the_interrupted_runs_target(tmp_path):
     assert _epochs_to_train(_parse(["--resume", "--out", str(older)]), older) == (12, None)
     ns = _parse(["--nproc", "3", "--batch-size", "16", "--lr", "0.1", "--epochs", "40", "--out", "runs/x"])
     assert _continue_command(ns, tmp_path) == f"lockstep demo --resume --out {tmp_path} --nproc 3 --batch-size 16"
+
+
+def test_curves_have_whole_epoch_ticks_on_a_short_run():
+    # issue 34, item 6: a 2-epoch run's curves.png had epoch ticks at 1.0, 1.2, 1.4, ...
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lockstep.train.demo import draw_curves
+
+    record = {"train_loss": 1.0, "eval_loss": 0.9, "eval_accuracy": 0.5}
+    fig = draw_curves({1: record, 2: {**record, "train_loss": 0.5}})
+    try:
+        fig.canvas.draw()
+        for ax in fig.axes:
+            low, high = ax.get_xlim()
+            ticks = [t for t in ax.get_xticks() if low <= t <= high]
+            assert ticks == [1.0, 2.0], ticks
+    finally:
+        plt.close(fig)

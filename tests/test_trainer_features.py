@@ -92,14 +92,16 @@ def _scenarios(rank, world_size, root):
 
         model = _model(12, dropout=0.0)
         t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, _data(64, 2),
-                    _data(N_EVAL, 1), TrainerConfig(epochs=1, batch_size=8, eval_batch_size=5, progress=False),
+                    _data(N_EVAL, 1), TrainerConfig(epochs=1, batch_size=8, eval_batch_size=5, progress=True),
                     metric_fn=top2)
-        record = t.fit()["history"][-1]
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):  # the bar and the epoch's line (rank 0)
+            record = t.fit()["history"][-1]
         x, y = _data(N_EVAL, 1).tensors
         with torch.no_grad():
             logits = model(x)
         ref = top2(logits, y)
-        return {"record": record, "ref": ref}
+        return {"record": record, "ref": ref, "printed": printed.getvalue()}
     attempt("metric", metric)
 
     # 4. per-run logs: metrics.csv always, TensorBoard event files (tensorboard is installed here)
@@ -131,7 +133,9 @@ def _scenarios(rank, world_size, root):
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):  # the bar and the straggler line go to stdout (rank 0)
             t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
-                        SlowOnRank1(_data(64, 2)), None, TrainerConfig(epochs=1, batch_size=8, progress=True))
+                        # 8 steps: the first two wait inside forward (DDP's start-up collectives), and the line
+                        # needs the wait to stand out of the step-to-step noise (stragglers.py; 4 steps did not)
+                        SlowOnRank1(_data(128, 2)), None, TrainerConfig(epochs=1, batch_size=8, progress=True))
             record = t.fit()["history"][-1]
         return {"record": record, "printed": printed.getvalue()}
     attempt("straggler", straggler)
@@ -177,6 +181,18 @@ def test_metric_function_is_averaged_exactly_over_the_eval_set(results):
         assert r["record"]["eval_top2"] == pytest.approx(r["ref"]["top2"], rel=1e-6)  # float32 batch means
         assert r["record"]["eval_confidence"] == pytest.approx(r["ref"]["confidence"], rel=1e-6)
         assert r["record"]["eval_samples"] == N_EVAL
+
+
+def test_rank_0_prints_the_epochs_eval_loss_and_metrics(results):
+    # issue 34, item 6: the Trainer printed no eval numbers (the bar has the training ones, and a terminal clears it)
+    _, out = results
+    r = out[0]["metric"]
+    assert not isinstance(r, str), r
+    record, line = r["record"], r["printed"].splitlines()[-1]
+    assert line == (f"epoch  1  train loss {record['train_loss']:.4f}  eval loss {record['eval_loss']:.4f}  "
+                    f"eval accuracy {record['eval_accuracy']:.4f}  eval confidence {record['eval_confidence']:.4f}  "
+                    f"eval top2 {record['eval_top2']:.4f}  samples/s {record['samples_per_s']:.0f}"), line
+    assert out[1]["metric"]["printed"] == ""  # rank 0 alone prints
 
 
 def test_straggler_line_names_the_rank_that_sleeps_in_its_data_loading(results):

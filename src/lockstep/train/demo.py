@@ -2,8 +2,8 @@
 
 The workers are started by ``lockstep.launch.launcher.launch_function`` (torch's elastic agent),
 each joins the gloo group with ``lockstep.init()`` and trains with ``lockstep.Trainer``.
-Rank 0 prints one line per epoch; the parent process then draws the loss and accuracy
-curves from ``metrics.jsonl`` and prints ``test accuracy 0.97`` as its last line.
+Rank 0 prints one line per epoch (the Trainer's; its eval set is the test split); the parent process then
+draws the loss and accuracy curves from ``metrics.jsonl`` and prints ``test accuracy 0.97`` as its last line.
 """
 
 from __future__ import annotations
@@ -39,10 +39,7 @@ class DigitsCNN(nn.Module):
 
 
 def _end_epoch(trainer, record: dict) -> None:
-    if trainer.is_writer:
-        print(f"epoch {record['epoch']:>2}  train loss {record['train_loss']:.4f}  "
-              f"test loss {record['eval_loss']:.4f}  test accuracy {record['eval_accuracy']:.4f}  "
-              f"samples/s {record['samples_per_s']:.0f}", flush=True)
+    # the epoch's line (train loss, eval loss and accuracy on the test split, samples/s) is the Trainer's;
     # a checkpoint per epoch (keep_last=1: one file): Ctrl-C loses at most the epoch under way
     trainer.save_checkpoint()
 
@@ -84,6 +81,25 @@ def train_worker(out_dir: str, epochs: int, batch_size: int, lr: float, seed: in
         shutdown()
 
 
+def draw_curves(epochs: dict[int, dict]):
+    """The figure of ``plot_curves`` from epoch records keyed by their 1-based epoch; the caller closes it."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    xs = sorted(epochs)  # 1-based, as printed
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax_loss.plot(xs, [epochs[e]["train_loss"] for e in xs], marker="o", label="train")
+    ax_loss.plot(xs, [epochs[e]["eval_loss"] for e in xs], marker="o", label="test")
+    ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
+    ax_loss.legend()
+    ax_acc.plot(xs, [epochs[e]["eval_accuracy"] for e in xs], marker="o", color="tab:green")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="test accuracy", ylim=(0, 1))
+    for ax in (ax_loss, ax_acc):  # whole epochs only: a 2-epoch run had ticks at 1.2, 1.4, ...
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    return fig
+
+
 def plot_curves(metrics_path: Path, png_path: Path) -> None:
     """Training loss and test accuracy per epoch, side by side (matplotlib's Agg backend: no display needed)."""
     import matplotlib
@@ -95,15 +111,7 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
 
     # this run's records only (an older run in the same file is another curve); a resumed epoch: last wins
     epochs = {r["epoch"]: r for r in select_run(read_metrics(metrics_path)) if r.get("event") == "epoch"}
-    xs = sorted(epochs)  # 1-based, as printed
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.5))
-    ax_loss.plot(xs, [epochs[e]["train_loss"] for e in sorted(epochs)], marker="o", label="train")
-    ax_loss.plot(xs, [epochs[e]["eval_loss"] for e in sorted(epochs)], marker="o", label="test")
-    ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
-    ax_loss.legend()
-    ax_acc.plot(xs, [epochs[e]["eval_accuracy"] for e in sorted(epochs)], marker="o", color="tab:green")
-    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="test accuracy", ylim=(0, 1))
-    fig.tight_layout()
+    fig = draw_curves(epochs)
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
 

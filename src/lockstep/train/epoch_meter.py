@@ -9,7 +9,7 @@ accounts only for the part this process ran.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -24,6 +24,7 @@ class EpochMeter:
     steps: int = 0  # optimizer steps this epoch, on this process
     samples: int = 0  # samples of every rank in those steps (equal shards: this rank's x world size)
     last_step_s: float | None = None  # the latest step's time (the bar's step_ms)
+    step_comm_s: list[float] = field(default_factory=list)  # each step's all-reduce wait: the straggler's noise
 
     def add_step(self, step_s: float, samples: int) -> None:
         self.last_step_s = step_s
@@ -34,7 +35,10 @@ class EpochMeter:
     def update_comm(self, comm_wait_total_s: float | None) -> None:
         """Take the DDP's cumulative wait (``ddp.comm_stats()``; None: it keeps none) as of now. Free."""
         if comm_wait_total_s is not None:
-            self.comm_wait_s = comm_wait_total_s - self.comm_wait_at_start_s
+            wait_s = comm_wait_total_s - self.comm_wait_at_start_s
+            if len(self.step_comm_s) < self.steps:  # the first reading since a step ended: that step's own wait
+                self.step_comm_s.append(wait_s - self.comm_wait_s)
+            self.comm_wait_s = wait_s
 
     @property
     def samples_per_s(self) -> float:
@@ -54,3 +58,14 @@ class EpochMeter:
         """What the straggler line gathers from every rank (a few floats, once per epoch)."""
         return {"data_s": self.data_s, "compute_s": self.compute_s, "comm_s": self.comm_wait_s,
                 "step_s": self.step_s, "steps": float(self.steps)}
+
+    def comm_blocks(self, n_blocks: int) -> list[float]:
+        """The mean all-reduce wait per step in ``n_blocks`` consecutive runs of this epoch's steps (one step each
+        when there are fewer steps; NaN fills the rest): every rank steps alike, so block b covers the same steps
+        on every rank, and the blocks' differences between ranks measure the wait's noise (stragglers.py)."""
+        waits, blocks = self.step_comm_s, []
+        n = min(n_blocks, len(waits))
+        for b in range(n):
+            chunk = waits[b * len(waits) // n:(b + 1) * len(waits) // n]
+            blocks.append(sum(chunk) / len(chunk))
+        return blocks + [float("nan")] * (n_blocks - n)

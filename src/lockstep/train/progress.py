@@ -105,3 +105,15 @@ def nothing_left_line(path: str, step: int, epoch: int, epochs: int, max_steps: 
                 f"{max_steps}; raise max_steps (or leave it None) to train further")
     return (f"lockstep: nothing to train: the checkpoint {path} finished epoch {epoch} of {epochs}; "
             f"set TrainerConfig.epochs above {epoch} to train further")
+
+
+def epoch_line(record: dict) -> str:
+    """Rank 0's line at each epoch's end, after evaluation: the record's losses and metrics, e.g. "epoch  3  train
+    loss 0.2150  eval loss 0.1983  eval accuracy 0.9471  samples/s 6120" (``eval <name>`` for each metric_fn value).
+    The bar's last line has the training numbers only, and on a terminal it is cleared when the epoch ends."""
+    parts = [f"epoch {record['epoch']:>2}", f"train loss {record['train_loss']:.4f}"]
+    shown = [key for key in ("eval_loss", "eval_accuracy") if key in record]  # first, then metric_fn's
+    shown += [key for key in record if key.startswith("eval_") and key not in [*shown, "eval_samples"]]
+    parts += [f"eval {key.removeprefix('eval_')} {record[key]:.4f}" for key in shown]
+    parts.append(f"samples/s {record['samples_per_s']:.0f}")
+    return "  ".join(parts)

@@ -43,10 +43,10 @@ from lockstep.train.preempt import (
     PreemptionWatch,
     leave_marker,
 )
-from lockstep.train.progress import nothing_left_line, progress_bar, resumed_line, step_postfix
+from lockstep.train.progress import epoch_line, nothing_left_line, progress_bar, resumed_line, step_postfix
 from lockstep.train.resize import accum_steps_for
 from lockstep.train.run_identity import claim_checkpoint_dir
-from lockstep.train.stragglers import find_straggler, gather_epoch, straggler_line
+from lockstep.train.stragglers import BLOCKS, find_straggler, gather_epoch, straggler_line
 
 __all__ = ["Trainer", "TrainerConfig"]
 
@@ -360,7 +360,8 @@ class Trainer:
         meter = self.meter
         meter.update_comm(self._comm_wait_total_s())
         # one collective per epoch: every rank's loss totals and phases (stragglers.py)
-        ranks = gather_epoch(self._loss_sum, self._loss_count, meter.phases(), self.device, self.group)
+        ranks = gather_epoch(self._loss_sum, self._loss_count, meter.phases(), meter.comm_blocks(BLOCKS), self.device,
+                             self.group)
         totals = [sum(r["loss_sum"] for r in ranks), sum(r["loss_count"] for r in ranks)]
         # epochs count from 1 in everything shown (bar, summary, metrics, curves); self.epoch counts done ones
         train_loss = totals[0] / totals[1] if totals[1] else float("nan")
@@ -379,6 +380,8 @@ class Trainer:
                 print(straggler_line(self.epoch + 1, straggler), flush=True)  # stdout: the bar's stream
         if self.eval_data is not None:
             record.update(self.evaluate())
+        if self.is_writer and self.config.progress:
+            print(epoch_line(record), flush=True)  # stdout, after the bar's last line and any straggler line
         self.history.append(record)
         self.metrics.write(record)
         # the position moves to the next epoch's start first, so a checkpoint saved by the callback
