@@ -517,7 +517,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"link.py: {note}")
     load_before = os.getloadavg()
     started = datetime.datetime.now()
-    results = run_rates(args, contenders)
+    try:
+        results = run_rates(args, contenders)
+    except KeyboardInterrupt:  # two_nodes() has removed the namespaces and _launch killed the ranks by now
+        print("link.py: interrupted; the ranks are stopped and the namespaces removed", file=sys.stderr)
+        return 130
     _write(args, results, notes, load_before, started)
     return 0 if not any(r.get("failed") for r in results.values()) else 1
 
