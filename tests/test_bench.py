@@ -148,7 +148,26 @@ def test_bench_says_where_its_results_go_before_it_runs(bench_run, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit):
         cli_main(["allreduce", "--help"])
-    assert "default: benchmarks/results under the current directory" in " ".join(capsys.readouterr().out.split())
+    assert "default: lockstep-bench under the current directory" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_default_out_is_untracked_in_a_checkout(tmp_path, monkeypatch, capsys):
+    # issue 34, item 6: run from the repository, `lockstep bench` wrote into the tracked benchmarks/results/
+    import argparse
+    import subprocess
+    from pathlib import Path
+
+    from lockstep.perf.spawn import DEFAULT_OUT, results_dir
+
+    repo = Path(__file__).resolve().parent.parent
+    assert DEFAULT_OUT == "lockstep-bench"
+    assert subprocess.run(["git", "ls-files", DEFAULT_OUT], cwd=repo, capture_output=True, text=True).stdout == ""
+    assert subprocess.run(["git", "check-ignore", "-q", f"{DEFAULT_OUT}/allreduce_x.json"], cwd=repo).returncode == 0
+    monkeypatch.chdir(tmp_path)
+    assert results_dir(argparse.ArgumentParser(prog="lockstep bench allreduce"), DEFAULT_OUT) == \
+        tmp_path / "lockstep-bench"
+    assert capsys.readouterr().out == (f"lockstep bench allreduce: results go to {tmp_path / 'lockstep-bench'} "
+                                       f"(--out DIR to change)\n")
 
 
 @pytest.mark.parametrize("argv, flag", [

@@ -10,7 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-DEFAULT_OUT = "benchmarks/results"
+# Not benchmarks/results: run from a checkout, that tracked folder took every ad-hoc run (issue 34); the
+# repository's .gitignore lists this one
+DEFAULT_OUT = "lockstep-bench"
 OUT_HELP = (f"directory for the JSON, markdown and PNG (default: {DEFAULT_OUT} under the current directory; "
             "'' writes none)")
 
