@@ -6,6 +6,9 @@ parameter, the rank and (replicas) the largest difference; and that the checks c
 
 from __future__ import annotations
 
+import re
+import traceback
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -121,7 +124,15 @@ def _nonfinite(rank, world_size):
         before = [p.detach().clone() for p in ddp.parameters()]
         bad = ddp.module[0].bias
         handle = bad.register_hook(lambda g: g * float("nan")) if rank == 1 else None
-        out[case] = _error(lambda: _train(ddp, opt, 1, rank))
+        try:
+            _train(ddp, opt, 1, rank)
+            out[case] = None
+        except RuntimeError as e:
+            out[case] = f"{type(e).__name__}: {e}"
+            from lockstep.code_paths import is_library_code
+
+            user = [f for f in traceback.extract_tb(e.__traceback__) if not is_library_code(f.filename)]
+            out[case + "_user_frame"] = user[-1].line if user else None  # what a failure report names
         if handle is not None:
             handle.remove()
         out[case + "_params_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, ddp.parameters()))
@@ -158,7 +169,15 @@ def _nonfinite(rank, world_size):
         if rank == culprit:
             p.register_hook(lambda g: g.flatten().index_fill(0, torch.tensor([element]), value).view_as(g))
         before = [q.detach().clone() for q in ddp.parameters()]
-        out[case] = _error(lambda: _train(ddp, opt, 1, rank))
+        try:
+            _train(ddp, opt, 1, rank)
+            out[case] = None
+        except RuntimeError as e:
+            out[case] = f"{type(e).__name__}: {e}"
+            from lockstep.code_paths import is_library_code
+
+            user = [f for f in traceback.extract_tb(e.__traceback__) if not is_library_code(f.filename)]
+            out[case + "_user_frame"] = user[-1].line if user else None  # what a failure report names
         out[case + "_params_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, ddp.parameters()))
     return out
 
@@ -299,9 +318,14 @@ def test_dropout_seeded_differently_is_not_a_mismatch(results):
 def test_nan_gradient_names_rank_and_parameter_on_every_rank(results, case):
     r0, r1 = (r["nonfinite"] for r in results)
     assert r0[case] == r1[case], (r0[case], r1[case])
-    assert r0[case].startswith("NonfiniteGradientError: non-finite gradient on rank 1, caught before any rank's optimizer")
+    # issue 34, item 6: the step it was caught in (2 healthy steps, then this one), as the Trainer's error has
+    assert r0[case].startswith("NonfiniteGradientError: at step 3 (synchronised backward 3 of this DDP, counted from 1; "
+                               "backwards under no_sync are not counted): non-finite gradient on rank 1, caught before "
+                               "any rank's optimizer"), r0[case]
     assert "rank 1: 1 of 4 parameters, '0.bias' (16 NaN, 0 Inf of 16). Every rank raises here" in r0[case]
     assert "rank 0:" not in r0[case]
+    # the innermost frame outside torch and lockstep (the failure report's line) is the user's backward
+    assert r0[case + "_user_frame"] == r1[case + "_user_frame"] == "F.cross_entropy(ddp(x), y).backward()"
     assert r0[case + "_params_unchanged"] and r1[case + "_params_unchanged"]
     assert r0[case + "_rank0_grad_finite"]  # the average was never copied into .grad (bucket views aside)
     assert r0[case + "_after"] is None and r1[case + "_after"] is None
@@ -330,7 +354,8 @@ def test_split_check_catches_a_value_in_the_other_ranks_share(results, case, par
     r0, r1 = (r["nonfinite"] for r in results)
     assert r0[case + "_reader"] == r1[case + "_reader"] == reader  # the other rank reads where the bad value lands
     assert r0[case] == r1[case], (r0[case], r1[case])
-    assert r0[case].startswith(f"NonfiniteGradientError: non-finite gradient on rank {culprit}, caught before")
+    assert re.match(rf"NonfiniteGradientError: at step \d+ \(.*?\): non-finite gradient on rank {culprit}, caught before",
+                    r0[case]), r0[case]
     assert f"rank {culprit}: 1 of 4 parameters, '{param}' ({what}). Every rank raises here" in r0[case]
     assert f"rank {1 - culprit}:" not in r0[case]
     assert r0[case + "_params_unchanged"] and r1[case + "_params_unchanged"]
@@ -411,7 +436,8 @@ def results3():
 def test_three_ranks_low_precision_and_bucket_views(results3, case, culprit, what):
     texts = [r[case] for r in results3]
     assert texts[0] is not None and texts.count(texts[0]) == 3, texts  # the same error on every rank
-    assert texts[0].startswith(f"NonfiniteGradientError: non-finite gradient on rank {culprit}, caught before")
+    assert re.match(rf"NonfiniteGradientError: at step \d+ \(.*?\): non-finite gradient on rank {culprit}, caught before",
+                    texts[0]), texts[0]
     assert f"rank {culprit}: 1 of 4 parameters, {what}. Every rank raises here" in texts[0]
     assert all(r[case + "_params_unchanged"] for r in results3)
     assert all(r[case + "_after"] is None for r in results3)
@@ -420,8 +446,9 @@ def test_three_ranks_low_precision_and_bucket_views(results3, case, culprit, wha
 def test_average_that_overflows_on_finite_gradients_raises(results3):
     texts = [r["fp16_overflow"] for r in results3]
     assert texts[0] is not None and texts.count(texts[0]) == 3, texts
-    assert texts[0].startswith("NonfiniteGradientError: non-finite average of finite gradients: every rank's local gradients "
-                               "were finite, but the all-reduce's sum overflowed (float16)")
+    assert re.sub(r"^at step \d+ \(.*?\): ", "", texts[0].removeprefix("NonfiniteGradientError: ")).startswith(
+        "non-finite average of finite gradients: every rank's local gradients were finite, but the all-reduce's sum "
+        "overflowed (float16)")
     assert "1 of 4 parameters, '3.bias' (0 NaN, 4 Inf of 4). Every rank raises here" in texts[0]
     assert all(r["fp16_overflow_params_unchanged"] for r in results3)
     assert all(r["fp16_overflow_after"] is None for r in results3)

@@ -68,7 +68,15 @@ _FUSABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # what
 
 
 class NonfiniteGradientError(RuntimeError):
-    """Raised on every rank when some rank's local gradient held a NaN or Inf, or their average overflowed."""
+    """Raised on every rank when some rank's local gradient held a NaN or Inf, or their average overflowed.
+
+    ``step``: the synchronised backward it was caught in, counted from 1 by the DDP (None when not known);
+    ``detail``: the message without its "at step N (...): " prefix, for a caller that names the step its own
+    way (the Trainer: optimizer step, epoch and batch)."""
+
+    def __init__(self, message: str, step: int | None = None, detail: str | None = None):
+        super().__init__(message)
+        self.step, self.detail = step, detail if detail is not None else message
 
 
 class NonfiniteCheck:
@@ -86,6 +94,9 @@ class NonfiniteCheck:
         self.last_work: Any = None  # the flags' all-reduce of the last backward, kept as the buckets' works are
         self._found = torch.zeros(1)  # the fused check's found-inf flag (CPU)
         self._inv: dict[int, torch.Tensor] = {}  # divisor -> 1 / divisor, as the fused check takes it
+        # synchronised backwards checked (after_wait runs once per each on every rank, a joined rank's shadows
+        # included): the error's step, the same on every rank
+        self.backwards = 0
         self.reset()
 
     def reset(self) -> None:
@@ -183,6 +194,7 @@ class NonfiniteCheck:
         ``flag_apart`` (default: ``comm_hook``): the last bucket has no spare element in its collective (a comm
         hook's buffer, a sparse bucket), so the count needs an all-reduce of its own."""
         flag_apart = comm_hook if flag_apart is None else flag_apart
+        self.backwards += 1
         try:
             if self.after_reduce(buckets[-1].buffer, comm_hook):
                 flags = torch.tensor(
@@ -263,7 +275,7 @@ class NonfiniteCheck:
         parts = [f"rank {rank}: {self._describe(found)}" for rank, found in gathered if found]
         if parts:
             first_rank = next(rank for rank, found in gathered if found)
-            raise NonfiniteGradientError(
+            raise self._error(
                 f"non-finite gradient on rank {first_rank}, caught before any rank's optimizer could apply it: "
                 f"{'; '.join(parts)}. "
                 "Every rank raises here, so no optimizer step runs. When every gradient is non-finite, the loss was "
@@ -273,7 +285,7 @@ class NonfiniteCheck:
         if averaged:  # every rank's local gradients were finite: their sum overflowed (the same text on every rank)
             found = [f for b in averaged for f in self._find(b.views, b.plan.param_indices)]
             dtypes = sorted({str(b.flat.dtype).replace("torch.", "") for b in averaged})
-            raise NonfiniteGradientError(
+            raise self._error(
                 "non-finite average of finite gradients: every rank's local gradients were finite, "
                 "but the all-reduce's "
                 f"sum overflowed ({'/'.join(dtypes)}), caught before any rank's optimizer could apply it: "
@@ -283,6 +295,13 @@ class NonfiniteCheck:
                 "dtype. Pass detect_nonfinite=False to turn the check off."
             )
         # CUDA: every flagged sum had overflowed on finite local values (not an error there)
+
+    def _error(self, detail: str) -> NonfiniteGradientError:
+        """The error, prefixed with when: a bare DDP's loop counts its steps as its synchronised backwards (one
+        per step, the last micro-batch of each under no_sync accumulation)."""
+        n = self.backwards
+        return NonfiniteGradientError(f"at step {n} (synchronised backward {n} of this DDP, counted from 1; "
+                                      f"backwards under no_sync are not counted): {detail}", step=n, detail=detail)
 
     def _describe(self, found: list[tuple[str, int, int, int]]) -> str:
         order = {name: i for i, name in enumerate(self.names)}

@@ -280,9 +280,9 @@ class Trainer:
                     with self._autocast():
                         loss = self.loss_fn(self.ddp(inputs), targets)
                     self.precision.backward(loss / group_size)  # scaled first with fp16
-            except NonfiniteGradientError as e:  # DDP knows the rank and parameter; the Trainer adds when
+            except NonfiniteGradientError as e:  # DDP knows the rank and parameter; the Trainer says when its way
                 raise NonfiniteGradientError(f"at optimizer step {self.step + 1} (epoch {self.epoch + 1}, batch "
-                                             f"{i + 1} of {n_batches}): {e}") from None
+                                             f"{i + 1} of {n_batches}): {e.detail}", self.step + 1, e.detail) from None
             loss_value = loss.item()  # one host sync per micro-batch (free on CPU) for the bar and the epoch mean
             self._loss_sum += loss_value * len(targets)
             self._loss_count += len(targets)
