@@ -128,6 +128,51 @@ def test_launch_order_with_a_hook_keeps_one_bucket_in_flight():
     assert launched == [0, 1, 2] and buckets[0].work.waited and buckets[1].work.waited
 
 
+class _DistWork:
+    """A ``dist.Work``: ``is_completed`` instead of a Future's ``done``."""
+
+    def __init__(self):
+        self.completed, self.waited = False, False
+
+    def is_completed(self):
+        return self.completed
+
+    def wait(self):
+        self.waited = self.completed = True
+
+
+def test_launch_order_in_a_sequence_on_a_slow_link_one_at_a_time():
+    from lockstep.ddp.launch_order import LaunchOrder, priority_sequence
+
+    buckets, launched = [_Bucket(i) for i in range(4)], []
+
+    def launch(bucket):
+        launched.append(bucket.index)
+        bucket.work = _DistWork()
+
+    order = LaunchOrder(buckets, launch, True, priority_sequence(4, 2))  # serial: the reducer's slow-link verdict
+    order.mark_ready(0)
+    order.mark_ready(1)
+    assert launched == [0]  # bucket 0's all-reduce is still on the wire
+    buckets[0].work.completed = True
+    order.mark_ready(3)
+    assert launched == [0, 1]  # 3 comes after 1 in the sequence; 1 after 0 was done
+    buckets[1].work.completed = True
+    order.mark_ready(2)
+    assert launched == [0, 1, 3]  # 3 went; 2 waits for it
+    order.drain()
+    assert launched == [0, 1, 3, 2] and buckets[3].work.waited
+
+
+def test_one_bucket_at_a_time_only_where_the_wire_is_slow_and_set_the_end():
+    from lockstep.ddp.launch_order import wire_is_slow
+
+    assert wire_is_slow(41e6, elapsed_s=3.6, waited_s=3.5)  # 100 Mbit/s: the wire is the step
+    assert not wire_is_slow(41e6, elapsed_s=0.36, waited_s=0.3)  # 1 Gbit/s: at once is as fast
+    assert not wire_is_slow(41e6, elapsed_s=0.08, waited_s=0.01)  # loopback
+    assert not wire_is_slow(4e3, elapsed_s=0.01, waited_s=0.001)  # a tiny model: the backward set the end
+
+
 def test_small_first_bucket_only_where_its_all_reduce_can_overlap():
     from lockstep.ddp.buckets import small_first_bucket_pays
 

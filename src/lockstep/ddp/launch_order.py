@@ -9,7 +9,11 @@ thread), at most one bucket is in flight: only one such hook at a time keeps the
 order the same on every rank. Hooks that issue every collective from the call
 itself (``lockstep.comm_hooks.issues_collectives_up_front``: the all-reduce and
 fp16/bf16 hooks, ours and torch's, and chains of them) keep every bucket in flight,
-as without a hook.
+as without a hook. On a slow link (``Reducer.serial_launch``: below ``SERIAL_BELOW_BYTES_S`` measured) every
+bucket waits for the previous one too: gloo runs two queued all-reduces at once, and through a shaped 100 Mbit/s
+link four 10 MB all-reduces at once took 3668 ms against 3552 ms one after another (3501 ms as one buffer); at
+1 Gbit/s the three were equal, at 2.5 Gbit/s and on loopback at once was faster (144 against 155 ms; 63 against
+77 ms): benchmarks/link_wire.py, benchmarks/results/link-wire-2026-11-26.md.
 
 The overlapped optimizer step (``overlap_step``) launches in another fixed sequence: the buckets the wire can carry
 during backward in index order, then the rest from the last (the model's first layers, which the next forward needs
@@ -29,11 +33,31 @@ def priority_sequence(num_buckets: int, sent_during_backward: int) -> list[int]:
     return list(range(k)) + list(range(num_buckets - 1, k - 1, -1))
 
 
+# Below this measured rate (bytes of gradients per second from a backward's first launch to its last average back),
+# buckets go one at a time: 500 Mbit/s, between the 100 Mbit/s link where that paid and the 1 Gbit/s one where it
+# made no difference.
+SERIAL_BELOW_BYTES_S = 62.5e6
+
+
+def wire_is_slow(nbytes: float, elapsed_s: float, waited_s: float) -> bool:
+    """A backward's gradients (``nbytes``) crossed slower than ``SERIAL_BELOW_BYTES_S`` from its first launch to its
+    last average back (``elapsed_s``: a lower bound on the wire's rate), and the wire set that end: most of the time
+    went to waiting (``waited_s``), not to the backward."""
+    return 2 * waited_s > elapsed_s and nbytes < SERIAL_BELOW_BYTES_S * elapsed_s
+
+
+def _done(work: object) -> bool:
+    """A bucket's collective has finished: a ``dist.Work`` (``is_completed``) or a comm hook's Future (``done``)."""
+    is_completed = getattr(work, "is_completed", None)
+    return bool(is_completed()) if is_completed is not None else bool(work.done())  # type: ignore[attr-defined]
+
+
 class LaunchOrder:
     """Launches ``buckets`` through ``launch`` in ``sequence`` (default: index order) as they become ready; one per
     backward.
 
-    ``one_in_flight``: a hook that may issue collectives from its callbacks is registered (the backward's plan).
+    ``one_in_flight``: a hook that may issue collectives from its callbacks is registered (the backward's plan), or
+    the link is slow (``SERIAL_BELOW_BYTES_S``): each bucket launches once the previous one is done.
     """
 
     __slots__ = ("_launch", "_one_in_flight", "buckets", "next_index", "ready", "sequence")
@@ -52,7 +76,7 @@ class LaunchOrder:
         self.ready[index] = True
         buckets, sequence, n = self.buckets, self.sequence, len(self.buckets)
         while self.next_index < n and self.ready[sequence[self.next_index]]:
-            if self.next_index > 0 and self._one_in_flight and not buckets[sequence[self.next_index - 1]].work.done():
+            if self.next_index > 0 and self._one_in_flight and not _done(buckets[sequence[self.next_index - 1]].work):
                 break  # the previous hooked bucket is still in flight: drain() or a later ready bucket retries
             self._launch(buckets[sequence[self.next_index]])
             self.next_index += 1

@@ -9,12 +9,14 @@ Where a gradient is missing every bucket launches anyway, with a flag in the las
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from lockstep.collectives.hierarchical import HierarchicalAllReduce
 from lockstep.ddp.args import sparse_flags
 from lockstep.ddp.autotune import BucketTuner
 from lockstep.ddp.compiled import refuse_compiled_autograd
@@ -26,7 +28,7 @@ from lockstep.ddp.errors import error_for_log, twice_message
 from lockstep.ddp.fused_compress import FusedCompression
 from lockstep.ddp.graph import backward_accumulates, grad_accumulators
 from lockstep.ddp.idle_buckets import IdleBuckets
-from lockstep.ddp.launch_order import LaunchOrder
+from lockstep.ddp.launch_order import LaunchOrder, wire_is_slow
 from lockstep.ddp.layout import agree_on_order, build_layout
 from lockstep.ddp.lifetime import register_for_exit, remove_handles
 from lockstep.ddp.lifetime import release_works as release_reducer_works
@@ -57,6 +59,7 @@ class Reducer:
 
     logged_error: str | None = None  # the last error DDP raised (a backward's, the wrapper's), for the logging data
     comm_hook_name: str | None = None  # torch's built-in hook types (``_register_builtin_comm_hook``), for logging
+    hierarchy: HierarchicalAllReduce | None = None  # the plain buckets' all-reduce across nodes; None: flat
 
     def __init__(
         self,
@@ -102,6 +105,10 @@ class Reducer:
         self.rebuild_pending = self.buckets_rebuilt = False  # once, from the first synced backward's order
         self.direct_launches = 0  # all-reduces on a gradient where autograd left it (``copy_in``), since construction
         self.launch_seq = 0  # launches issued since construction: the same on every rank, step after step
+        # Buckets one at a time (``launch_order``): set from the last plain backward's measured rate, per rank (it
+        # changes when a collective is issued, never which or in what order).
+        self.serial_launch = False
+        self._first_launch_s = 0.0  # this backward's first launch (perf_counter)
         self.comm_wait_s = 0.0
         self.num_syncs = 0
         self.rounds = 0  # synchronised backwards completed, a joined rank's shadows included: the same on every rank
@@ -193,8 +200,9 @@ class Reducer:
                              nonfinite=self.nonfinite, has_sparse=self.has_sparse,
                              last_bucket_sparse=self.buckets[-1].plan.sparse, tracks_usage=self.usage.active, fast=fast)
         sequence = None if self.overlap is None else self.overlap.sequence_for(self.layout_version)
+        serial = self.serial_launch and self.overlap is None  # the overlapped step's drain must not wait
         self.step = Backward(plan, list(self._sizes),
-                             LaunchOrder(self.buckets, self._launch, plan.one_in_flight, sequence))
+                             LaunchOrder(self.buckets, self._launch, plan.one_in_flight or serial, sequence))
         return self.step
 
     def on_backward_start(self, from_hook: bool = False) -> None:
@@ -276,11 +284,13 @@ class Reducer:
             observer.bucket_launch(bucket.index, bucket.flat.numel(), bucket.seq)
         step = self.step
         assert step is not None
-        if self.overlap is not None:
-            self.overlap.launched(first=step.order.next_index == 0)
+        if step.order.next_index == 0:
+            self._first_launch_s = time.perf_counter()
+            if self.overlap is not None:
+                self.overlap.launched(first=True)
         self.direct_launches += bucket.direct is not None
-        group, hook = self.process_group, self.comm_hook
-        bucket.work = issue_bucket(bucket, step, len(self.buckets), group, hook, self.comm_hook_state)
+        group, hook, state = self.process_group, self.comm_hook, self.comm_hook_state
+        bucket.work = issue_bucket(bucket, step, len(self.buckets), group, hook, state, self.hierarchy)
         if observer is not None:
             observer.bucket_launched(bucket.index, bucket.seq)
 
@@ -307,6 +317,7 @@ class Reducer:
             status, waited = finish_collectives(step, self.buckets, self.usage, self.process_group, missing,
                                                 joined=False, copy_each=early, observer=self.observer, futures=futures,
                                                 names=self.names, explain=explain)
+            self._measure_link(waited)
             if not early:
                 copy_back(self.buckets, self.params, status.globally_used, self.grad_mode, fast)
             if self.overlap is not None:
@@ -321,6 +332,12 @@ class Reducer:
                 self.step = None  # the buckets keep this backward's gradients until its round closes (``overlap``)
             else:
                 self._end_step()
+
+    def _measure_link(self, waited_s: float) -> None:
+        """After a backward's waits: one bucket at a time from the next backward on where the wire is slow."""
+        elapsed_s = time.perf_counter() - self._first_launch_s
+        nbytes = sum(b.plan.numel * b.plan.dtype.itemsize for b in self.buckets)
+        self.serial_launch = wire_is_slow(nbytes, elapsed_s, waited_s)
 
     def end_round(self, waited_s: float, reset: bool = True) -> None:
         """A synchronised backward's averages are in ``.grad``: its bookkeeping (``reset``: the buckets let go of its
