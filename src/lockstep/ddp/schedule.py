@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.collectives.clean import all_reduce_sum_clean, launch_clean
+from lockstep.collectives.hierarchical import HierarchicalAllReduce
 from lockstep.ddp.copy_back import wait_buckets
 from lockstep.ddp.errors import raise_missing_gradients
 from lockstep.ddp.grad_bucket import GradBucket
@@ -35,8 +36,11 @@ CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 
 def issue_bucket(bucket: Bucket, step: Backward, num_buckets: int, group: dist.ProcessGroup, comm_hook: CommHook | None,
-                 comm_hook_state: Any) -> Any:
-    """Launch ``bucket``'s collective as ``step.plan`` says; return its work (a ``dist.Work`` or a Future)."""
+                 comm_hook_state: Any, hierarchy: HierarchicalAllReduce | None = None) -> Any:
+    """Launch ``bucket``'s collective as ``step.plan`` says; return its work (a ``dist.Work`` or a Future).
+
+    ``hierarchy``: the plain all-reduce of a dense bucket goes through it (inside the nodes, then across); a comm
+    hook, the fused compress hook and a sparse bucket keep the flat ``group``."""
     plan = step.plan
     # The NaN check first, where it must see the local gradients.
     divided = plan.nonfinite is not None and plan.nonfinite.check_bucket(bucket, plan.divisor, plan.hooked)
@@ -65,6 +69,8 @@ def issue_bucket(bucket: Bucket, step: Backward, num_buckets: int, group: dist.P
             plan.nonfinite.add_flag(bucket.buffer)
     else:
         tensor = bucket.flat  # the gradients only, as a direct bucket sends on a rank that went direct
+    if hierarchy is not None and tensor.is_contiguous():  # its threads issue the stages in this launch order
+        return hierarchy.submit(tensor)
     return all_reduce_sum_clean(tensor, group)
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
+from lockstep.collectives.hierarchical import hierarchy_for
 from lockstep.comm_hooks.base import contract_error
 from lockstep.ddp import buffer_sync, diagnose, module_changes
 from lockstep.ddp.args import (
@@ -112,6 +113,12 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             is, whom the others wait for, every thread's stack) and end the job with exit code 86
             (``lockstep.diagnostics.watchdog``). Default: $LOCKSTEP_HANG_TIMEOUT_S, else 300; None or 0: off. Not in
             torch's DDP.
+        hierarchical_all_reduce: sum each bucket inside each node, then across nodes, then share it inside
+            (``lockstep.collectives.hierarchical``): at 2 nodes x 2 ranks the link carries 2/3 of the flat ring's bytes.
+            None (default): on where the launcher names the nodes (GROUP_RANK from lockstep launch / torchrun,
+            SLURM_NODEID), the group is the world on gloo, and there are several nodes of as many ranks (>= 2) each;
+            True: the same or a ValueError saying why not; False: off. Comm hooks keep the flat group. Sums at 4 ranks
+            and more may differ from the flat ring's in the last bits (docs/ddp.md). Not in torch's DDP.
 
     Args (lockstep's diagnostics, off by default; docs/debugging.md):
         check_replicas_every: every N synchronised steps, check at the next forward that every rank holds the same
@@ -166,6 +173,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         check_replicas_every: int | None = None, detect_nonfinite: bool = False,
         trace_dir: str | None = None, trace_steps: tuple[int, int] | None = None,
         hang_timeout_s: float | None = FROM_ENV,
+        hierarchical_all_reduce: bool | None = None,
     ):
         # torch's __init__ never runs (it would build torch's C++ reducer): the subclass is for isinstance.
         nn.Module.__init__(self)
@@ -221,8 +229,15 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             verify_params_across_ranks(named_params, process_group)
             buffers = syncable_buffers(module, self.parameters_to_ignore) if init_sync_buffers else []
             broadcast_coalesced([p for _, p in named_params] + buffers, process_group)
+        if not (hierarchical_all_reduce is None or isinstance(hierarchical_all_reduce, bool)):
+            raise ValueError("DistributedDataParallel: hierarchical_all_reduce must be True, False or None, got "
+                             f"{hierarchical_all_reduce!r}")
+        # Collective where the launcher names several nodes (the layout's gather, the subgroups): every rank here.
+        hierarchy = hierarchy_for(process_group, hierarchical_all_reduce,
+                                  "DistributedDataParallel: hierarchical_all_reduce")
         self.detect_nonfinite = diagnostics.detect_nonfinite  # read by _build_reducer (diagnose.setup sets it too)
         self.reducer = self._build_reducer()
+        self.reducer.hierarchy = hierarchy  # not pickled: an unpickled DDP sums flat
         diagnose.setup(self, diagnostics)
         skip_lockstep_in_dynamo()  # where a script compiled before wrapping (else at its first compiled forward)
 
