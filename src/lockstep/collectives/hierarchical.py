@@ -278,6 +278,8 @@ def hierarchy_for(group: dist.ProcessGroup, requested: bool | None, name: str,
     ``name`` and why not. False: None. Where the environment names nodes and not every rank is on one node, the
     node ids are gathered over the world (one collective, on every rank alike: the environment is the launcher's).
     """
+    if not (requested is None or isinstance(requested, bool)):
+        raise ValueError(f"{name} must be True, False or None, got {requested!r}")
     if requested is False:
         return None
     env = os.environ if env is None else env

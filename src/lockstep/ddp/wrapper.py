@@ -65,6 +65,8 @@ from lockstep.ddp.torch_surface import (
 from lockstep.diagnostics.progress import observer_for
 from lockstep.diagnostics.watchdog import FROM_ENV, resolve_hang_timeout, watch_for_hangs
 
+_HIERARCHY_KEYWORD = "DistributedDataParallel: hierarchical_all_reduce"  # named in its errors
+
 
 # torch's class is subclassed for isinstance only; two of lockstep's members differ in type from torch's stubs.
 class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedDataParallel):  # type: ignore[misc, override]
@@ -229,12 +231,8 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             verify_params_across_ranks(named_params, process_group)
             buffers = syncable_buffers(module, self.parameters_to_ignore) if init_sync_buffers else []
             broadcast_coalesced([p for _, p in named_params] + buffers, process_group)
-        if not (hierarchical_all_reduce is None or isinstance(hierarchical_all_reduce, bool)):
-            raise ValueError("DistributedDataParallel: hierarchical_all_reduce must be True, False or None, got "
-                             f"{hierarchical_all_reduce!r}")
         # Collective where the launcher names several nodes (the layout's gather, the subgroups): every rank here.
-        hierarchy = hierarchy_for(process_group, hierarchical_all_reduce,
-                                  "DistributedDataParallel: hierarchical_all_reduce")
+        hierarchy = hierarchy_for(process_group, hierarchical_all_reduce, _HIERARCHY_KEYWORD)
         self.detect_nonfinite = diagnostics.detect_nonfinite  # read by _build_reducer (diagnose.setup sets it too)
         self.reducer = self._build_reducer()
         self.reducer.hierarchy = hierarchy  # not pickled: an unpickled DDP sums flat
