@@ -11,6 +11,8 @@ happen in the forward (a parameter read right after ``opt.step()`` still holds t
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -140,8 +142,106 @@ def _missing(rank: int) -> str:
     return "no error"
 
 
+def _nonfinite(rank: int) -> dict:
+    """detect_nonfinite=True: the same bits as the plain step; a NaN on rank 1 at step 4 raises on both ranks, and
+    no parameter takes that step's update (the check's verdict rides in the last bucket, sent first after backward)."""
+    out = {}
+    for overlap in (False, True):
+        model = DistributedDataParallel(_model(), bucket_cap_mb=0.1, detect_nonfinite=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if overlap:
+            model.overlap_optimizer_step(opt)
+        g = torch.Generator().manual_seed(100 + rank)
+        error, kept = "no error", None
+        for step in range(6):
+            opt.zero_grad()
+            x, y = torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)
+            if step == 4 and rank == 1:
+                x[0, 0] = float("nan")
+            try:
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                if step == 4:
+                    model(x)  # the overlapped step reads the verdict here
+            except RuntimeError as e:
+                error = type(e).__name__
+                model.finish_step()
+                kept = [p.detach().clone() for p in model.module.parameters()]
+                break
+        model.finish_step()
+        out[overlap] = {"error": error, "params": kept}
+    plain, ours = out[False]["params"], out[True]["params"]
+    out["equal"] = plain is not None and ours is not None and all(torch.equal(a, b) for a, b in zip(plain, ours))
+    out["errors"] = (out[False]["error"], out[True]["error"])
+    return {k: out[k] for k in ("equal", "errors")}
+
+
+class _Crash(Exception):
+    pass
+
+
+def _fit(directory: str, overlap_step, crash_at: int | None = None, resume: bool = False, **overrides):
+    """The Trainer on a small classifier (SGD with momentum, warm-up, accumulation, eval, checkpoints)."""
+    from torch.utils.data import TensorDataset
+
+    from lockstep import Trainer, TrainerConfig
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(120, 32, generator=g)
+    data = TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long())
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def crash(trainer):
+        if trainer.step == crash_at:
+            raise _Crash()
+
+    settings = dict(epochs=2, batch_size=8, grad_accum_steps=2, warmup_steps=3, seed=1, checkpoint_dir=directory,
+                    save_every_steps=2, progress=False, overlap_step=overlap_step, resume=resume)
+    settings.update(overrides)
+    trainer = Trainer(model, opt, F.cross_entropy, data, data, TrainerConfig(**settings),
+                      on_step_end=crash if crash_at else None)
+    try:
+        trainer.fit()
+    except _Crash:
+        pass
+    return trainer.overlapped, [p.detach().clone() for p in model.parameters()]
+
+
+def _trainer(rank: int) -> dict:
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    out = {}
+    tmp = os.path.join(tempfile.gettempdir(), f"lockstep-overlap-{os.getppid()}")  # both ranks': one parent
+    try:
+        base = os.path.join(tmp, "run-")  # each case its own checkpoint folder, shared by the ranks
+        plain_on, plain = _fit(base + "plain", False)
+        ours_on, ours = _fit(base + "ours", None)
+        _fit(base + "crash", None, crash_at=5)
+        resumed_on, resumed = _fit(base + "crash", None, resume=True)
+        out["overlapped"] = (plain_on, ours_on, resumed_on)
+        out["equal"] = all(torch.equal(a, b) for a, b in zip(plain, ours))
+        out["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(plain, resumed))
+        clipped_on, _ = _fit(base + "clip", None, grad_clip_norm=1.0, epochs=1)
+        out["clipped_overlapped"] = clipped_on
+        try:
+            _fit(base + "forced", True, grad_clip_norm=1.0, epochs=1)
+            out["forced"] = "no error"
+        except ValueError as e:
+            out["forced"] = str(e)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def _case(rank: int, world_size: int) -> dict:
-    return {"parity": _parity(rank), "deferred": _deferred(rank), "missing": _missing(rank)}
+    return {"parity": _parity(rank), "deferred": _deferred(rank), "missing": _missing(rank),
+            "nonfinite": _nonfinite(rank), "trainer": _trainer(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +281,24 @@ def test_a_missing_gradient_raises_on_every_rank_before_the_update(results):
         assert rank_result["missing"].startswith("raised: "), rank_result["missing"]
         assert "extra.weight" in rank_result["missing"]
         assert "was updated" not in rank_result["missing"]
+
+
+def test_a_nonfinite_gradient_raises_on_every_rank_before_the_update(results):
+    for rank_result in results:
+        seen = rank_result["nonfinite"]
+        assert seen["errors"] == ("NonfiniteGradientError", "NonfiniteGradientError"), seen
+        assert seen["equal"], "the parameters where the plain and the overlapped runs raised differ"
+
+
+def test_the_trainer_overlaps_by_default_where_exact(results):
+    for rank_result in results:
+        seen = rank_result["trainer"]
+        assert seen["overlapped"] == (False, True, True)
+        assert seen["equal"], "the Trainer's parameters with and without the overlapped step differ"
+        assert seen["resumed_equal"], "a crash and resume with the overlapped step differs from the plain run"
+        assert seen["clipped_overlapped"] is False
+        assert seen["forced"] == ("TrainerConfig.overlap_step=True: grad_clip_norm needs every gradient before any "
+                                  "update")
 
 
 def test_priority_sequence():

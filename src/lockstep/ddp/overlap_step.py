@@ -28,7 +28,7 @@ import time
 import types
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -60,9 +60,9 @@ def check_can_overlap(reducer: Reducer, optimizer: Any) -> None:
     if reducer.usage.find_unused or reducer.usage.static_graph:
         raise ValueError("overlap_optimizer_step does not support find_unused_parameters=True or static_graph=True "
                          "(their status exchange needs every bucket first)")
-    if reducer.nonfinite is not None:
-        raise ValueError("overlap_optimizer_step does not support detect_nonfinite=True (its verdict needs every "
-                         "bucket before any update)")
+    if reducer.nonfinite is not None and not reducer.nonfinite.pre_launch:
+        raise ValueError("overlap_optimizer_step with detect_nonfinite=True needs a world size that is a power of two "
+                         f"(the verdict checked before the launches), not {reducer.world_size}")
     if getattr(reducer, "overlap", None) is not None:
         raise RuntimeError("overlap_optimizer_step: an optimizer is bound already (one per DistributedDataParallel)")
 
@@ -168,8 +168,10 @@ class OverlappedStep:
         self._drain_s = time.perf_counter()
         agreed = self._maybe_agree()
         plan = step.plan
-        _, early = copy_back_path(step)
-        if not (early and not plan.flag_apart and not plan.one_in_flight and not missing):
+        fast, _ = copy_back_path(step)
+        # COPY mode without usage tracking; the non-finite check's verdict is read before any copy (``_check_flag``).
+        copies = plan.copy_each or plan.nonfinite is not None
+        if not (fast and copies and not plan.flag_apart and not plan.one_in_flight and not missing):
             self._warn_once("path", "overlap_optimizer_step: this backward is finished in full (a comm hook whose "
                             "collectives are not issued up front, sparse gradients, or a gradient with a graph)")
             self._agreed_in_full = agreed
@@ -250,24 +252,38 @@ class OverlappedStep:
         last = len(self.reducer.buckets) - 1
         reducer = self.reducer
         bucket = reducer.buckets[last]
-        r.waited_s += wait_bucket(bucket, True, r.step.plan.hooked, reducer.observer, True, r.step.plan.fused)
+        plan = r.step.plan
+        r.waited_s += wait_bucket(bucket, True, plan.hooked, reducer.observer, False, plan.fused)
         r.done[last] = True
         r.left -= 1
         self._record_timing(time.perf_counter())  # in index order the last launched: the wire's end
-        status = reducer.usage.exchange_status([], False, bucket, reducer.process_group)
-        if status.any_missing:
-            for b in range(last):
-                if not r.done[b]:
-                    r.waited_s += wait_bucket(reducer.buckets[b], False, r.step.plan.hooked, None, True,
-                                              r.step.plan.fused)
-            self.step_hyperparams = self.zero_set_to_none = None  # nothing is applied: the step raises
-            self._close(r)
-            explain = None if reducer.module_changes is None else reducer.module_changes.explain
-            raise_missing_gradients(status.missing, reducer.names, reducer.process_group, False, status.late, explain)
+        try:
+            if plan.nonfinite is not None:  # every bucket was checked before this one went (``check_ahead``)
+                plan.nonfinite.after_wait(reducer.buckets, plan.hooked, plan.flag_apart)
+            status = reducer.usage.exchange_status([], False, bucket, reducer.process_group)
+            if status.any_missing:
+                explain = None if reducer.module_changes is None else reducer.module_changes.explain
+                raise_missing_gradients(status.missing, reducer.names, reducer.process_group, False, status.late,
+                                        explain)
+        except Exception:
+            self._abandon(r)
+            raise
+        if bucket.direct is None and not bucket.plan.sparse:
+            grads = cast("list[torch.Tensor]", bucket.grads)  # the fast path: every one set
+            torch._foreach_copy_(grads, bucket.views)  # the verdict is in: the average into .grad
         if self.step_hyperparams is not None:
             self._update(bucket.params)
         if r.left == 0:
             self._close(r)
+
+    def _abandon(self, r: _Round) -> None:
+        """A round that raises: wait for the rest (nothing left on the wire), apply nothing, close it."""
+        for b, done in enumerate(r.done):
+            if not done:
+                r.waited_s += wait_bucket(self.reducer.buckets[b], False, r.step.plan.hooked, None, False,
+                                          r.step.plan.fused)
+        self.step_hyperparams = self.zero_set_to_none = None
+        self._close(r)
 
     def _close(self, r: _Round) -> None:
         """Every bucket finished: the round's bookkeeping, as at the end of a plain backward."""

@@ -201,8 +201,9 @@ class Reducer:
                              last_bucket_sparse=self.buckets[-1].plan.sparse, tracks_usage=self.usage.active, fast=fast)
         sequence = None if self.overlap is None else self.overlap.sequence_for(self.layout_version)
         serial = self.serial_launch and self.overlap is None  # the overlapped step's drain must not wait
+        carrier = sequence is not None and plan.nonfinite is not None
         self.step = Backward(plan, list(self._sizes),
-                             LaunchOrder(self.buckets, self._launch, plan.one_in_flight or serial, sequence))
+                             LaunchOrder(self.buckets, self._launch, plan.one_in_flight or serial, sequence, carrier))
         return self.step
 
     def on_backward_start(self, from_hook: bool = False) -> None:
@@ -288,6 +289,9 @@ class Reducer:
             self._first_launch_s = time.perf_counter()
             if self.overlap is not None:
                 self.overlap.launched(first=True)
+        if step.plan.nonfinite is not None and bucket.index == len(self.buckets) - 1 and self.overlap is not None:
+            unlaunched = step.order.sequence[step.order.next_index + 1:]  # all ready (``LaunchOrder``)
+            step.plan.nonfinite.check_ahead([self.buckets[b] for b in unlaunched], step.plan.divisor, step.plan.hooked)
         self.direct_launches += bucket.direct is not None
         group, hook, state = self.process_group, self.comm_hook, self.comm_hook_state
         bucket.work = issue_bucket(bucket, step, len(self.buckets), group, hook, state, self.hierarchy)

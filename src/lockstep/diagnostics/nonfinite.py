@@ -101,6 +101,7 @@ class NonfiniteCheck:
 
     def reset(self) -> None:
         self._count: Any = 0  # this rank's bad buckets this backward (an int, or a device tensor on CUDA)
+        self._checked: set[int] = set()  # buckets checked this backward (``check_ahead`` may come before the launch)
         self._offenders: list[tuple[str, int, int, int]] = []  # (name, nan count, inf count, numel), CPU only
         self._device_flags: dict[int, torch.Tensor] = {}  # bucket index -> device bool (CUDA)
         self._sparse_bad: dict[int, list] = {}  # sparse bucket index -> this rank's offenders in it (``check_sparse``)
@@ -127,6 +128,9 @@ class NonfiniteCheck:
 
     def check_bucket(self, bucket: Any, divisor: int = 1, comm_hook: bool = False) -> bool:
         """Before the bucket's collective. True when it also divided the bucket by ``divisor`` (bucket view)."""
+        if bucket.index in self._checked:
+            return False  # ``check_ahead`` did (never under bucket views: nothing divided)
+        self._checked.add(bucket.index)
         flat = bucket.flat
         if bucket.plan.sparse:
             self.check_sparse(bucket)
@@ -155,6 +159,12 @@ class NonfiniteCheck:
         self._device_flags[bucket.index] = bad
         self._count = self._count + bad.to(flat.dtype)
         return False
+
+    def check_ahead(self, buckets: Sequence[Any], divisor: int = 1, comm_hook: bool = False) -> None:
+        """Check ``buckets`` now, before their launch: the overlapped step (``ddp.overlap_step``) launches the last
+        bucket, whose spare element carries the verdict, ahead of buckets launched later in its sequence."""
+        for bucket in buckets:
+            self.check_bucket(bucket, divisor, comm_hook)
 
     def check_sparse(self, bucket: Any) -> None:
         """A sparse bucket's gradient (``ddp.copy_in``), before its collective and at every world size: its values

@@ -46,6 +46,9 @@ class TrainerConfig:
     max_steps: int | None = None  # stop after this many optimizer steps in total (resumed ones included)
     # Diagnostics (docs/debugging.md):
     detect_nonfinite: bool = True  # a NaN/Inf gradient raises on every rank, naming its rank and parameter
+    # Step the optimizer in the next forward, each bucket's parameters as their average lands (docs/ddp.md,
+    # "Overlapping the optimizer step"; the same bits). None: where that is exact (``train.overlap``); True: or raise
+    overlap_step: bool | None = None
     check_replicas_every: int | None = None  # check the replicas' parameters agree every N optimizer steps
     trace_dir: str | None = None  # record the overlap timeline of trace_steps there (Chrome trace, summary, PNG)
     trace_steps: tuple[int, int] = (5, 10)  # first and last optimizer step of the timeline, inclusive
@@ -97,6 +100,8 @@ class TrainerConfig:
             and 1 <= steps[0] <= steps[1]
         ):
             raise ValueError(f"TrainerConfig.trace_steps must be (first, last) with 1 <= first <= last, got {steps!r}")
+        if self.overlap_step not in (None, True, False):
+            raise ValueError(f"TrainerConfig.overlap_step must be None, True or False, got {self.overlap_step!r}")
         if self.on_save_error not in ("raise", "continue"):
             raise ValueError(f"TrainerConfig.on_save_error must be 'raise' or 'continue', got {self.on_save_error!r}")
         if self.global_batch is not None and self.grad_accum_steps != 1:

@@ -36,6 +36,7 @@ from lockstep.train.evaluate import evaluate
 from lockstep.train.faults import install_kill_hooks, kill_point_from_env
 from lockstep.train.loggers import open_run_loggers
 from lockstep.train.metrics import comm_report
+from lockstep.train.overlap import wants_overlap
 from lockstep.train.precision import Precision
 from lockstep.train.preempt import (
     REQUEUE_EXIT_CODE,
@@ -113,6 +114,11 @@ class Trainer:
             trace_steps=(cfg.trace_steps[0], cfg.trace_steps[1]) if cfg.trace_dir else None,  # a list given: a tuple
             hang_timeout_s=FROM_ENV if cfg.hang_timeout_s is None else cfg.hang_timeout_s)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        # Before any scheduler wraps optimizer.step (a scheduler made later wraps the deferred step: torch's order).
+        self.overlapped = wants_overlap(cfg, optimizer, self.precision.scaler is not None, self.world_size)
+        if self.overlapped:
+            self.ddp.overlap_optimizer_step(optimizer)
+        self._last_step_at = ""  # "(epoch E, batch B of N)" of the last optimizer step: an overlapped step's errors
         self.on_step_end, self.on_epoch_end, self.metric_fn = on_step_end, on_epoch_end, metric_fn
         self.train_data, self.eval_data = train_data, eval_data
         if len(train_data) < self.world_size:  # every rank computes this alike: all raise, no collective needed
@@ -274,6 +280,12 @@ class Trainer:
             group_size = min(accum, n_batches - group_start)  # a short last group is averaged over its size
             sync = i + 1 == group_start + group_size
             inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+            if self.overlapped:  # the last step's verdicts (NaN, missing gradient) before this forward: that step's
+                try:
+                    self.ddp.reducer.overlap_at_forward_start(full=False)
+                except NonfiniteGradientError as e:
+                    raise NonfiniteGradientError(f"at optimizer step {self.step} {self._last_step_at}: {e.detail}",
+                                                 self.step, e.detail) from None
             # forward too must run under no_sync: DDP decides at forward time whether backward syncs
             try:
                 with contextlib.nullcontext() if sync else self.ddp.no_sync():
@@ -297,6 +309,7 @@ class Trainer:
                 set_phase("data")
                 continue
             set_phase("optimizer")
+            self._last_step_at = f"(epoch {self.epoch + 1}, batch {i + 1} of {n_batches})"
             self.precision.step(self.optimizer, self._clip)  # fp16: unscaled, then skipped on an Inf/NaN
             self.optimizer.zero_grad(set_to_none=True)
             if self.scheduler is not None:
