@@ -15,6 +15,9 @@ every iteration times one step of each entry in a rotating order, each after a b
                        which gloo runs in a different order on each rank when there are several buckets (an abort)
     lockstep, lockstep_auto, lockstep_fp16, lockstep_powersgd
                        lockstep's DDP: default, bucket_cap_mb="auto", lockstep.comm_hooks' fp16 and PowerSGD hooks
+                       (the default is hierarchical at 2 ranks per node: the ranks get GROUP_RANK and LOCAL_WORLD_SIZE
+                       as torchrun sets them)
+    lockstep_flat      lockstep's DDP with hierarchical_all_reduce=False: the flat ring over every rank
     lockstep_overlap   lockstep's DDP with model.overlap_optimizer_step(opt) (skipped, saying so, where it is missing)
 
 A DDP step can start sending only after its forward, so its limit is max(compute, forward + all-reduce)
@@ -33,6 +36,9 @@ paired in time so a shared machine's drift cancels. Below 500 Mbit/s the steps t
 every rank; also summary.json and timeline.png), attached to the timed model for one extra step; torch's and
 floor's on rank 0 from a fresh model whose comm hook wraps torch's (a Python hook instead of torch's built-in
 C++ all-reduce) and records each bucket's issue and completion (its future's ``then``).
+
+After the timing, each entry runs once more between two reads of node 0's veth counter (``tx_bytes``, rank 0):
+the bytes node 0 sent over the link in that call (TCP/IP headers included), reported beside the gradients' bytes.
 """
 
 from __future__ import annotations
@@ -60,8 +66,8 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 MEASURES = ("forward", "compute", "allreduce")
-CONTENDERS = ("floor", "torch", "torch_fp16", "torch_powersgd", "lockstep", "lockstep_auto", "lockstep_fp16",
-              "lockstep_powersgd", "lockstep_overlap")
+CONTENDERS = ("floor", "torch", "torch_fp16", "torch_powersgd", "lockstep", "lockstep_flat", "lockstep_auto",
+              "lockstep_fp16", "lockstep_powersgd", "lockstep_overlap")
 POWERSGD_START = 2  # start_powerSGD_iter: torch's needs > 1 with error feedback; warm-up adds these steps
 OVERLAP_PROBE_STEPS = 2  # overlap_optimizer_step measures the link over its first two rounds
 ONE_BUCKET_MB = 1 << 20  # a cap no model here reaches
@@ -200,7 +206,8 @@ def _build(name: str, build: Callable[[], nn.Module], hook_wrap=None):
             model.register_comm_hook(state, hook if hook_wrap is None else hook_wrap(hook))
     elif name.startswith("lockstep"):
         hooks = lockstep.comm_hooks
-        model = lockstep.DistributedDataParallel(module, bucket_cap_mb="auto" if name == "lockstep_auto" else None)
+        model = lockstep.DistributedDataParallel(module, bucket_cap_mb="auto" if name == "lockstep_auto" else None,
+                                                 hierarchical_all_reduce=False if name == "lockstep_flat" else None)
         if name == "lockstep_fp16":
             model.register_comm_hook(None, hooks.fp16_compress_hook)
         elif name == "lockstep_powersgd":
@@ -244,6 +251,16 @@ def _overlapped_steps(model, opt, x, y) -> float:
     return elapsed
 
 
+def _link_nbytes(run: Callable[[], object]) -> int:
+    """Bytes node 0 sent over the link (its veth's ``tx_bytes``, read on every rank) during one ``run()``."""
+    counter = Path("/sys/class/net") / os.environ.get("GLOO_SOCKET_IFNAME", "") / "statistics" / "tx_bytes"
+    dist.barrier()
+    before = int(counter.read_text())
+    run()
+    dist.barrier()  # every rank done: what node 0 sent for this call has left (a barrier's bytes are a few hundred)
+    return int(counter.read_text()) - before
+
+
 def _warm_up(name: str, model, run: Callable[[], object], steps: int) -> None:
     if name == "lockstep_auto":  # its trials; the schedule counts steps, so every rank runs as many
         while not model.reducer.tuner.done:
@@ -282,7 +299,10 @@ def _measure_model(kind: str, cfg: dict, rank: int) -> dict:
     times = _time_rotation(runs, cfg["blocks"] * cfg["block_steps"])
     summary = _summarise(times, cfg["blocks"], ratios_of=())
     result = {"params": numel, "tensors": len(params), "nbytes": numel * 4,
-              "table": link_table(summary["block_medians_ms"]), "block_medians_ms": summary["block_medians_ms"]}
+              "table": link_table(summary["block_medians_ms"]), "block_medians_ms": summary["block_medians_ms"],
+              "link_nbytes": {name: _link_nbytes(run) for name, run in runs.items()}}
+    hier = getattr(getattr(built.get("lockstep", (None,))[0], "reducer", None), "hierarchy", None)
+    result["lockstep_hierarchical"] = hier is not None
     auto = built.get("lockstep_auto")
     if auto is not None:
         result["auto"] = auto[0].reducer.tuner.result
@@ -407,7 +427,8 @@ def _launch(nodes, per_node: int, cfg_path: Path, timeout_s: float) -> bool:
     for n, node in enumerate(nodes):
         for local in range(per_node):
             env = dict(os.environ, RANK=str(n * per_node + local), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local),
-                       MASTER_ADDR=nodes[0].addr, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=node.interface)
+                       LOCAL_WORLD_SIZE=str(per_node), GROUP_RANK=str(n), MASTER_ADDR=nodes[0].addr,
+                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=node.interface)
             argv = node.command([sys.executable, str(Path(__file__).resolve()), "--worker", str(cfg_path)])
             procs.append(subprocess.Popen(argv, env=env))
     deadline = time.monotonic() + timeout_s
@@ -478,12 +499,22 @@ def _rate_markdown(rate: str, r: dict, args) -> list[str]:
     for kind, res in r["models"].items():
         lines += markdown_section(f"{rate}, {kind} ({res['params'] / 1e6:.2f}M parameters in {res['tensors']} tensors)",
                                   res["table"])
-        lines += [_shaping_line(rate, res, world_size) + ".", ""]
+        lines += [_shaping_line(rate, res, world_size) + ".", _link_bytes_line(res), ""]
         auto = res.get("auto") or {}
         if "chosen_mb" in auto:
             chosen = "one bucket" if auto["chosen_mb"] is None else f"{auto['chosen_mb']:g} MB buckets"
             lines += [f"lockstep_auto chose {chosen}.", ""]
     return lines
+
+
+def _link_bytes_line(res: dict) -> str:
+    """Node 0's bytes over the link in one call of each entry, as a multiple of the gradients' bytes."""
+    sent = res.get("link_nbytes") or {}
+    cells = [f"{name} {n / 1e6:.1f} MB ({n / res['nbytes']:.2f} x)" for name, n in sent.items()
+             if name not in ("forward", "compute")]
+    hier = "hierarchical" if res.get("lockstep_hierarchical") else "flat"
+    return (f"Bytes node 0 sent over the link in one call (x the gradients' {res['nbytes'] / 1e6:.1f} MB; lockstep's "
+            f"default was {hier} here; lockstep_overlap's call is two steps): " + ", ".join(cells) + ".")
 
 
 def main(argv: list[str] | None = None) -> int:

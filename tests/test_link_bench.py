@@ -102,3 +102,12 @@ def test_chrome_trace_puts_compute_first_and_times_from_the_first_span(link):
     assert spans_out["forward"]["ts"] == 0 and spans_out["forward"]["tid"] == 0
     assert spans_out["all-reduce bucket 0"]["ts"] == pytest.approx(50_000)
     assert spans_out["all-reduce bucket 0"]["dur"] == pytest.approx(350_000)
+
+
+def test_link_bytes_line_gives_each_entry_as_a_multiple_of_the_gradients(link):
+    res = {"nbytes": 41_000_000, "lockstep_hierarchical": True,
+           "link_nbytes": {"forward": 0, "allreduce": 61_500_000, "lockstep": 41_100_000, "lockstep_flat": 61_500_000}}
+    line = link._link_bytes_line(res)
+    assert "lockstep's default was hierarchical here" in line
+    assert line.endswith("allreduce 61.5 MB (1.50 x), lockstep 41.1 MB (1.00 x), lockstep_flat 61.5 MB (1.50 x).")
+    assert "lockstep_flat" in link.CONTENDERS  # the flat ring beside the hierarchical default
