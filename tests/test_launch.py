@@ -148,7 +148,7 @@ def test_report_names_the_cause_when_two_failures_share_a_second(tmp_path):
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from lockstep.launch.output import failure_report
+    from lockstep.launch.report import failure_report
 
     logs = SimpleNamespace(last_dest=SimpleNamespace(stderrs={}))
     failures = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,6 +29,8 @@ def runs(tmp_path_factory):
                                     "load()\n")
     jobs = {
         "lockstep_folder": ["--nproc-per-node", "1", str(clone / "train.py")],
+        "refuses": ["--nproc-per-node", "2", script("refuses.py")],
+        "raises": ["--nproc-per-node", "2", script("raises.py")],
         "missing_module": ["--nproc-per-node", "2", script("missing_module.py")],
         "early_exit": ["--nproc-per-node", "2", script("early_exit.py")],
         # torchrun's flags: --standalone, -m, --local-ranks-filter, -r/-t, and a --log-dir used twice
@@ -84,6 +87,70 @@ def test_report_names_the_users_line_in_a_folder_named_lockstep(runs):
     assert "FileNotFoundError" in text, text
     where = text.split("FileNotFoundError", 1)[1].splitlines()[1].strip()
     assert where == f'File "{runs["tmp"] / "lockstep" / "examples" / "train.py"}", line 5, in load', text
+
+
+def test_the_rank_that_said_why_is_named_not_a_silent_one_and_stopped_ranks_are_said_stopped(runs):
+    # issue #34 item 6: every rank exits 2 and rank 0 alone prints why (examples/wine.py into another run's --out);
+    # the report named rank 1, which "wrote nothing to stderr"
+    proc = runs["refuses"]
+    assert proc.returncode == 2, proc.stderr
+    report = _report(proc.stderr)
+    assert report[0].startswith("lockstep launch: worker rank 0 (local rank 0"), report
+    # which rank the agent saw exit first varies (rank 1 when rank 0's exit is slower): each is said as it was
+    assert report[1] in ("  also failed: rank 1 (exit code 2)",
+                         "  stopped by the launcher (SIGTERM) once rank 0 had failed: rank 1",
+                         "  rank 0 said why, then the launcher stopped it (SIGTERM); rank 1 exited first (exit code 2) "
+                         "and wrote nothing to stderr"), report
+    assert report[2:4] == ["  rank 0's last words on stderr:",
+                           "    refuses.py: /tmp/out holds checkpoints of another run: continue it with --resume"]
+
+
+def test_report_names_the_rank_that_said_why_when_the_first_to_exit_said_nothing(tmp_path):
+    # The order torch saw: rank 1 exited 2 first, silent; rank 0 had printed why and was stopped (SIGTERM) as it
+    # exited. Without processes: the agent's failures as torch records them.
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from lockstep.launch.report import failure_report
+
+    now = int(time.time())
+    logs = SimpleNamespace(last_dest=SimpleNamespace(stderrs={}, tee_stderrs={}))
+    failures = {}
+    for rank, (text, exitcode) in enumerate([("INFO lockstep.process_group: gloo uses interface lo\n"
+                                              "wine.py: runs/wine holds checkpoints of another run\n", -15),
+                                             ("", 2)]):
+        path = tmp_path / f"attempt_0/{rank}/stderr.log"
+        path.parent.mkdir(parents=True)
+        path.write_text(text)
+        logs.last_dest.stderrs[rank] = logs.last_dest.tee_stderrs[rank] = str(path)
+        failures[rank] = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode,
+                                        error_file=str(tmp_path / "none"))
+        failures[rank].timestamp = now
+    report = failure_report(ChildFailedError("wine.py", failures), logs, restarts_used=0)
+    assert (report.rank, report.exitcode) == (0, 2)  # the launcher exits with the job's own code, not 128 + 15
+    assert str(report).splitlines()[:4] == [
+        "lockstep launch: worker rank 0 (local rank 0 on " + socket.gethostname() + ", pid 100) failed, after 0 "
+        "restart(s)",
+        "  rank 0 said why, then the launcher stopped it (SIGTERM); rank 1 exited first (exit code 2) and wrote "
+        "nothing to stderr",
+        "  rank 0's last words on stderr:",
+        "    wine.py: runs/wine holds checkpoints of another run"]
+    failures[0].exitcode = 2  # both exited alike in one second: the rank that said why is the first failure
+    text = str(failure_report(ChildFailedError("wine.py", failures), logs)).splitlines()
+    assert text[0].endswith(", pid 100) failed: exit code 2") and text[1] == "  also failed: rank 1 (exit code 2)", text
+
+
+def test_a_peers_follow_on_error_and_torchs_stop_lines_stay_off_the_console(runs):
+    # issue #34 item 6: rank 1 raises; rank 0's all_reduce then fails on the closed connection. Its gloo traceback
+    # ("Connection closed by peer ... GLHF!") followed the real one as if it were a second cause, and torch's
+    # unprefixed "Sending process N closing signal SIGTERM" line came with it.
+    proc = runs["raises"]
+    assert proc.returncode == 1, proc.stderr
+    assert "GLHF" not in proc.stderr and "closing signal" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr  # rank 1's, the cause
+    report = "\n".join(_report(proc.stderr))
+    assert report.startswith("lockstep launch: worker rank 1 (local rank 1") and "exploded on purpose" in report
 
 
 def test_torchrun_flags_run_a_module_standalone_with_filters_and_a_folder_per_job(runs):
@@ -153,6 +220,41 @@ def test_workers_die_within_seconds_of_a_kill_9_of_the_launcher(tmp_path):
                 launcher.kill()
 
 
+def test_ctrl_c_is_one_line_exit_130_naming_the_trainers_checkpoint(tmp_path):
+    # issue #34 item 3: Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) printed torch's
+    # warnings, every rank's KeyboardInterrupt traceback and a watchdog's report blaming a rank
+    ckpt = tmp_path / "ckpt"
+    commands = {"trainer": [script("trainer_forever.py"), str(ckpt)], "plain": [script("ddp_forever.py")]}
+    launchers = {name: subprocess.Popen([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", *argv],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                                        cwd=HERE, start_new_session=True) for name, argv in commands.items()}
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(ckpt.glob("ckpt-*.pt"))) < 2:  # training: a second checkpoint was written
+            assert launchers["trainer"].poll() is None and time.monotonic() < deadline, launchers["trainer"].stderr
+            time.sleep(0.1)
+        for _ in range(2):  # the plain script: both workers printed their pid, then its DDP steps run
+            assert "worker pid" in launchers["plain"].stdout.readline()
+        time.sleep(1.0)
+        for launcher in launchers.values():
+            os.killpg(launcher.pid, signal.SIGINT)
+        outs = {name: launcher.communicate(timeout=60) for name, launcher in launchers.items()}
+    finally:
+        for launcher in launchers.values():
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+    for name, (_, err) in outs.items():
+        assert launchers[name].returncode == 130, err
+        for noise in ("Traceback", "KeyboardInterrupt", "failed", "death signal", "closing signal", "report"):
+            assert noise not in err, err
+    # what came before the Ctrl-C (the workers' start-up INFO lines) stays; after it, one line
+    assert outs["plain"][1].strip().splitlines()[-1] == "lockstep launch: stopped by Ctrl-C (SIGINT); 2 workers stopped"
+    line = outs["trainer"][1].strip().splitlines()[-1]
+    kept = sorted(ckpt.glob("ckpt-*.pt"))[-1]
+    assert line == (f"lockstep launch: stopped by Ctrl-C (SIGINT); 2 workers stopped; the last checkpoint {kept} is "
+                    "intact (resume=True continues from it)"), line
+
+
 def test_console_shows_one_prefix_and_a_traceback_every_rank_raised_once(capsys):
     # The launcher's console streams while the agent runs (launch/console.py), fed as torch's tail threads feed them.
     from lockstep.launch.console import single_prefix
@@ -174,6 +276,31 @@ def test_console_shows_one_prefix_and_a_traceback_every_rank_raised_once(capsys)
                        "[rank1]: Traceback (most recent call last):", '[rank1]:   File "train.py", line 3']
 
 
+def test_console_says_a_follow_on_lost_peer_error_in_one_line_and_keeps_a_lone_one_whole(capsys):
+    from lockstep.launch.console import single_prefix
+
+    cause = ["Traceback (most recent call last):", '  File "train.py", line 8, in <module>',
+             "RuntimeError: worker exploded"]
+    gloo = ["Traceback (most recent call last):", '  File "train.py", line 10, in <module>',
+            "RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5790. This is "
+            "typically caused by a remote worker crashing. Check the logs of the remote worker. GLHF!"]
+    chained = ["", "The above exception was the direct cause of the following exception:", "",
+               "Traceback (most recent call last):", '  File "train.py", line 12, in <module>', "PeerLeft: rank 1 left"]
+    with single_prefix():
+        for rank, lines in ((1, cause), (0, gloo + chained)):
+            for line in lines:
+                sys.stderr.write(f"[rank{rank}]: {line}\n")
+    err = capsys.readouterr().err.splitlines()
+    assert err == [*(f"[rank1]: {line}" for line in cause),
+                   "[rank0]: RuntimeError: Connection closed by peer (a follow-on of rank 1's error above; the "
+                   "traceback is in its log file)",
+                   *(f"[rank0]: {line}" for line in chained[3:])]
+    with single_prefix():  # no other rank's traceback came first (a peer that exited 0, or was killed): all of it
+        for line in gloo:
+            sys.stderr.write(f"[rank0]: {line}\n")
+    assert capsys.readouterr().err.splitlines() == [f"[rank0]: {line}" for line in gloo]
+
+
 def test_report_prefers_the_error_file_over_a_stderr_that_holds_only_log_lines(tmp_path):
     # launch_function (and @record scripts): the traceback goes to torch's error.json, while the rank's stderr
     # holds only lockstep's INFO line. The report shows the exception, not that line.
@@ -182,7 +309,7 @@ def test_report_prefers_the_error_file_over_a_stderr_that_holds_only_log_lines(t
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from lockstep.launch.output import failure_report
+    from lockstep.launch.report import failure_report
 
     callstack = ('Traceback (most recent call last):\n  File "/job/train.py", line 6, in work\n'
                  "    import no_such_module\nModuleNotFoundError: No module named 'no_such_module'\n")

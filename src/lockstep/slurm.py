@@ -14,6 +14,7 @@ from dataclasses import dataclass
 # Preemption contract between the Trainer (train/preempt.py), `lockstep launch` and the sbatch script:
 REQUEUE_EXIT_CODE = 75  # a worker exits with this after its preemption checkpoint (sysexits.h EX_TEMPFAIL)
 PREEMPT_DIR_ENV = "LOCKSTEP_PREEMPT_DIR"  # set by `lockstep launch`; each preempted worker leaves a file there
+CHECKPOINT_NOTE = "last_checkpoint"  # in that folder: the Trainer's newest checkpoint, named when the job is stopped
 PREEMPT_NOTICE_S = 120  # sbatch --signal lead time before the time limit
 
 _BRACKET = re.compile(r"^(?P<prefix>[^\[\]]*)\[(?P<body>[^\[\]]+)\](?P<rest>.*)$")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import logging
 import os
 import shutil
 import signal
@@ -23,10 +22,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
 from lockstep.launch import console, elastic, orphan, rendezvous
-from lockstep.launch.output import RANK_PREFIX_TEMPLATE, LaunchError, RankLogsSpecs, failure_report
+from lockstep.launch.output import RANK_PREFIX_TEMPLATE, LaunchError, RankLogsSpecs
+from lockstep.launch.report import failure_report
 from lockstep.network import pick_gloo_interface, route_source_addr
-from lockstep.slurm import PREEMPT_DIR_ENV, REQUEUE_EXIT_CODE
+from lockstep.slurm import CHECKPOINT_NOTE, PREEMPT_DIR_ENV, REQUEUE_EXIT_CODE
 
 _SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # the agent stops the workers, then exits, on these
 DEFAULT_SHUTDOWN_TIMEOUT_S = 15.0  # SIGTERM, then SIGKILL after this long: a stuck worker cannot hold the launcher
@@ -289,33 +291,31 @@ def _agent_environment(
                 signal.signal(sig, handler)
 
 
-class _DropAgentFailureDump(logging.Filter):
-    """Drops the agent's own multi-line dump of a failure (our report says the same once, readably), and hands
-    the failure it names (exit code, local rank) to the logs spec, which says why the workers restart."""
+class WorkersStopped(SignalException):
+    """The launcher got a signal (Ctrl-C's SIGINT, a SIGTERM) and the agent stopped the workers here.
 
-    def __init__(self, logs: RankLogsSpecs | None = None) -> None:
-        super().__init__()
-        self.logs = logs
+    ``checkpoint``: the newest checkpoint a Trainer on this node wrote (None: none, or not a Trainer)."""
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith("failed (exitcode"):
-            return True
-        if self.logs is not None and isinstance(record.args, tuple) and len(record.args) >= 2:
-            exitcode, local_rank = record.args[0], record.args[1]  # torch's agent logs both as ints
-            if isinstance(exitcode, int) and isinstance(local_rank, int):
-                self.logs.note_failure(exitcode, local_rank)
-        return False
+    def __init__(self, sigval: signal.Signals, workers: int, checkpoint: str | None) -> None:
+        super().__init__(f"stopped by {sigval.name}", sigval)
+        self.workers, self.checkpoint = workers, checkpoint
+
+    def line(self) -> str:
+        how = "Ctrl-C (SIGINT)" if self.sigval == signal.SIGINT else self.sigval.name
+        text = f"lockstep launch: stopped by {how}; {self.workers} worker{'s' if self.workers != 1 else ''} stopped"
+        if self.checkpoint:
+            text += f"; the last checkpoint {self.checkpoint} is intact (resume=True continues from it)"
+        return text
 
 
-@contextlib.contextmanager
-def _quiet_agent_failure_log(logs: RankLogsSpecs | None = None) -> Iterator[None]:
-    api_logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    dump_filter = _DropAgentFailureDump(logs)
-    api_logger.addFilter(dump_filter)
+def _checkpoint_noted(folder: str) -> str | None:
+    """The checkpoint a Trainer here last wrote (train/checkpoint.py notes it), if it is still there."""
     try:
-        yield
-    finally:
-        api_logger.removeFilter(dump_filter)
+        with open(os.path.join(folder, CHECKPOINT_NOTE)) as f:
+            path = f.read().strip()
+    except OSError:
+        return None
+    return path if path and os.path.isfile(path) else None
 
 
 def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence[Any] = ()) -> dict[int, Any]:
@@ -325,7 +325,6 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
     naming the first failed rank, its exit code and the tail of its stderr once the
     restarts are used up, and RendezvousFailed when the nodes cannot meet.
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
@@ -353,19 +352,19 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
             entrypoint, args = orphan.guarded_command(entrypoint, args)
         with (
             _agent_environment(options, log_dir, {PREEMPT_DIR_ENV: preempt_dir, elastic.REPORT_ENV: "1"}),
-            _quiet_agent_failure_log(logs),
-            console.single_prefix(),
+            console.single_prefix() as shown,
+            console.quiet_agent_log(logs, shown),
         ):
             results = elastic_launch(config, entrypoint)(*args)
     except SignalException as e:
-        done = sorted(os.listdir(preempt_dir))
+        done = sorted(name for name in os.listdir(preempt_dir) if name.startswith("rank"))
         if e.sigval == signal.SIGTERM and len(done) >= options.nproc_per_node:
             raise WorkersPreempted(
                 f"lockstep launch: stopped by SIGTERM; every worker here ({', '.join(done)}) finished its step and "
                 f"wrote a checkpoint; exit code {REQUEUE_EXIT_CODE} asks the scheduler to requeue "
                 "(resume=True continues)"
             ) from None
-        raise
+        raise WorkersStopped(signal.Signals(e.sigval), options.nproc_per_node, _checkpoint_noted(preempt_dir)) from None
     except ChildFailedError as e:
         keep_logs = True  # the report points the user at them
         report = failure_report(e, logs, restarts_used=logs.restart_count)

@@ -6,22 +6,33 @@ torch's agent copies each worker's log files to the launcher's console, one ``wr
 twice, and an error that every rank raises alike (a non-finite gradient, a shape mismatch) printed the
 same 20-line traceback once per rank. While the agent runs, the launcher's ``sys.stdout``/``sys.stderr``
 are wrapped: the repeated prefix is dropped, and a rank's traceback is held until its exception line, then
-printed, or replaced by one line when another rank already printed the very same traceback. The log
-files keep every worker's bytes unchanged.
+printed, or replaced by one line when another rank already printed the very same traceback, or when it is
+the follow-on of another rank's (a collective that lost its peer: gloo's "Connection closed by peer"). After a
+Ctrl-C the workers' lines stay off the console (``Console.mute``): every rank's KeyboardInterrupt traceback,
+a peer's follow-on gloo error, a watchdog's report on the peer that vanished are the consequences of the stop,
+not news, and the launcher says in one line that it stopped them. torch's agent's own lines about stopping
+the workers, and its dump of a failure, are filtered from its loggers (``quiet_agent_log``). The log files keep
+every worker's bytes unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
+import signal
 import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+from lockstep.launch.output import RankLogsSpecs, lost_peer
+
 _REPEATED = re.compile(r"^(\[rank(\d+)\]: )\[rank\2\]:? ", re.MULTILINE)
 _PREFIXED = re.compile(r"^\[rank(\d+)\]: (.*)$", re.DOTALL)
 _TRACEBACK = "Traceback (most recent call last):"
+_INTERRUPTED = "KeyboardInterrupt"  # the exception line of a rank stopped by Ctrl-C
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 
 
 def single_prefix_text(text: str) -> str:
@@ -32,17 +43,25 @@ def single_prefix_text(text: str) -> str:
 class _Console:
     """Wraps one stream; ``shown`` (traceback text -> first rank that printed it) is shared by stdout and stderr."""
 
-    def __init__(self, stream: Any, shown: dict[tuple[str, ...], str], lock: threading.Lock) -> None:
-        self._stream, self._shown, self._lock = stream, shown, lock
+    def __init__(self, stream: Any, shown: dict[tuple[str, ...], str], lock: threading.Lock,
+                 muted: threading.Event) -> None:
+        self._stream, self._shown, self._lock, self._muted = stream, shown, lock, muted
         self._held: dict[str, list[tuple[str, str]]] = {}  # rank -> (line as written, its text without prefix)
+        self._after_follow_on: set[str] = set()  # ranks whose follow-on traceback was said in one line
 
     def write(self, text: str) -> int:
         text = single_prefix_text(text)
         match = _PREFIXED.match(text)
         if match is None:
             return self._stream.write(text)
+        if self._muted.is_set():
+            return len(text)  # a worker's line after a Ctrl-C: in its log file only
         rank, body = match.groups()
         with self._lock:
+            if rank in self._after_follow_on:
+                if not body.strip() or body.startswith(_CHAINED):
+                    return len(text)  # the chain's connecting lines after a follow-on said in one line
+                self._after_follow_on.discard(rank)
             held = self._held.get(rank)
             if held is None:
                 if not body.startswith(_TRACEBACK):
@@ -52,34 +71,106 @@ class _Console:
             held.append((text, body))
             if body.strip() and not body.startswith((" ", _TRACEBACK)):  # the exception line closes the traceback
                 del self._held[rank]
-                key = tuple(b for _, b in held)
-                first = self._shown.setdefault(key, rank)
-                if first != rank:
-                    return self._stream.write(f"[rank{rank}]: {body.rstrip()} (the same traceback as rank {first})\n")
-                self._stream.write("".join(t for t, _ in held))
+                self._stream.write(self._closed(rank, held, body.rstrip()))
             return len(text)
+
+    def _closed(self, rank: str, held: list[tuple[str, str]], exception: str) -> str:
+        """What the console shows of a rank's whole traceback (its exception line is ``exception``)."""
+        if exception == _INTERRUPTED:
+            return ""  # Ctrl-C reached this rank before the agent said it got the signal: the launcher says it
+        cause = next((r for r in self._shown.values() if r != rank), None)
+        lost = lost_peer(exception)
+        if lost is not None and cause is not None:
+            # another rank's traceback came first: this one's collective failed because that rank had gone
+            self._after_follow_on.add(rank)
+            return (f"[rank{rank}]: {lost} (a follow-on of rank {cause}'s error above; the traceback is in its "
+                    "log file)\n")
+        key = tuple(b for _, b in held)
+        first = self._shown.setdefault(key, rank)
+        if first != rank:
+            return f"[rank{rank}]: {exception} (the same traceback as rank {first})\n"
+        return "".join(t for t, _ in held)
 
     def release(self) -> None:
         """Print whatever is still held (a worker killed in the middle of printing its traceback)."""
         with self._lock:
-            for held in self._held.values():
-                self._stream.write("".join(t for t, _ in held))
+            if not self._muted.is_set():
+                for held in self._held.values():
+                    self._stream.write("".join(t for t, _ in held))
             self._held.clear()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
 
 
+class Console:
+    """The launcher's console while the agent runs: ``mute()`` keeps the workers' lines off it from then on."""
+
+    def __init__(self) -> None:
+        self.muted = threading.Event()
+
+    def mute(self) -> None:
+        self.muted.set()
+
+
 @contextlib.contextmanager
-def single_prefix() -> Iterator[None]:
+def single_prefix() -> Iterator[Console]:
     saved = sys.stdout, sys.stderr
     shown: dict[tuple[str, ...], str] = {}
     lock = threading.Lock()
-    wrapped = _Console(saved[0], shown, lock), _Console(saved[1], shown, lock)
+    console = Console()
+    wrapped = _Console(saved[0], shown, lock, console.muted), _Console(saved[1], shown, lock, console.muted)
     sys.stdout, sys.stderr = wrapped
+    try:
+        yield console
+    finally:
+        for stream in wrapped:
+            stream.release()
+        sys.stdout, sys.stderr = saved
+
+
+class _AgentLogFilter(logging.Filter):
+    """Drops the agent's own multi-line dump of a failure (our report says the same once, readably), and hands
+    the failure it names (exit code, local rank) to the logs spec, which says why the workers restart. Drops
+    torch's unprefixed lines about stopping the workers ("Received 2 death signal", "Sending process N closing
+    signal SIGTERM"): the launcher says in its own line why it stopped them. The first of those on a SIGINT
+    (Ctrl-C) mutes the workers on the console, before the agent forwards the signal to them."""
+
+    _SHUTDOWN_CHATTER = ("Received %s death signal", "Sending process %s closing signal",
+                         "Closing process %s via signal")
+
+    def __init__(self, logs: RankLogsSpecs | None = None, shown: Console | None = None) -> None:
+        super().__init__()
+        self.logs, self.shown = logs, shown
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if message.startswith(self._SHUTDOWN_CHATTER):
+            args = record.args if isinstance(record.args, tuple) else ()
+            if message.startswith("Received") and args and args[0] == signal.SIGINT and self.shown is not None:
+                self.shown.mute()
+            return False
+        if not message.startswith("failed (exitcode"):
+            return True
+        if self.logs is not None and isinstance(record.args, tuple) and len(record.args) >= 2:
+            exitcode, local_rank = record.args[0], record.args[1]  # torch's agent logs both as ints
+            if isinstance(exitcode, int) and isinstance(local_rank, int):
+                self.logs.note_failure(exitcode, local_rank)
+        return False
+
+
+_AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
+
+
+@contextlib.contextmanager
+def quiet_agent_log(logs: RankLogsSpecs | None = None, shown: Console | None = None) -> Iterator[None]:
+    """torch's agent logs through these loggers while it runs: ``_AgentLogFilter`` keeps its noise off."""
+    loggers = [logging.getLogger(name) for name in _AGENT_LOGGERS]
+    log_filter = _AgentLogFilter(logs, shown)
+    for logger in loggers:
+        logger.addFilter(log_filter)
     try:
         yield
     finally:
-        for console in wrapped:
-            console.release()
-        sys.stdout, sys.stderr = saved
+        for logger in loggers:
+            logger.removeFilter(log_filter)

@@ -24,6 +24,7 @@ from lockstep.launch.agent import (
     LaunchOptions,
     RendezvousFailed,
     WorkersPreempted,
+    WorkersStopped,
     run_agent,
 )
 from lockstep.launch.output import LaunchError
@@ -251,9 +252,15 @@ def cli_main(argv: Sequence[str]) -> int:
     except RendezvousFailed as e:
         print(e, file=sys.stderr)
         return 1
+    except WorkersStopped as e:  # a user's Ctrl-C is a stop, not a failure: one line, a shell's 128 + signal
+        print(e.line(), file=sys.stderr)
+        return 128 + int(e.sigval)
     except SignalException as e:
         print(f"lockstep launch: stopped by {e.sigval.name}; the workers were stopped", file=sys.stderr)
         return 128 + int(e.sigval)
+    except KeyboardInterrupt:  # before the agent handles signals itself: no worker had started
+        print("lockstep launch: stopped by Ctrl-C (SIGINT) before the workers started", file=sys.stderr)
+        return 128 + signal.SIGINT
     return 0
 
 

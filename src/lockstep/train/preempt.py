@@ -31,9 +31,13 @@ import torch
 import torch.distributed as dist
 
 from lockstep.ddp.lifetime import bury
-from lockstep.slurm import PREEMPT_DIR_ENV, REQUEUE_EXIT_CODE  # the contract with launch/, at the bottom layer
+from lockstep.slurm import (  # the contract with launch/, at the bottom layer
+    CHECKPOINT_NOTE,
+    PREEMPT_DIR_ENV,
+    REQUEUE_EXIT_CODE,
+)
 
-__all__ = ["PREEMPT_DIR_ENV", "REQUEUE_EXIT_CODE", "Preempted", "PreemptionWatch", "leave_marker"]
+__all__ = ["PREEMPT_DIR_ENV", "REQUEUE_EXIT_CODE", "Preempted", "PreemptionWatch", "leave_marker", "note_checkpoint"]
 
 
 class Preempted(SystemExit):
@@ -108,3 +112,16 @@ def leave_marker(rank: int, step: int, checkpoint: str | None) -> None:
             Path(directory, f"rank{rank}").write_text(f"step {step} checkpoint {checkpoint}\n")
         except OSError:
             pass  # the exit code still says it; the marker only lets the launcher confirm it
+
+
+def note_checkpoint(path: Path) -> None:
+    """Tell ``lockstep launch`` (through PREEMPT_DIR_ENV) the newest checkpoint written, so that a Ctrl-C of the
+    job names it. Replaced atomically: a stop between two saves reads one whole path."""
+    directory = os.environ.get(PREEMPT_DIR_ENV)
+    if directory:
+        note = Path(directory, CHECKPOINT_NOTE)
+        try:
+            note.with_suffix(".tmp").write_text(f"{Path(path).resolve()}\n")
+            os.replace(note.with_suffix(".tmp"), note)
+        except OSError:
+            pass  # the launcher's folder is gone: only the stop line loses the name
