@@ -4,6 +4,8 @@ ranks on this machine."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import statistics
 import time
 
@@ -89,6 +91,27 @@ def test_step_time_overlap_and_scaling_efficiency():
     assert plain == pytest.approx(overlapped) == pytest.approx(0.015)
     fast = make_plan(PlanConfig(params=120e6, world_size=8, link="nvlink", compute_ms=150.0))
     assert "plain DDP" in fast.recommendation and fast.step_ms["efficiency"] > 0.9
+
+
+def test_plan_says_whether_the_overlapped_step_and_fp16_pay_on_a_slow_link():
+    from lockstep.perf.costmodel import Link
+    from lockstep.perf.plan import overlapped_step_time_s
+
+    # issue #35's link MLP at 1 Gbit/s (0.125 GB/s): compute 120 ms, a 41 MB all-reduce ~330 ms on the wire.
+    gbit = Link("1gbit", 100e-6, 0.125)
+    cfg = PlanConfig(params=10.26e6, precision="fp32", optimizer="sgd", world_size=2, link=gbit, compute_ms=120.0,
+                     bucket_cap_mb=8)
+    plan = make_plan(cfg)
+    s = plan.step_ms
+    comm_s = plan.comm_ms[s["algorithm"]] / 1e3
+    assert s["overlap_step"] == pytest.approx(overlapped_step_time_s(cfg, comm_s) * 1e3)
+    assert s["overlap_step"] == pytest.approx((comm_s + 0.120 / 5) * 1e3)  # 5 buckets of 8 MiB: one's compute left
+    assert s["fp16"] < s["overlap"] and s["overlap_step"] < s["overlap"]
+    assert "overlap_optimizer_step(opt) (the same bits)" in plan.recommendation
+    assert "the fp16 compress hook" in plan.recommendation and ": pays" in plan.recommendation
+    # compute-bound: the overlapped step is the compute, nothing to gain
+    quick = dataclasses.replace(cfg, link=Link("fast", 1e-6, 100.0))
+    assert overlapped_step_time_s(quick, 0.0005) == pytest.approx(0.120)
 
 
 def tiny_model():

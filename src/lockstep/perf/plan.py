@@ -144,6 +144,10 @@ class StepTimes(TypedDict):
     efficiency: float
     algorithm: str
     """The faster all-reduce algorithm at this world size ("ring" or "tree"), used for the times above."""
+    overlap_step: float
+    """With ``overlap_optimizer_step``: the next forward overlaps the wire too (``overlapped_step_time_s``)."""
+    fp16: float
+    """DDP (plain overlap) with the fp16 compress hook: half the bytes on the wire."""
 
 
 @dataclass
@@ -197,10 +201,26 @@ def step_time_s(config: PlanConfig, comm_s: float) -> tuple[float, float]:
         raise PlanConfigError("compute_ms", "is None: a step time needs the compute time of one step")
     compute = config.compute_ms / 1e3
     backward = compute * BACKWARD_SHARE
-    grad_nbytes = config.param_count * PRECISIONS[config.precision][1]
-    buckets = max(1, math.ceil(grad_nbytes / (config.bucket_cap_mb * (1 << 20))))
+    buckets = buckets_of(config)
     overlapped = (compute - backward) + max(backward + comm_s / buckets, backward / buckets + comm_s)
     return compute + comm_s, overlapped
+
+
+def buckets_of(config: PlanConfig) -> int:
+    """How many buckets the gradients make at ``bucket_cap_mb``."""
+    grad_nbytes = config.param_count * PRECISIONS[config.precision][1]
+    return max(1, math.ceil(grad_nbytes / (config.bucket_cap_mb * (1 << 20))))
+
+
+def overlapped_step_time_s(config: PlanConfig, comm_s: float) -> float:
+    """Step time with ``overlap_optimizer_step``: each bucket's parameters are stepped in the next forward as their
+    average lands, the first layers' first, so the wire stays busy across the step boundary except while the next
+    step's first bucket is computed (a bucket's share of the forward and the backward): max(compute, that + the
+    all-reduce)."""
+    if config.compute_ms is None:
+        raise PlanConfigError("compute_ms", "is None: a step time needs the compute time of one step")
+    compute = config.compute_ms / 1e3
+    return max(compute, comm_s + compute / buckets_of(config))
 
 
 def make_plan(config: PlanConfig) -> Plan:
@@ -228,8 +248,10 @@ def make_plan(config: PlanConfig) -> Plan:
         scaling.append(row)
     if config.compute_ms is not None:
         plain, overlapped = step_time_s(config, comm[best] / 1e3)
+        _, fp16 = step_time_s(config, comm_time_s(dataclasses.replace(config, precision="fp16"), n, best))
         step_ms = StepTimes(compute=config.compute_ms, no_overlap=plain * 1e3, overlap=overlapped * 1e3,
-                            efficiency=config.compute_ms / (overlapped * 1e3), algorithm=best)
+                            efficiency=config.compute_ms / (overlapped * 1e3), algorithm=best,
+                            overlap_step=overlapped_step_time_s(config, comm[best] / 1e3) * 1e3, fp16=fp16 * 1e3)
     plan = Plan(config, memory, fits, sharded, comm, step_ms, scaling,
                 activations_counted=config.activation_gb is not None)
     plan.recommendation = recommend(plan)
@@ -285,11 +307,25 @@ def recommend(plan: Plan) -> str:
         return f"{fits}: plain DDP, predicted efficiency {eff:.0%}."
     compute_ms = plan.step_ms["compute"]  # the config's compute_ms
     exposed = plan.step_ms["overlap"] - compute_ms  # communication the backward could not hide
+    pays = _what_pays(plan.step_ms)
     for k in range(2, 257):  # k micro-steps per all-reduce (no_sync on the first k-1)
         if k * compute_ms / (k * compute_ms + exposed) >= 0.9:
             return (f"{fits}, but communication-bound (efficiency {eff:.0%}): accumulate gradients over {k} "
-                    f"micro-steps (DDP no_sync) for >= 90%, or use a faster link / compressed gradients.")
-    return f"{fits}, but communication dominates (efficiency {eff:.0%}): use a faster link or fewer replicas."
+                    f"micro-steps (DDP no_sync) for >= 90%, or use a faster link / compressed gradients.{pays}")
+    return (f"{fits}, but communication dominates (efficiency {eff:.0%}): use a faster link or fewer replicas."
+            f"{pays}")
+
+
+def _what_pays(step_ms: StepTimes) -> str:
+    """Whether the overlapped optimizer step and fp16 compression pay, by their predicted step against DDP's."""
+    plain = step_ms["overlap"]
+    lines = []
+    for key, what in (("overlap_step", "model.overlap_optimizer_step(opt) (the same bits)"),
+                      ("fp16", "the fp16 compress hook (fp16 rounding of the averages)")):
+        gain = 1 - step_ms[key] / plain  # type: ignore[literal-required]
+        verdict = "pays" if gain >= 0.05 else "does not pay"
+        lines.append(f"\n  {what}: {step_ms[key]:.1f} ms a step, {gain:+.0%} against DDP's {plain:.1f}: {verdict}")  # type: ignore[literal-required]
+    return "".join(lines)
 
 
 def format_plan(plan: Plan) -> str:
@@ -317,6 +353,7 @@ def format_plan(plan: Plan) -> str:
         s = plan.step_ms
         out.append(f"step time: compute {s['compute']:.2f} ms, without overlap {s['no_overlap']:.2f} ms, "
                    f"with overlap {s['overlap']:.2f} ms ({s['algorithm']}), efficiency {s['efficiency']:.1%}")
+        out.append(f"  with overlap_optimizer_step {s['overlap_step']:.2f} ms, with the fp16 hook {s['fp16']:.2f} ms")
     out.append("\n     N    ring ms    tree ms   efficiency")
     for row in plan.scaling:
         eff = f"{row['efficiency']:10.1%}" if "efficiency" in row else "       n/a"
