@@ -113,14 +113,14 @@ def torch_reference(name: str) -> str:
     return "torch"
 
 
-def link_table(block_ms: dict[str, list[float]]) -> dict:
+def link_table(block_ms: dict[str, list[float]], nbytes: float | None = None, world_size: int = 2) -> dict:
     """The limits and every contender's ratios, per block then summarised, from per-block medians in ms.
 
     ``block_ms`` holds ``forward``, ``compute``, ``allreduce`` and any contenders, each a list with one
     median per block. Per block: DDP limit = max(compute, forward + all-reduce), wire limit = max(compute,
     all-reduce), and the fp16 pair with the all-reduce halved. Each contender's ratios are taken block by
     block (paired in time) and given as median, min and max; ``torch`` is the ratio to the torch contender
-    with the same hook, where it ran.
+    with the same hook, where it ran. ``nbytes`` (the gradients'): each contender's ``plan_ms`` too.
     """
     fwd, comp, ar = block_ms["forward"], block_ms["compute"], block_ms["allreduce"]
     limits = {
@@ -143,8 +143,30 @@ def link_table(block_ms: dict[str, list[float]]) -> dict:
         if ref in block_ms:
             row["torch"] = _spread([t / r for t, r in zip(blocks, block_ms[ref])])
             row["torch_ref"] = ref
+        if nbytes is not None:
+            row["plan_ms"] = plan_ms(name, out["measured_ms"], nbytes, world_size)
         out["contenders"][name] = row
     return out
+
+
+def plan_ms(name: str, measured_ms: dict[str, float], nbytes: float, world_size: int) -> float | None:
+    """``lockstep plan``'s step for a contender, given the measured link (a ring fitted to the all-reduce alone) and
+    the measured compute: DDP's overlap for the DDPs, the overlapped optimizer step's, compute-then-send for floor,
+    half the bytes for fp16. None where the plan has no model (PowerSGD)."""
+    from lockstep.perf.costmodel import Link, bytes_factor
+    from lockstep.perf.plan import PlanConfig, overlapped_step_time_s, step_time_s
+
+    if name.endswith("_powersgd"):
+        return None
+    comm_s = measured_ms["allreduce"] / 1e3 * (0.5 if name.endswith("_fp16") else 1.0)
+    bandwidth_gb_s = nbytes * bytes_factor(world_size, "ring") / (measured_ms["allreduce"] / 1e3) / 1e9
+    cfg = PlanConfig(params=nbytes / 4, precision="fp32", optimizer="sgd", world_size=world_size,
+                     link=Link("measured", 0.0, bandwidth_gb_s), compute_ms=measured_ms["compute"])
+    if name == "floor":
+        return step_time_s(cfg, comm_s)[0] * 1e3
+    if name == "lockstep_overlap":
+        return overlapped_step_time_s(cfg, comm_s) * 1e3
+    return step_time_s(cfg, comm_s)[1] * 1e3
 
 
 def _ratio_cell(r: dict | None) -> str:
@@ -158,12 +180,15 @@ def markdown_section(title: str, table: dict) -> list[str]:
              f"forward {m['forward']:.1f} ms, compute {m['compute']:.1f} ms, all-reduce {m['allreduce']:.1f} ms; "
              f"DDP limit max(compute, forward + all-reduce) {lim['ddp']:.1f} ms, wire limit max(compute, all-reduce) "
              f"{lim['wire']:.1f} ms (fp16, all-reduce halved: {lim['ddp_fp16']:.1f} / {lim['wire_fp16']:.1f} ms)", "",
-             "| contender | ms | x DDP limit | x wire limit | x torch (same hook) | limits |",
-             "|---|---|---|---|---|---|"]
+             "| contender | ms | x DDP limit | x wire limit | x torch (same hook) | limits | plan ms (measured/plan) |",
+             "|---|---|---|---|---|---|---|"]
     for name, row in table["contenders"].items():
         ref = f" ({row['torch_ref']})" if row.get("torch_ref", "torch") != "torch" else ""
+        plan = row.get("plan_ms")
+        plan_cell = "-" if plan is None else f"{plan:.1f} ({row['ms'] / plan:.3f})"
         lines.append(f"| {name} | {row['ms']:.1f} | {_ratio_cell(row['ddp_limit'])} | "
-                     f"{_ratio_cell(row['wire_limit'])} | {_ratio_cell(row.get('torch'))}{ref} | {row['limits']} |")
+                     f"{_ratio_cell(row['wire_limit'])} | {_ratio_cell(row.get('torch'))}{ref} | {row['limits']} | "
+                     f"{plan_cell} |")
     return [*lines, ""]
 
 
@@ -299,7 +324,8 @@ def _measure_model(kind: str, cfg: dict, rank: int) -> dict:
     times = _time_rotation(runs, cfg["blocks"] * cfg["block_steps"])
     summary = _summarise(times, cfg["blocks"], ratios_of=())
     result = {"params": numel, "tensors": len(params), "nbytes": numel * 4,
-              "table": link_table(summary["block_medians_ms"]), "block_medians_ms": summary["block_medians_ms"],
+              "table": link_table(summary["block_medians_ms"], numel * 4, dist.get_world_size()),
+              "block_medians_ms": summary["block_medians_ms"],
               "link_nbytes": {name: _link_nbytes(run) for name, run in runs.items()}}
     hier = getattr(getattr(built.get("lockstep", (None,))[0], "reducer", None), "hierarchy", None)
     result["lockstep_hierarchical"] = hier is not None

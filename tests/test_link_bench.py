@@ -69,7 +69,26 @@ def test_without_torch_there_is_no_torch_ratio_and_the_table_says_so(link):
     assert lines[0] == "### 1gbit, mlp"
     assert "DDP limit max(compute, forward + all-reduce) 406.4 ms" in lines[2]
     row = next(line for line in lines if line.startswith("| lockstep |"))
-    assert row == "| lockstep | 446.5 | 1.100 [1.081-1.119] | 1.234 [1.212-1.255] | - | fp32 |"
+    assert row == "| lockstep | 446.5 | 1.100 [1.081-1.119] | 1.234 [1.212-1.255] | - | fp32 | - |"
+
+
+def test_the_plan_column_is_lockstep_plans_step_on_the_measured_link(link):
+    from lockstep.perf.plan import PlanConfig, overlapped_step_time_s, step_time_s
+
+    blocks = dict(BLOCKS, floor=[470.0, 510.0], lockstep_overlap=[380.0, 400.0])
+    table = link.link_table(blocks, nbytes=41.0e6, world_size=2)
+    m = table["measured_ms"]
+    rows = table["contenders"]
+    cfg_comm_s = m["allreduce"] / 1e3
+    # the fitted link reproduces the measured all-reduce, so the plan's DDP step is its overlap formula on it
+    cfg = PlanConfig(params=41.0e6 / 4, precision="fp32", world_size=2, compute_ms=m["compute"])
+    assert rows["lockstep"]["plan_ms"] == pytest.approx(step_time_s(cfg, cfg_comm_s)[1] * 1e3)
+    assert rows["floor"]["plan_ms"] == pytest.approx(m["compute"] + m["allreduce"])
+    assert rows["lockstep_overlap"]["plan_ms"] == pytest.approx(overlapped_step_time_s(cfg, cfg_comm_s) * 1e3)
+    assert rows["lockstep_fp16"]["plan_ms"] == pytest.approx(step_time_s(cfg, cfg_comm_s / 2)[1] * 1e3)
+    row = next(line for line in link.markdown_section("t", table) if line.startswith("| lockstep |"))
+    plan = rows["lockstep"]["plan_ms"]
+    assert row.endswith(f"| {plan:.1f} ({rows['lockstep']['ms'] / plan:.3f}) |")
 
 
 def test_rates_and_the_slow_schedule(link):
