@@ -1,5 +1,90 @@
+"""The suite's shared set-up: tests/ importable in spawned ranks, and how pytest-xdist shares the files out.
+
+pyproject.toml's addopts run the suite on two xdist workers (``-n 2 --dist loadgroup``), so that the README's
+command, which CI runs, is the parallel one. A unit of work is a whole file, never less: a file starts its spawned
+group once, in a module-scoped fixture, and a file split across workers would start it on each (the scheduler
+below). The files whose assertions are about time, or that build the same network namespaces (``TIMING``), get
+``pytest.mark.xdist_group("timing")`` here and run last, alone, one after another on one worker. The slowest other
+files go first (``SLOWEST_FIRST``), so that the two workers end together instead of one starting a long file at the
+end. ``-n 0`` runs everything in this process, one test after another (``-s`` needs it).
+"""
+
 import os
 import sys
 
+import pytest
+
 # Spawned ranks unpickle test functions by module name: make tests/ importable in them.
 sys.path.insert(0, os.path.dirname(__file__))
+
+# Files whose assertions are about time (a hang reported within 2 x its timeout, a launcher or rendezvous that
+# gives up in time, a straggler named, a peer's loss noticed within 10 s, the plan's fit to a measured all-reduce)
+# or that build the same network namespaces (10.201.0.1 and .2). They form one unit of work, "timing", that runs
+# last and alone: one file after another on one worker, once the other worker has finished and left, so that they
+# see the machine as a run without xdist did.
+TIMING = {
+    "test_hang.py", "test_faults.py", "test_multinode.py", "test_elastic_launch.py", "test_launch_network.py",
+    "test_launch.py", "test_launch_reports.py", "test_trace_end.py", "test_trainer_features.py", "test_collectives.py",
+    "test_plan.py",
+}
+# The other units that take longest, longest first (seconds of --durations=0 on a loaded 2-core machine,
+# 2026-11-26: 201, 140, 134, 121, 115, 81, 68, 60, 59, 47, 41, 36; the timing group 318); the other files follow
+# in collection order, then the timing group.
+SLOWEST_FIRST = [
+    "test_wrapping_libraries.py", "test_exits.py", "test_demo.py", "test_examples.py", "test_torch_ddp_suite.py",
+    "test_docs.py", "test_ddp_parity.py", "test_compile.py", "test_comm_hooks.py", "test_elastic_trainer.py",
+    "test_diagnostics_checks.py", "test_bench.py",
+]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Declared here too, so that a run without xdist knows the mark.
+    config.addinivalue_line("markers", "xdist_group(name): run these files' tests on one worker, one after another")
+
+
+def _order(item: pytest.Item) -> int:
+    if item.path.name in TIMING:
+        return len(SLOWEST_FIRST) + 1
+    return SLOWEST_FIRST.index(item.path.name) if item.path.name in SLOWEST_FIRST else len(SLOWEST_FIRST)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in TIMING:
+            item.add_marker(pytest.mark.xdist_group("timing"))
+    # Stable: each file's tests keep their order, and every worker sorts alike (xdist checks they collected alike).
+    items.sort(key=_order)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Units of work are files, or an ``xdist_group`` across files, in the order collected; "timing" runs alone."""
+    from xdist.scheduler import LoadGroupScheduling
+
+    class FileOrGroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.rfind("@") > nodeid.rfind("]"):  # xdist added "@<group>" to a grouped test's id
+                return nodeid.rsplit("@", 1)[-1]
+            return nodeid.split("::", 1)[0]
+
+        def _assign_work_unit(self, node) -> None:
+            others = [other for other in self.nodes if other is not node]
+            if next(iter(self.workqueue)) == "timing" and others:
+                # A worker runs its last test only once it is sent more work or told to stop: at 1 test left
+                # everywhere, the others are told to stop, and the unit goes out when they are gone (remove_node).
+                if all(self._pending_of(self.assigned_work[n]) <= 1 for n in self.nodes):
+                    for other in others:
+                        if not other.shutting_down:
+                            other.shutdown()
+                return
+            super()._assign_work_unit(node)
+
+        def remove_node(self, node):
+            crashed = super().remove_node(node)
+            for other in self.nodes:
+                self._reschedule(other)
+            return crashed
+
+    config.option.loadscopereorder = False  # keep SLOWEST_FIRST's order, not the files' test counts
+    return FileOrGroupScheduling(config, log)
