@@ -75,6 +75,12 @@ SLOW_RATE_BITS = 500e6
 SLOW_SCHEDULE = (2, 2)  # (blocks, block steps) below SLOW_RATE_BITS unless the flags are given
 
 
+def cap_of(name: str) -> float | None:
+    """``lockstep_cap<MB>`` (lockstep's DDP with that fixed cap, for the auto-tuner's sweep): the cap, else None."""
+    m = re.fullmatch(r"lockstep_cap([0-9]+(?:\.[0-9]+)?)", name)
+    return float(m.group(1)) if m else None
+
+
 def mlp_link() -> nn.Module:
     """The issue's MLP: 4 x Linear(1600, 1600) with ReLU and a Linear(1600, 10) head, 10.26M parameters, 41 MB."""
     layers: list[nn.Module] = []
@@ -131,9 +137,7 @@ def link_table(block_ms: dict[str, list[float]], nbytes: float | None = None, wo
     }
     out: dict = {"measured_ms": {k: statistics.median(block_ms[k]) for k in MEASURES},
                  "limits_ms": {k: statistics.median(v) for k, v in limits.items()}, "contenders": {}}
-    for name in CONTENDERS:
-        if name not in block_ms:
-            continue
+    for name in [n for n in CONTENDERS if n in block_ms] + sorted((n for n in block_ms if cap_of(n)), key=cap_of):
         blocks = block_ms[name]
         suffix = "_fp16" if name.endswith("_fp16") else ""
         row = {"ms": statistics.median(blocks), "limits": "fp16" if suffix else "fp32",
@@ -161,7 +165,8 @@ def plan_ms(name: str, measured_ms: dict[str, float], nbytes: float, world_size:
     comm_s = measured_ms["allreduce"] / 1e3 * (0.5 if name.endswith("_fp16") else 1.0)
     bandwidth_gb_s = nbytes * bytes_factor(world_size, "ring") / (measured_ms["allreduce"] / 1e3) / 1e9
     cfg = PlanConfig(params=nbytes / 4, precision="fp32", optimizer="sgd", world_size=world_size,
-                     link=Link("measured", 0.0, bandwidth_gb_s), compute_ms=measured_ms["compute"])
+                     link=Link("measured", 0.0, bandwidth_gb_s), compute_ms=measured_ms["compute"],
+                     bucket_cap_mb=cap_of(name) or 25.0)
     if name == "floor":
         return step_time_s(cfg, comm_s)[0] * 1e3
     if name == "lockstep_overlap":
@@ -189,6 +194,11 @@ def markdown_section(title: str, table: dict) -> list[str]:
         lines.append(f"| {name} | {row['ms']:.1f} | {_ratio_cell(row['ddp_limit'])} | "
                      f"{_ratio_cell(row['wire_limit'])} | {_ratio_cell(row.get('torch'))}{ref} | {row['limits']} | "
                      f"{plan_cell} |")
+    sweep = {n: row["ms"] for n, row in table["contenders"].items() if cap_of(n) or n == "lockstep"}
+    if "lockstep_auto" in table["contenders"] and len(sweep) > 1:
+        best = min(sweep, key=sweep.__getitem__)
+        lines += ["", f"lockstep_auto / the best fixed cap of the sweep ({best}): "
+                      f"{table['contenders']['lockstep_auto']['ms'] / sweep[best]:.3f}"]
     return [*lines, ""]
 
 
@@ -231,7 +241,8 @@ def _build(name: str, build: Callable[[], nn.Module], hook_wrap=None):
             model.register_comm_hook(state, hook if hook_wrap is None else hook_wrap(hook))
     elif name.startswith("lockstep"):
         hooks = lockstep.comm_hooks
-        model = lockstep.DistributedDataParallel(module, bucket_cap_mb="auto" if name == "lockstep_auto" else None,
+        cap = cap_of(name) or ("auto" if name == "lockstep_auto" else None)
+        model = lockstep.DistributedDataParallel(module, bucket_cap_mb=cap,
                                                  hierarchical_all_reduce=False if name == "lockstep_flat" else None)
         if name == "lockstep_fp16":
             model.register_comm_hook(None, hooks.fp16_compress_hook)
@@ -594,7 +605,7 @@ def _check_args(parser, args) -> None:
     args.models, args.contenders, args.rates = args.models.split(","), args.contenders.split(","), args.rates.split(",")
     for flag, names, known in (("--models", args.models, MODELS), ("--contenders", args.contenders, CONTENDERS)):
         for name in names:
-            if name not in known:
+            if name not in known and not (flag == "--contenders" and cap_of(name)):
                 parser.error(f"{flag}: unknown {flag[2:-1]} {name!r}; choose from {','.join(known)}")
     for rate in args.rates:
         try:

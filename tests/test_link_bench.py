@@ -91,6 +91,16 @@ def test_the_plan_column_is_lockstep_plans_step_on_the_measured_link(link):
     assert row.endswith(f"| {plan:.1f} ({rows['lockstep']['ms'] / plan:.3f}) |")
 
 
+def test_the_auto_cap_is_compared_with_the_best_fixed_cap_of_the_sweep(link):
+    assert link.cap_of("lockstep_cap4") == 4.0 and link.cap_of("lockstep_cap0.5") == 0.5
+    assert link.cap_of("lockstep") is None and link.cap_of("lockstep_capx") is None
+    blocks = dict(BLOCKS, lockstep_auto=[420.0, 440.0], lockstep_cap4=[400.0, 420.0], lockstep_cap100=[450.0, 470.0])
+    table = link.link_table(blocks)
+    assert list(table["contenders"])[-2:] == ["lockstep_cap4", "lockstep_cap100"]
+    lines = link.markdown_section("t", table)
+    assert "lockstep_auto / the best fixed cap of the sweep (lockstep_cap4): 1.049" in lines
+
+
 def test_rates_and_the_slow_schedule(link):
     assert link.rate_bits("100mbit") == 1e8 and link.rate_bits("2.5gbit") == 2.5e9 and link.rate_bits("800kbit") == 8e5
     with pytest.raises(ValueError, match="rate '1gbps' must look like"):
