@@ -3,6 +3,7 @@
 import os
 import re
 import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,8 +52,8 @@ def test_ci_runs_the_tests_from_a_checkout_folder_named_lockstep(tmp_path):
     # fails, which ends the script there.
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "python").write_text('#!/bin/sh\necho "python ran in $PWD"; [ -f tests/test_readme.py ] && echo "tree here"\n'
-                                 "exit 1\n")
+    (fake / "python").write_text('#!/bin/sh\necho "python ran in $PWD"\n'
+                                 '[ -f tests/test_readme.py ] && echo "tree here"\nexit 1\n')
     (fake / "ip").write_text("#!/bin/sh\nexit 0\n")  # so that the iproute2 check installs nothing
     for tool in fake.iterdir():
         tool.chmod(0o755)
@@ -66,3 +67,48 @@ def test_ci_runs_the_tests_from_a_checkout_folder_named_lockstep(tmp_path):
     assert "tree here" in proc.stdout, proc.stdout
     if os.path.basename(ROOT) != "lockstep":
         assert not os.path.exists(os.path.dirname(ran_in[1])), "the copy outlived the run"
+
+
+_LOGGING_TEST = '''import os, time
+def _log(name):
+    start = time.time(); time.sleep(0.3)
+    with open(os.environ["SCHEDULE_LOG"], "a") as f:
+        f.write(f"{name} {os.environ.get('PYTEST_XDIST_WORKER')} {start} {time.time()}\\n")
+'''
+
+
+def test_the_test_command_runs_files_on_two_workers_and_the_timing_group_last_and_alone(tmp_path):
+    # issue #34 item 7: pyproject's addopts and tests/conftest.py's scheduler, run on stand-in files: a file's tests
+    # stay on one worker (its spawned group starts once), two files run at once, and TIMING's files only once the
+    # rest has ended.
+    import conftest
+
+    addopts = re.search(r"^addopts = .*$", open(os.path.join(ROOT, "pyproject.toml")).read(), re.MULTILINE)[0]
+    (tmp_path / "pyproject.toml").write_text(f"[tool.pytest.ini_options]\n{addopts}\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "conftest.py").write_text(open(os.path.join(ROOT, "tests", "conftest.py")).read())
+    timing = sorted(conftest.TIMING)[:2]
+    for name in ["test_one.py", "test_two.py", *timing]:
+        cases = "".join(f"def test_{i}():\n    _log('{name} {i}')\n" for i in range(3))
+        (tmp_path / "tests" / name).write_text(_LOGGING_TEST + cases)
+    log = tmp_path / "log"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=tmp_path,
+                          env={**os.environ, "SCHEDULE_LOG": str(log)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = [line.split() for line in log.read_text().splitlines()]  # file, case, worker, start, end
+    workers = {}
+    for file, _, worker, _, _ in runs:
+        workers.setdefault(file, set()).add(worker)
+    assert all(len(w) == 1 for w in workers.values()), workers
+    assert workers["test_one.py"] != workers["test_two.py"], workers  # side by side, one on each worker
+    others_end = max(float(end) for file, _, _, _, end in runs if file not in timing)
+    assert all(float(start) >= others_end for file, _, _, start, _ in runs if file in timing), runs
+
+
+def test_the_schedules_file_names_are_test_files():
+    # A renamed file would fall out of the timing group or the order without a word: every name must exist.
+    import conftest
+
+    names = [*conftest.TIMING, *conftest.SLOWEST_FIRST]
+    missing = [name for name in names if not os.path.exists(os.path.join(ROOT, "tests", name))]
+    assert not missing, f"tests/conftest.py names files that do not exist: {missing}"
