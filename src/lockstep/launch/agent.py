@@ -26,9 +26,9 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from lockstep.launch import console, elastic, orphan, rendezvous
 from lockstep.launch.output import RANK_PREFIX_TEMPLATE, LaunchError, RankLogsSpecs
-from lockstep.launch.report import failure_report
+from lockstep.launch.report import WorkersStopped, checkpoint_noted, failure_report
 from lockstep.network import pick_gloo_interface, route_source_addr
-from lockstep.slurm import CHECKPOINT_NOTE, PREEMPT_DIR_ENV, REQUEUE_EXIT_CODE
+from lockstep.slurm import PREEMPT_DIR_ENV, REQUEUE_EXIT_CODE
 
 _SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # the agent stops the workers, then exits, on these
 DEFAULT_SHUTDOWN_TIMEOUT_S = 15.0  # SIGTERM, then SIGKILL after this long: a stuck worker cannot hold the launcher
@@ -291,33 +291,6 @@ def _agent_environment(
                 signal.signal(sig, handler)
 
 
-class WorkersStopped(SignalException):
-    """The launcher got a signal (Ctrl-C's SIGINT, a SIGTERM) and the agent stopped the workers here.
-
-    ``checkpoint``: the newest checkpoint a Trainer on this node wrote (None: none, or not a Trainer)."""
-
-    def __init__(self, sigval: signal.Signals, workers: int, checkpoint: str | None) -> None:
-        super().__init__(f"stopped by {sigval.name}", sigval)
-        self.workers, self.checkpoint = workers, checkpoint
-
-    def line(self) -> str:
-        how = "Ctrl-C (SIGINT)" if self.sigval == signal.SIGINT else self.sigval.name
-        text = f"lockstep launch: stopped by {how}; {self.workers} worker{'s' if self.workers != 1 else ''} stopped"
-        if self.checkpoint:
-            text += f"; the last checkpoint {self.checkpoint} is intact (resume=True continues from it)"
-        return text
-
-
-def _checkpoint_noted(folder: str) -> str | None:
-    """The checkpoint a Trainer here last wrote (train/checkpoint.py notes it), if it is still there."""
-    try:
-        with open(os.path.join(folder, CHECKPOINT_NOTE)) as f:
-            path = f.read().strip()
-    except OSError:
-        return None
-    return path if path and os.path.isfile(path) else None
-
-
 def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence[Any] = ()) -> dict[int, Any]:
     """Run ``entrypoint`` (a function, or an executable such as sys.executable) under torch's elastic agent.
 
@@ -326,7 +299,7 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
     restarts are used up, and RendezvousFailed when the nodes cannot meet.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
     if options.log_dir:
@@ -357,14 +330,7 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
         ):
             results = elastic_launch(config, entrypoint)(*args)
     except SignalException as e:
-        done = sorted(name for name in os.listdir(preempt_dir) if name.startswith("rank"))
-        if e.sigval == signal.SIGTERM and len(done) >= options.nproc_per_node:
-            raise WorkersPreempted(
-                f"lockstep launch: stopped by SIGTERM; every worker here ({', '.join(done)}) finished its step and "
-                f"wrote a checkpoint; exit code {REQUEUE_EXIT_CODE} asks the scheduler to requeue "
-                "(resume=True continues)"
-            ) from None
-        raise WorkersStopped(signal.Signals(e.sigval), options.nproc_per_node, _checkpoint_noted(preempt_dir)) from None
+        raise _stopped(signal.Signals(e.sigval), options, preempt_dir) from None
     except ChildFailedError as e:
         keep_logs = True  # the report points the user at them
         report = failure_report(e, logs, restarts_used=logs.restart_count)
@@ -378,18 +344,37 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
             report = LaunchError(text, report.rank, report.exitcode, report.failures)
         raise report from None
     except RendezvousError as e:
-        if isinstance(e, RendezvousTimeoutError):
-            why = (f"only some of the {options.nnodes} nodes joined within --rdzv-timeout {options.rdzv_timeout_s}s; "
-                   f"is `lockstep launch` running on every node with the same --master-addr/--master-port?")
-        else:
-            why = f"{type(e).__name__}: {e}"
-            if e.__cause__ is not None:
-                why += f" ({type(e.__cause__).__name__}: {e.__cause__})"
-        raise RendezvousFailed(
-            f"lockstep launch: the rendezvous at {config.rdzv_endpoint} (--master-addr/--master-port) failed: {why}"
-        ) from e
+        raise _rendezvous_failed(e, options, config.rdzv_endpoint) from e
     finally:
         shutil.rmtree(preempt_dir, ignore_errors=True)
         if not keep_logs:
             shutil.rmtree(log_dir, ignore_errors=True)
     return dict(results or {})
+
+
+def _stopped(sigval: signal.Signals, options: LaunchOptions, preempt_dir: str) -> RuntimeError | WorkersStopped:
+    """What a signal to the launcher ended in: every worker here preempted after its checkpoint (SIGTERM), or
+    workers stopped (Ctrl-C's SIGINT, a SIGTERM before the checkpoints), naming a Trainer's newest one."""
+    done = sorted(name for name in os.listdir(preempt_dir) if name.startswith("rank"))
+    if sigval == signal.SIGTERM and len(done) >= options.nproc_per_node:
+        return WorkersPreempted(
+            f"lockstep launch: stopped by SIGTERM; every worker here ({', '.join(done)}) finished its step and "
+            f"wrote a checkpoint; exit code {REQUEUE_EXIT_CODE} asks the scheduler to requeue "
+            "(resume=True continues)"
+        )
+    return WorkersStopped(sigval, options.nproc_per_node, checkpoint_noted(preempt_dir))
+
+
+def _rendezvous_failed(e: Exception, options: LaunchOptions, endpoint: str) -> RendezvousFailed:
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    if isinstance(e, RendezvousTimeoutError):
+        why = (f"only some of the {options.nnodes} nodes joined within --rdzv-timeout {options.rdzv_timeout_s}s; "
+               f"is `lockstep launch` running on every node with the same --master-addr/--master-port?")
+    else:
+        why = f"{type(e).__name__}: {e}"
+        if e.__cause__ is not None:
+            why += f" ({type(e.__cause__).__name__}: {e.__cause__})"
+    return RendezvousFailed(
+        f"lockstep launch: the rendezvous at {endpoint} (--master-addr/--master-port) failed: {why}"
+    )

@@ -24,10 +24,10 @@ from lockstep.launch.agent import (
     LaunchOptions,
     RendezvousFailed,
     WorkersPreempted,
-    WorkersStopped,
     run_agent,
 )
 from lockstep.launch.output import LaunchError
+from lockstep.launch.report import WorkersStopped
 from lockstep.network import ensure_gloo_interface
 from lockstep.slurm import REQUEUE_EXIT_CODE, sbatch_script, slurm_launch_env
 

@@ -5,7 +5,8 @@ seconds. The one idea here is choosing the rank to name: not simply torch's firs
 the agent stopped (SIGTERM), one whose collective lost its peer (gloo's "Connection closed by peer"), and one
 that said nothing where another said why are consequences; the report names the cause, shows its error once
 (its traceback, or the line of the user's code it came from when the console already showed it), and says of
-the others whether they failed too or were stopped.
+the others whether they failed too or were stopped. A job stopped by a signal (Ctrl-C) is no failure:
+``WorkersStopped`` says so in one line.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 import signal
 import socket
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from lockstep.code_paths import is_library_code
@@ -29,6 +31,7 @@ from lockstep.launch.output import (
     tail_of,
     traceback_block,
 )
+from lockstep.slurm import CHECKPOINT_NOTE
 
 
 def _error_file_traceback(failure: ProcessFailure) -> list[str]:
@@ -231,3 +234,30 @@ def _error_lines(rank: int, text: list[str], on_console: bool, lines: list[str],
     else:
         out.append(f"  rank {rank} wrote nothing to stderr")
     return out
+
+
+class WorkersStopped(SignalException):
+    """The launcher got a signal (Ctrl-C's SIGINT, a SIGTERM) and the agent stopped the workers here.
+
+    ``checkpoint``: the newest checkpoint a Trainer on this node wrote (None: none, or not a Trainer)."""
+
+    def __init__(self, sigval: signal.Signals, workers: int, checkpoint: str | None) -> None:
+        super().__init__(f"stopped by {sigval.name}", sigval)
+        self.workers, self.checkpoint = workers, checkpoint
+
+    def line(self) -> str:
+        how = "Ctrl-C (SIGINT)" if self.sigval == signal.SIGINT else self.sigval.name
+        text = f"lockstep launch: stopped by {how}; {self.workers} worker{'s' if self.workers != 1 else ''} stopped"
+        if self.checkpoint:
+            text += f"; the last checkpoint {self.checkpoint} is intact (resume=True continues from it)"
+        return text
+
+
+def checkpoint_noted(folder: str) -> str | None:
+    """The checkpoint a Trainer here last wrote (train/checkpoint.py notes it), if it is still there."""
+    try:
+        with open(os.path.join(folder, CHECKPOINT_NOTE)) as f:
+            path = f.read().strip()
+    except OSError:
+        return None
+    return path if path and os.path.isfile(path) else None
