@@ -18,17 +18,18 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 # Files whose assertions are about time (a hang reported within 2 x its timeout, a launcher or rendezvous that
-# gives up in time, a straggler named, a peer's loss noticed within 10 s, the plan's fit to a measured all-reduce)
+# gives up in time, a straggler named, a peer's loss noticed within 10 s, the plan's fit to a measured all-reduce,
+# buckets launched during backward, which launch_order's slow-wire rule stops doing when a step's waits run long)
 # or that build the same network namespaces (10.201.0.1 and .2). They form one unit of work, "timing", that runs
 # last and alone: one file after another on one worker, once the other worker has finished and left, so that they
 # see the machine as a run without xdist did.
 TIMING = {
     "test_hang.py", "test_faults.py", "test_multinode.py", "test_elastic_launch.py", "test_launch_network.py",
     "test_launch.py", "test_launch_reports.py", "test_trace_end.py", "test_trainer_features.py", "test_collectives.py",
-    "test_plan.py",
+    "test_plan.py", "test_grad_hook.py",
 }
 # The other units that take longest, longest first (seconds of --durations=0 on a loaded 2-core machine,
-# 2026-11-26: 201, 140, 134, 121, 115, 81, 68, 60, 59, 47, 41, 36; the timing group 318); the other files follow
+# 2026-11-26: 201, 140, 134, 121, 115, 81, 68, 60, 59, 47, 41, 36; the timing group 323); the other files follow
 # in collection order, then the timing group.
 SLOWEST_FIRST = [
     "test_wrapping_libraries.py", "test_exits.py", "test_demo.py", "test_examples.py", "test_torch_ddp_suite.py",
