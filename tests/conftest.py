@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 # see the machine as a run without xdist did.
 TIMING = {
     "test_hang.py", "test_faults.py", "test_multinode.py", "test_elastic_launch.py", "test_launch_network.py",
-    "test_launch.py", "test_launch_reports.py", "test_trace_end.py", "test_trainer_features.py", "test_collectives.py",
-    "test_plan.py", "test_grad_hook.py",
+    "test_launch.py", "test_launch_reports.py", "test_trainer_features.py", "test_collectives.py", "test_plan.py",
+    "test_grad_hook.py",
 }
 # The other units that take longest, longest first (seconds of --durations=0 on a loaded 2-core machine,
 # 2026-11-26: 201, 140, 134, 121, 115, 81, 68, 60, 59, 47, 41, 36; the timing group 323); the other files follow
