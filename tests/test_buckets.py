@@ -171,6 +171,7 @@ def test_one_bucket_at_a_time_only_where_the_wire_is_slow_and_set_the_end():
     assert not wire_is_slow(41e6, elapsed_s=0.36, waited_s=0.3)  # 1 Gbit/s: at once is as fast
     assert not wire_is_slow(41e6, elapsed_s=0.08, waited_s=0.01)  # loopback
     assert not wire_is_slow(4e3, elapsed_s=0.01, waited_s=0.001)  # a tiny model: the backward set the end
+    assert not wire_is_slow(1e6, elapsed_s=0.05, waited_s=0.04)  # a small one on a loaded machine: its waits
 
 
 def test_small_first_bucket_only_where_its_all_reduce_can_overlap():

@@ -37,13 +37,16 @@ def priority_sequence(num_buckets: int, sent_during_backward: int) -> list[int]:
 # buckets go one at a time: 500 Mbit/s, between the 100 Mbit/s link where that paid and the 1 Gbit/s one where it
 # made no difference.
 SERIAL_BELOW_BYTES_S = 62.5e6
+# ... for gradients of at least this size: below it a loaded machine's waits (a rank that waits for a time slice) can
+# read as a slow wire, and there one bucket at a time gains little anyway.
+SERIAL_MIN_BYTES = 16 << 20
 
 
 def wire_is_slow(nbytes: float, elapsed_s: float, waited_s: float) -> bool:
     """A backward's gradients (``nbytes``) crossed slower than ``SERIAL_BELOW_BYTES_S`` from its first launch to its
     last average back (``elapsed_s``: a lower bound on the wire's rate), and the wire set that end: most of the time
     went to waiting (``waited_s``), not to the backward."""
-    return 2 * waited_s > elapsed_s and nbytes < SERIAL_BELOW_BYTES_S * elapsed_s
+    return nbytes >= SERIAL_MIN_BYTES and 2 * waited_s > elapsed_s and nbytes < SERIAL_BELOW_BYTES_S * elapsed_s
 
 
 def _done(work: object) -> bool:

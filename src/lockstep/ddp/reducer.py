@@ -314,6 +314,8 @@ class Reducer:
                 step.order.drain()  # in the agreed sequence; the round may stay in flight into the next forward
                 deferred = self.overlap.defer(step, missing)
                 if deferred:
+                    if self.observer is not None:  # the backward ends here; its waits come in the next forward
+                        self.observer.backward_end(self.num_syncs + 1)
                     return
             fast, early = copy_back_path(step)
             futures, self.post_backward_futures = self.post_backward_futures, []
@@ -344,14 +346,14 @@ class Reducer:
         self.serial_launch = wire_is_slow(nbytes, elapsed_s, waited_s)
 
     def end_round(self, waited_s: float, reset: bool = True) -> None:
-        """A synchronised backward's averages are in ``.grad``: its bookkeeping (``reset``: the buckets let go of its
-        gradients here; the end of backward does that itself, and a deferred round's close asks for it)."""
+        """A synchronised backward's averages are in ``.grad``: its bookkeeping (``reset``: a deferred round's close,
+        whose backward told the observer already; the end of backward resets the buckets itself)."""
         self.comm_wait_s += waited_s
         if self.optimizers_in_backward:
             step_optimizers_in_backward(self.params)
         self.num_syncs += 1
         self.rounds += 1
-        if self.observer is not None:
+        if self.observer is not None and not reset:
             self.observer.backward_end(self.num_syncs)
         if self._observed_order is not None and not self.buckets_rebuilt:
             self.rebuild_pending = True

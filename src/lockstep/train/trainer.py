@@ -72,7 +72,8 @@ class Trainer:
         scheduler: stepped after every optimizer step; not allowed together with the
             config's warm-up / linear scaling, which install their own.
         group: the process group (default: the default group). Files are written by global rank 0.
-        on_step_end: called with the Trainer after every optimizer step (and any checkpoint).
+        on_step_end: called with the Trainer after every optimizer step (and any checkpoint); with the overlapped
+            step (``TrainerConfig.overlap_step``) that step is applied first, so the callback costs the overlap.
         on_epoch_end: called with the Trainer and the epoch's record (train loss, eval metrics)
             on every rank after each epoch's evaluation.
         scaler: the ``torch.amp.GradScaler`` for TrainerConfig.autocast_dtype="float16" (default: one with
@@ -361,6 +362,8 @@ class Trainer:
         if cfg.save_every_steps and self.step % cfg.save_every_steps == 0:
             self.save_checkpoint()
         if self.on_step_end is not None:
+            if self.overlapped:
+                self.ddp.finish_step()  # the callback reads the model: the step applied, not in flight (a full wait)
             self.on_step_end(self)
 
     def _progress_bar(self, n_batches: int):
