@@ -132,6 +132,7 @@ def slurm_pair() -> list[Launch]:
 def trained(tmp_path_factory):
     """Side by side: 1 node x 4 ranks on loopback (the reference), 2 nodes x 2 ranks, and the SLURM pair."""
     ref, two = tmp_path_factory.mktemp("one_node_x4"), tmp_path_factory.mktemp("two_nodes_x2")
+    hier = tmp_path_factory.mktemp("two_nodes_x2_hierarchical")
 
     def one_node():
         launch = Launch([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "4", TRAIN, str(ref)])
@@ -139,12 +140,14 @@ def trained(tmp_path_factory):
         return launch
 
     cut = tmp_path_factory.mktemp("cut_no_restarts")
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(5) as pool:
         reference = pool.submit(one_node)
-        pair = pool.submit(run_pair, [launch_argv(r, 29611, TRAIN, str(two)) for r in (0, 1)])
+        pair = pool.submit(run_pair, [launch_argv(r, 29611, TRAIN, str(two), "0", "flat") for r in (0, 1)])
+        hierarchical = pool.submit(run_pair, [launch_argv(r, 29613, TRAIN, str(hier)) for r in (0, 1)])
         slurm = pool.submit(slurm_pair)
         cut_run = pool.submit(_cut_mid_training, cut, 0, 29612)
         return {"ref": (reference.result(), ref), "two": (pair.result(), two), "slurm": slurm.result(),
+                "hierarchical": (hierarchical.result(), hier),
                 "cut": (*cut_run.result(), cut)}
 
 
@@ -154,6 +157,19 @@ def test_two_nodes_x2_train_as_one_node_x4_bit_for_bit(trained):
     for launch in pair:
         assert launch.proc.returncode == 0, launch.text()[-4000:]
     assert_same_training(final(two_dir), final(ref_dir))
+
+
+def test_two_nodes_x2_by_default_sum_inside_each_node_first_within_rounding(trained):
+    """The default at 2 x 2 is the hierarchical all-reduce (docs/ddp.md): each element is (g0+g1)+(g2+g3), not the
+    flat ring's order, so the parameters equal one node's x 4 to rounding, not bit for bit."""
+    (reference, ref_dir), (pair, hier_dir) = trained["ref"], trained["hierarchical"]
+    assert reference.proc.returncode == 0, reference.text()[-4000:]
+    for launch in pair:
+        assert launch.proc.returncode == 0, launch.text()[-4000:]
+    got, want = final(hier_dir), final(ref_dir)
+    assert got["hierarchical"] and not want["hierarchical"] and not final(trained["two"][1])["hierarchical"]
+    worst = max((a - b).abs().max().item() for a, b in zip(got["params"], want["params"]))
+    assert worst < 1e-5, f"max abs diff {worst}"
 
 
 def test_node_rank_0_holds_rank_0_and_workers_reach_the_master(trained):

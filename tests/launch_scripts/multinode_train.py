@@ -19,6 +19,8 @@ from lockstep import Trainer, TrainerConfig
 
 out_dir = sys.argv[1]
 step_sleep_s = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+if sys.argv[3:] == ["flat"]:  # the flat ring across nodes, as one node's: bit for bit with it
+    lockstep.DistributedDataParallel.hierarchical_default = False
 torch.set_num_threads(1)
 env = lockstep.init(backend="gloo")
 print(f"where rank={env.rank} local_rank={env.local_rank} world={env.world_size} "
@@ -46,7 +48,8 @@ try:
     trainer.fit()
     if env.rank == 0:
         torch.save({"params": [p.detach() for p in model.parameters()], "optimizer": optimizer.state_dict(),
-                    "resumed_from": trainer.resumed_from}, os.path.join(out_dir, "final.pt"))
+                    "resumed_from": trainer.resumed_from, "hierarchical": trainer.ddp.reducer.hierarchy is not None},
+                   os.path.join(out_dir, "final.pt"))
     print(f"done rank={env.rank} steps={trainer.step} resumed_from={trainer.resumed_from}", flush=True)
 finally:
     lockstep.shutdown()

@@ -151,6 +151,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
 
     direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES  # see gradient_as_bucket_view; a subclass may change it
     small_first_bucket: bool | None = None  # see bucket_cap_mb; None: where it pays (``small_first_bucket_pays``)
+    hierarchical_default: bool | None = None  # hierarchical_all_reduce where the keyword is None (the Trainer's DDP)
     release_idle_buckets: bool | None = None  # see gradient_as_bucket_view; None: where it pays (``idle_buckets``)
 
     def __init__(
@@ -232,7 +233,8 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             buffers = syncable_buffers(module, self.parameters_to_ignore) if init_sync_buffers else []
             broadcast_coalesced([p for _, p in named_params] + buffers, process_group)
         # Collective where the launcher names several nodes (the layout's gather, the subgroups): every rank here.
-        hierarchy = hierarchy_for(process_group, hierarchical_all_reduce, _HIERARCHY_KEYWORD)
+        hierarchical = self.hierarchical_default if hierarchical_all_reduce is None else hierarchical_all_reduce
+        hierarchy = hierarchy_for(process_group, hierarchical, _HIERARCHY_KEYWORD)
         self.detect_nonfinite = diagnostics.detect_nonfinite  # read by _build_reducer (diagnose.setup sets it too)
         self.reducer = self._build_reducer()
         self.reducer.hierarchy = hierarchy  # not pickled: an unpickled DDP sums flat
