@@ -99,6 +99,20 @@ def _deferred(rank: int) -> dict:
         if step == 4:
             model.finish_step()
             seen["changed_after_finish"] = not torch.equal(before, first.detach())
+    # Only the first layer's forward: its bucket lands and it is stepped; the last layer's is still on the wire.
+    opt.zero_grad()
+    F.cross_entropy(model(torch.randn(16, 32, generator=g)), torch.randint(0, 4, (16,), generator=g)).backward()
+    last = model.module[6].weight
+    before_first, before_last = first.detach().clone(), last.detach().clone()
+    opt.step()
+    inside = []  # at the first layer's forward, inside the model's: (first stepped, last not yet, round in flight)
+    probe = model.module[0].register_forward_pre_hook(lambda *_: inside.append((
+        not torch.equal(before_first, first.detach()), torch.equal(before_last, last.detach()),
+        model.reducer.overlap.round is not None)))
+    model(torch.randn(2, 32, generator=g))
+    probe.remove()
+    seen["first_layer_alone"] = inside[0]
+    seen["all_after_forward"] = not torch.equal(before_last, last.detach()) and model.reducer.overlap.round is None
     seen["sequence"] = model.reducer.overlap.sequence
     seen["num_buckets"] = len(model.reducer.buckets)
     events = model.reducer.events = []
@@ -264,6 +278,9 @@ def test_the_update_lands_in_the_next_forward(results):
         assert seen["unchanged_after_step"][0] is False
         assert all(seen["unchanged_after_step"][1:]), seen["unchanged_after_step"]
         assert seen["changed_after_finish"]
+        # (first layer stepped, last layer not yet, the round still in flight)
+        assert seen["first_layer_alone"] == (True, True, True), seen["first_layer_alone"]
+        assert seen["all_after_forward"]  # the forward's end finishes the round
 
 
 def test_the_launch_sequence_sends_the_first_layers_first_after_backward(results):

@@ -280,7 +280,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         in_join = self._join_config.enable  # inside model.join() (torch's flag; it stays set after, as torch's)
         # A round of overlap_optimizer_step's in flight: its flag read before this forward's collectives.
-        self.reducer.overlap_at_forward_start(full=in_join or self._replica_check is not None)
+        self.reducer.overlap_at_forward_start(full=in_join or self._replica_check_due())
         if diagnose.profiler_enabled() is not self._profiling:  # one flag read per forward
             diagnose.toggle_profiler_ranges(self, not self._profiling)
         observer = self.reducer.observer
@@ -409,6 +409,13 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
     def comm_stats(self) -> dict[str, float]:
         """Time this rank spent waiting for all-reduces at the end of backward (not hidden by overlap)."""
         return {"comm_wait_s": self.reducer.comm_wait_s, "steps": self.reducer.num_syncs}
+
+    def _replica_check_due(self) -> bool:
+        """The replica check reads the parameters at this forward (a round in flight counts as done by then)."""
+        if self._replica_check is None:
+            return False
+        overlap = self.reducer.overlap
+        return self._replica_check.due(self.reducer.num_syncs + (overlap is not None and overlap.round is not None))
 
     def overlap_optimizer_step(self, optimizer: torch.optim.Optimizer,
                                sent_during_backward_mb: float | None = None) -> None:

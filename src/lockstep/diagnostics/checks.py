@@ -153,6 +153,12 @@ class PeriodicReplicaCheck:
         self.ignored = tuple(ignored)
         self._last_checked = 0
 
+    def due(self, num_syncs: int) -> bool:
+        """Whether ``maybe_check(num_syncs)`` would check (it reads every parameter: an overlapped step must land)."""
+        if self.first:
+            return num_syncs == 0
+        return not (self.every is None or num_syncs == 0 or num_syncs % self.every or num_syncs == self._last_checked)
+
     def maybe_check(self, num_syncs: int) -> None:
         if self.first:
             self.first = False
