@@ -63,7 +63,8 @@ class LaunchOrder:
     the link is slow (``SERIAL_BELOW_BYTES_S``): each bucket launches once the previous one is done.
     """
 
-    __slots__ = ("_launch", "_one_in_flight", "_carrier_last_ready", "buckets", "next_index", "ready", "sequence")
+    __slots__ = ("_launch", "_one_in_flight", "_carrier_last_ready", "buckets", "next_index", "ready", "sequence",
+                 "stop")
 
     def __init__(self, buckets: Sequence[Bucket], launch: Callable[[Bucket], None], one_in_flight: bool,
                  sequence: Sequence[int] | None = None, carrier_last_ready: bool = False):
@@ -76,12 +77,16 @@ class LaunchOrder:
         self.sequence = range(len(buckets)) if sequence is None else sequence
         self.ready = [False] * len(buckets)
         self.next_index = 0  # position in ``sequence`` of the next bucket to launch
+        # Positions from here on wait for ``launch_next`` (the overlapped step feeds the wire from the next forward,
+        # one bucket at a time, so gloo's two threads do not share the link between the first layers' bucket and
+        # the next); by default none wait.
+        self.stop = len(buckets)
 
     def mark_ready(self, index: int) -> None:
         """Bucket ``index`` holds all its gradients: launch it, and any later ones it was holding back."""
         self.ready[index] = True
         buckets, sequence, n = self.buckets, self.sequence, len(self.buckets)
-        while self.next_index < n and self.ready[sequence[self.next_index]]:
+        while self.next_index < min(n, self.stop) and self.ready[sequence[self.next_index]]:
             if self.next_index > 0 and self._one_in_flight and not _done(buckets[sequence[self.next_index - 1]].work):
                 break  # the previous hooked bucket is still in flight: drain() or a later ready bucket retries
             if self._carrier_last_ready and sequence[self.next_index] == n - 1 and not all(self.ready):
@@ -92,8 +97,21 @@ class LaunchOrder:
     def drain(self) -> None:
         """End of backward: launch every bucket still held back, each hooked one after the previous is done."""
         sequence = self.sequence
-        while self.next_index < len(self.buckets):
+        while self.next_index < min(len(self.buckets), self.stop):
             if self.next_index > 0 and self._one_in_flight:
                 self.buckets[sequence[self.next_index - 1]].work.wait()
             self._launch(self.buckets[sequence[self.next_index]])
             self.next_index += 1
+
+    def launch_next(self) -> bool:
+        """Launch the next bucket held at ``stop`` (every one is ready: after drain()); False if none is left."""
+        if self.next_index >= len(self.buckets):
+            return False
+        self.stop = max(self.stop, self.next_index + 1)
+        self._launch(self.buckets[self.sequence[self.next_index]])
+        self.next_index += 1
+        return True
+
+    def launched(self, index: int) -> bool:
+        """Bucket ``index`` has been launched this backward."""
+        return index in self.sequence[: self.next_index]

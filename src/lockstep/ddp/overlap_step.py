@@ -70,15 +70,14 @@ def check_can_overlap(reducer: Reducer, optimizer: Any) -> None:
 class _Round:
     """One deferred backward: its buckets in flight, which are finished, the seconds waited."""
 
-    __slots__ = ("step", "done", "left", "waited_s", "flag_checked", "agreed")
+    __slots__ = ("step", "done", "left", "waited_s", "flag_checked")
 
-    def __init__(self, step: Backward, num_buckets: int, agreed: tuple[Any, torch.Tensor] | None):
+    def __init__(self, step: Backward, num_buckets: int):
         self.step = step
         self.done = [False] * num_buckets
         self.left = num_buckets
         self.waited_s = 0.0
         self.flag_checked = False
-        self.agreed = agreed  # the sequence agreement's (work, tensor), issued behind this round's buckets
 
 
 class OverlappedStep:
@@ -98,7 +97,6 @@ class OverlappedStep:
         self._timings: list[tuple[int, float, float, float]] = []  # (layout, first launch, drain, last done) s
         self._first_launch_s = 0.0
         self._drain_s = 0.0
-        self._agreed_in_full: tuple[Any, torch.Tensor] | None = None
         self._warned: set[str] = set()
         self._patch_optimizer(optimizer)
         index_of = {id(p): i for i, p in enumerate(reducer.params)}
@@ -161,12 +159,35 @@ class OverlappedStep:
         """The launch sequence of the next backward (None: index order)."""
         return self.sequence if self.sequence_layout == layout_version else None
 
+    def window_stop(self, sequence: Sequence[int]) -> int:
+        """Where a backward in ``sequence`` stops launching: after the carrier (the last bucket, first of the held
+        ones) and the one after it; the next forward launches the rest one by one (``_finish_bucket``)."""
+        return list(sequence).index(len(sequence) - 1) + 2
+
+    def before_backward(self) -> None:
+        """A backward starts, the last round finished on every rank: agree, once per layout, on the sequence. Here,
+        before any bucket of this backward and after every collective of the last step's, the agreement's place
+        among the collectives is the same on every rank, whichever rounds each deferred."""
+        agreed = self._maybe_agree()
+        if agreed is not None:
+            self._read_agreement(agreed)
+
     def defer(self, step: Backward, missing: list[int]) -> bool:
-        """End of a backward, every bucket launched (in the sequence): keep the round in flight and return True,
-        or False where this round must be finished now (the reducer then waits as without the option)."""
+        """End of a backward, launched up to its window (``window_stop``): keep the round in flight and return True,
+        or False where this round must be finished now (every bucket launched here; the reducer then waits as
+        without the option)."""
         reducer = self.reducer
         self._drain_s = time.perf_counter()
-        agreed = self._maybe_agree()
+        step.order.drain()  # up to the window
+        if not self._deferrable(step, missing):
+            step.order.stop = len(reducer.buckets)
+            step.order.drain()
+            return False
+        self.round = _Round(step, len(reducer.buckets))
+        return True
+
+    def _deferrable(self, step: Backward, missing: list[int]) -> bool:
+        reducer = self.reducer
         plan = step.plan
         fast, _ = copy_back_path(step)
         # COPY mode without usage tracking; the non-finite check's verdict is read before any copy (``_check_flag``).
@@ -174,20 +195,13 @@ class OverlappedStep:
         if not (fast and copies and not plan.flag_apart and not plan.one_in_flight and not missing):
             self._warn_once("path", "overlap_optimizer_step: this backward is finished in full (a comm hook whose "
                             "collectives are not issued up front, sparse gradients, or a gradient with a graph)")
-            self._agreed_in_full = agreed
             return False
-        if reducer._observed_order is not None and not reducer.buckets_rebuilt:
-            self._agreed_in_full = agreed  # the first round: finished in full, so the rebuild comes where torch's does
-            return False
-        self.round = _Round(step, len(reducer.buckets), agreed)
-        return True
+        # The first round is finished in full, so the bucket rebuild comes where torch's does.
+        return not (reducer._observed_order is not None and not reducer.buckets_rebuilt)
 
     def finished_in_full(self) -> None:
-        """The reducer waited for a round that ``defer`` declined: time it, read the agreement it carried."""
+        """The reducer waited for a round that ``defer`` declined: time it."""
         self._record_timing(time.perf_counter())
-        agreed, self._agreed_in_full = self._agreed_in_full, None
-        if agreed is not None:
-            self._read_agreement(agreed)
 
     def launched(self, first: bool) -> None:
         """A bucket was launched (``first``: the backward's first)."""
@@ -233,8 +247,12 @@ class OverlappedStep:
         reducer = self.reducer
         bucket = reducer.buckets[b]
         plan = r.step.plan
+        order = r.step.order
+        while not order.launched(b):  # a module that needs a bucket further on (its own order): up to it
+            order.launch_next()
         r.waited_s += wait_bucket(bucket, b == len(reducer.buckets) - 1, plan.hooked, reducer.observer, True,
                                   plan.fused)
+        order.launch_next()  # the wire is free: the next bucket of the sequence, one at a time
         r.done[b] = True
         r.left -= 1
         if self.step_hyperparams is not None:
@@ -277,7 +295,9 @@ class OverlappedStep:
             self._close(r)
 
     def _abandon(self, r: _Round) -> None:
-        """A round that raises: wait for the rest (nothing left on the wire), apply nothing, close it."""
+        """A round that raises: launch and wait for the rest (nothing left on the wire), apply nothing, close it."""
+        while r.step.order.launch_next():
+            pass
         for b, done in enumerate(r.done):
             if not done:
                 r.waited_s += wait_bucket(self.reducer.buckets[b], False, r.step.plan.hooked, None, False,
@@ -289,8 +309,6 @@ class OverlappedStep:
         """Every bucket finished: the round's bookkeeping, as at the end of a plain backward."""
         self.round = None
         self.step_hyperparams = self.zero_set_to_none = None
-        if r.agreed is not None:
-            self._read_agreement(r.agreed)
         self.reducer.end_round(r.waited_s)
 
     # ----------------------------------------------------------------- the update of a subset
@@ -363,7 +381,7 @@ class OverlappedStep:
         return work, estimate
 
     def _read_agreement(self, agreed: tuple[Any, torch.Tensor]) -> None:
-        """The agreed count (the all-reduce queued behind a round's buckets, complete once they are)."""
+        """The agreed count: waited for at once (one small all-reduce, once per layout)."""
         work, estimate = agreed
         work.wait()
         self.sequence = priority_sequence(len(self.reducer.buckets), int(estimate.item()))

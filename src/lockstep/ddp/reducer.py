@@ -202,8 +202,10 @@ class Reducer:
         sequence = None if self.overlap is None else self.overlap.sequence_for(self.layout_version)
         serial = self.serial_launch and self.overlap is None  # the overlapped step's drain must not wait
         carrier = sequence is not None and plan.nonfinite is not None
-        self.step = Backward(plan, list(self._sizes),
-                             LaunchOrder(self.buckets, self._launch, plan.one_in_flight or serial, sequence, carrier))
+        order = LaunchOrder(self.buckets, self._launch, plan.one_in_flight or serial, sequence, carrier)
+        if sequence is not None and self.overlap is not None:
+            order.stop = self.overlap.window_stop(sequence)  # the rest go from the next forward, one at a time
+        self.step = Backward(plan, list(self._sizes), order)
         return self.step
 
     def on_backward_start(self, from_hook: bool = False) -> None:
@@ -213,6 +215,7 @@ class Reducer:
         refuse_compiled_autograd()  # its trace would run our hooks, not the real backward (``compiled``)
         if self.overlap is not None:
             self.overlap.finish()  # a round still in flight (a backward with no forward through the wrapper)
+            self.overlap.before_backward()  # the launch sequence, agreed once per layout
         # Runs once the whole backward is done: the only safe point to wait for the buckets.
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         self.release_works(keep=False)  # before this backward launches its own
@@ -284,6 +287,8 @@ class Reducer:
         if observer is not None:
             observer.bucket_launch(bucket.index, bucket.flat.numel(), bucket.seq)
         step = self.step
+        if step is None and self.overlap is not None and self.overlap.round is not None:
+            step = self.overlap.round.step  # a deferred round's bucket, launched from the next forward
         assert step is not None
         if step.order.next_index == 0:
             self._first_launch_s = time.perf_counter()
@@ -310,8 +315,7 @@ class Reducer:
         deferred = False
         try:
             missing = self._mark_the_rest(step)
-            if self.overlap is not None:
-                step.order.drain()  # in the agreed sequence; the round may stay in flight into the next forward
+            if self.overlap is not None:  # launched up to the window; the round may stay in flight
                 deferred = self.overlap.defer(step, missing)
                 if deferred:
                     if self.observer is not None:  # the backward ends here; its waits come in the next forward
