@@ -253,9 +253,29 @@ def _trainer(rank: int) -> dict:
     return out
 
 
+def _split(rank: int) -> dict:
+    """With the default cap, a model whose gradients fit one 25 MB bucket is rebuilt into several (so there is a
+    first layers' bucket to send first); an explicit cap is the user's."""
+    out = {}
+    for overlap, cap in ((False, None), (True, None), (True, 20)):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(384, 384) for _ in range(8)]),
+                                        bucket_cap_mb=cap)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        if overlap:
+            model.overlap_optimizer_step(opt)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(4, 384)).sum().backward()
+            opt.step()
+        model.finish_step()
+        out[(overlap, cap)] = len(model.reducer.buckets)
+    return out
+
+
 def _case(rank: int, world_size: int) -> dict:
     return {"parity": _parity(rank), "deferred": _deferred(rank), "missing": _missing(rank),
-            "nonfinite": _nonfinite(rank), "trainer": _trainer(rank)}
+            "nonfinite": _nonfinite(rank), "trainer": _trainer(rank), "split": _split(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -316,6 +336,13 @@ def test_the_trainer_overlaps_by_default_where_exact(results):
         assert seen["clipped_overlapped"] is False
         assert seen["forced"] == ("TrainerConfig.overlap_step=True: grad_clip_norm needs every gradient before any "
                                   "update")
+
+
+def test_the_default_cap_is_split_so_there_is_a_first_bucket_to_send_first(results):
+    for rank_result in results:
+        counts = rank_result["split"]
+        assert counts[(False, None)] == 1 and counts[(True, 20)] == 1, counts  # 4.7 MB: one bucket at 25 or 20 MB
+        assert counts[(True, None)] >= 4, counts
 
 
 def test_priority_sequence():

@@ -24,6 +24,7 @@ a script, and what forces a full wait (``finish``): docs/ddp.md#overlapping-the-
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import types
 import warnings
@@ -34,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.ddp.buckets import MIB
+from lockstep.ddp.config import DEFAULT_BUCKET_CAP_MB
 from lockstep.ddp.copy_back import wait_bucket
 from lockstep.ddp.errors import raise_missing_gradients
 from lockstep.ddp.launch_order import priority_sequence
@@ -43,6 +46,9 @@ Reducer = Any  # lockstep.ddp.reducer.Reducer, which imports this module
 
 # Rounds timed in the plain order (after the bucket rebuild and the auto-tuner) before the sequence is agreed.
 MEASURED_ROUNDS = 2
+# With the default cap, the rebuilt layout holds at least this many buckets (each >= 1 MiB): a model whose gradients
+# fit one 25 MB bucket has nothing to send first (the link's transformer, 7.9 MB: 1 bucket, no gain; 1 MB: 8).
+OVERLAP_MIN_BUCKETS = 8
 # Optimizers whose step is not one element-wise update per parameter: every step needs every gradient.
 _WHOLE_STEP_OPTIMIZERS = ("LBFGS", "ZeroRedundancyOptimizer")
 
@@ -99,6 +105,7 @@ class OverlappedStep:
         self._drain_s = 0.0
         self._warned: set[str] = set()
         self._patch_optimizer(optimizer)
+        self._split_default_buckets()
         index_of = {id(p): i for i, p in enumerate(reducer.params)}
         self._handles = []
         for sub in module.modules():
@@ -106,6 +113,20 @@ class OverlappedStep:
             if owned:
                 self._handles.append(sub.register_forward_pre_hook(self._pre_hook(owned)))
         self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.finish()))
+
+    def _split_default_buckets(self) -> None:
+        """With the default cap (25 MB, torch's; not "auto") and before the rebuild, cap the rebuilt buckets so that
+        there are ``OVERLAP_MIN_BUCKETS`` (the same arithmetic on every rank: the same layout)."""
+        reducer = self.reducer
+        caps = reducer.caps
+        if (caps.cap_mb != DEFAULT_BUCKET_CAP_MB or caps.cap_mb_list is not None or caps.auto is not None
+                or reducer.buckets_rebuilt):
+            return
+        nbytes = sum(p.numel() * p.element_size() for p in reducer.params)
+        cap = max(MIB, nbytes // OVERLAP_MIN_BUCKETS)
+        reducer.bucket_cap_bytes = min(reducer.bucket_cap_bytes, cap)
+        first = min(caps.rebuilt_first_bytes or cap, cap)
+        reducer.caps = dataclasses.replace(caps, rebuilt_first_bytes=first)  # the rebuild's first bucket too
 
     # ----------------------------------------------------------------- the optimizer's methods, deferred
     def _patch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
