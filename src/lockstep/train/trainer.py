@@ -374,6 +374,8 @@ class Trainer:
     def _end_epoch(self) -> None:
         set_phase("eval")
         meter = self.meter
+        if self.overlapped:
+            self.ddp.finish_step()  # the epoch's last step lands in it: its wait counts here, its update is evaluated
         meter.update_comm(self._comm_wait_total_s())
         # one collective per epoch: every rank's loss totals and phases (stragglers.py)
         ranks = gather_epoch(self._loss_sum, self._loss_count, meter.phases(), meter.comm_blocks(BLOCKS), self.device,
