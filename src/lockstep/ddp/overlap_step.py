@@ -145,8 +145,9 @@ class OverlappedStep:
             owner.finish()
             return owner._state_dict()
 
-        if hasattr(self._step, "_wrapped_by_lr_sched"):
-            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # a scheduler made first stays quiet
+        for mark in ("_wrapped_by_lr_sched", "_with_counter"):  # torch >= 2.5's and 2.4's LR scheduler wrappers
+            if hasattr(self._step, mark):
+                setattr(step, mark, True)  # a scheduler made first stays quiet
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
         optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
         optimizer.state_dict = types.MethodType(state_dict, optimizer)  # type: ignore[method-assign]
