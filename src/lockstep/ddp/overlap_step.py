@@ -101,7 +101,6 @@ class OverlappedStep:
         self.sequence_layout = 0  # the reducer's layout_version the sequence is for
         self.fixed_bytes = None if sent_during_backward_mb is None else int(sent_during_backward_mb * 2**20)
         self._timings: list[tuple[int, float, float, float]] = []  # (layout, first launch, drain, last done) s
-        self._first_launch_s = 0.0
         self._drain_s = 0.0
         self._warned: set[str] = set()
         self._patch_optimizer(optimizer)
@@ -224,11 +223,6 @@ class OverlappedStep:
     def finished_in_full(self) -> None:
         """The reducer waited for a round that ``defer`` declined: time it."""
         self._record_timing(time.perf_counter())
-
-    def launched(self, first: bool) -> None:
-        """A bucket was launched (``first``: the backward's first)."""
-        if first:
-            self._first_launch_s = time.perf_counter()
 
     def at_forward_start(self, full: bool) -> None:
         """A forward through the wrapper starts: the missing-gradient flag is read before this forward's own
@@ -379,7 +373,8 @@ class OverlappedStep:
 
     # ----------------------------------------------------------------- the launch sequence
     def _record_timing(self, done_s: float) -> None:
-        self._timings.append((self.reducer.layout_version, self._first_launch_s, self._drain_s, done_s))
+        reducer = self.reducer  # its first launch of the timed backward (``Reducer._launch``)
+        self._timings.append((reducer.layout_version, reducer._first_launch_s, self._drain_s, done_s))
         del self._timings[:-MEASURED_ROUNDS]
 
     def _maybe_agree(self) -> tuple[Any, torch.Tensor] | None:
@@ -434,14 +429,6 @@ class OverlappedStep:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, stacklevel=3)
-
-    def remove(self) -> None:
-        """Unbind: finish, remove the hooks, give the optimizer its own methods back."""
-        self.finish()
-        for handle in self._handles:
-            handle.remove()
-        opt = self.optimizer
-        opt.step, opt.zero_grad, opt.state_dict = self._step, self._zero_grad, self._state_dict  # type: ignore
 
 
 def _snapshot(value: Any) -> Any:

@@ -291,9 +291,7 @@ class Reducer:
             step = self.overlap.round.step  # a deferred round's bucket, launched from the next forward
         assert step is not None
         if step.order.next_index == 0:
-            self._first_launch_s = time.perf_counter()
-            if self.overlap is not None:
-                self.overlap.launched(first=True)
+            self._first_launch_s = time.perf_counter()  # read by _measure_link and the overlapped step's timing
         if step.plan.nonfinite is not None and bucket.index == len(self.buckets) - 1 and self.overlap is not None:
             unlaunched = step.order.sequence[step.order.next_index + 1:]  # all ready (``LaunchOrder``)
             step.plan.nonfinite.check_ahead([self.buckets[b] for b in unlaunched], step.plan.divisor, step.plan.hooked)
