@@ -53,7 +53,9 @@ def test_ci_runs_the_tests_from_a_checkout_folder_named_lockstep(tmp_path):
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "python").write_text('#!/bin/sh\necho "python ran in $PWD"\n'
-                                 '[ -f tests/test_readme.py ] && echo "tree here"\nexit 1\n')
+                                 '[ -f tests/test_readme.py ] && echo "tree here"\n'
+                                 'git ls-files --error-unmatch tests/test_readme.py >/dev/null && echo "a checkout"\n'
+                                 'exit 1\n')
     (fake / "ip").write_text("#!/bin/sh\nexit 0\n")  # so that the iproute2 check installs nothing
     for tool in fake.iterdir():
         tool.chmod(0o755)
@@ -65,6 +67,8 @@ def test_ci_runs_the_tests_from_a_checkout_folder_named_lockstep(tmp_path):
     assert ran_in, proc.stdout + proc.stderr
     assert os.path.basename(ran_in[1]) == "lockstep", proc.stdout
     assert "tree here" in proc.stdout, proc.stdout
+    # tests ask git what the checkout tracks and ignores (tests/test_bench.py): the copy must be one, as a clone is
+    assert "a checkout" in proc.stdout, proc.stdout + proc.stderr
     if os.path.basename(ROOT) != "lockstep":
         assert not os.path.exists(os.path.dirname(ran_in[1])), "the copy outlived the run"
 
