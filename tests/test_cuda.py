@@ -166,6 +166,15 @@ def _side_stream(rank, world_size, device) -> dict:
             "lockstep": _train(mine, "transformer", rank, world_size, device, stream)}
 
 
+def _where(error: BaseException) -> str:
+    """The innermost frames of lockstep's that raised ``error``: a failing sync check names the line to fix."""
+    import traceback
+
+    frames = [f"{f.filename.rsplit('/src/', 1)[-1]}:{f.lineno} {f.name}"
+              for f in traceback.extract_tb(error.__traceback__) if "/src/lockstep/" in f.filename]
+    return " <- ".join(reversed(frames[-4:])) or "no lockstep frame"
+
+
 def _host_syncs(rank, world_size, device) -> dict:
     """Steady-state steps under sync debug mode "error": the text of the first sync each setting makes, or None."""
     if device.type != "cuda" or world_size != 1:
@@ -188,7 +197,7 @@ def _host_syncs(rank, world_size, device) -> dict:
                 loss.backward()
                 opt.step()
             except RuntimeError as e:
-                return f"step {i}: {e}"
+                return f"step {i}: {e} at {_where(e)}"
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()

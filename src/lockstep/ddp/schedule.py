@@ -46,7 +46,9 @@ def issue_bucket(bucket: Bucket, step: Backward, num_buckets: int, group: dist.P
     divided = plan.nonfinite is not None and plan.nonfinite.check_bucket(bucket, plan.divisor, plan.hooked)
     last = bucket.index == num_buckets - 1
     if last:  # the spare element: every rank's flag is summed there (where no hook is called: ``flag_apart``)
-        bucket.buffer[-1] = float(step.missing_flag)
+        # fill_ with a Python number launches a kernel; ``buffer[-1] = number`` copies a host scalar in, which on
+        # CUDA is a synchronizing copy every backward (tests/test_cuda.py's sync check)
+        bucket.buffer[-1:].fill_(float(step.missing_flag))
     if plan.fused is not None:
         return plan.fused.launch(bucket, last, group)
     if comm_hook is not None:
