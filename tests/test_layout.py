@@ -23,7 +23,7 @@ LAYERS = {
     "slurm": 0, "sampler": 0, "network": 0, "code_paths": 0,
     "process_group": 1,
     "collectives": 2,
-    "comm_hooks": 3,
+    "comm_hooks": 3, "optim": 3,
     "ddp": 4, "diagnostics": 4,
     "launch": 5, "perf": 5, "integrations": 5,
     "train": 6,
@@ -190,3 +190,65 @@ def test_readme_name_imports(dotted):
             obj = getattr(obj, piece)
         except AttributeError:
             obj = importlib.import_module(".".join(pieces[: i + 1]))
+
+
+# STYLE.md habit 8: an object's state lives with the object. The reducer's collaborators (observers, the non-finite
+# check, the comm hook, the caps, ...) are set through its methods; no other module assigns to ``reducer.<attr>``.
+REDUCER_MODULES = {"lockstep.ddp.reducer"}
+
+
+def _assigned_targets(node: ast.AST) -> list[ast.expr]:
+    if isinstance(node, (ast.Assign, ast.Delete)):
+        pending = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        pending = [node.target]
+    else:
+        return []
+    found = []
+    while pending:
+        target = pending.pop()
+        if isinstance(target, (ast.Tuple, ast.List)):
+            pending += target.elts
+        elif isinstance(target, ast.Starred):
+            pending.append(target.value)
+        else:
+            found.append(target)
+    return found
+
+
+def _is_reducer(node: ast.expr) -> bool:
+    """``reducer``, ``self.reducer``, ``ddp.reducer``, ``self._reducer``: an expression naming a reducer."""
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return name in ("reducer", "_reducer")
+
+
+def reducer_writes(module: str, source: str) -> list[str]:
+    """``module:line target`` for each assignment (or setattr) to a reducer's attribute outside the reducer."""
+    if module in REDUCER_MODULES:
+        return []
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        for target in _assigned_targets(node):
+            while isinstance(target, ast.Subscript):  # reducer.caps[0] = ... writes the reducer's state too
+                target = target.value
+            if isinstance(target, ast.Attribute) and _is_reducer(target.value):
+                bad.append(f"{module}:{node.lineno} {ast.unparse(target)}")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                and node.args and _is_reducer(node.args[0])):
+            bad.append(f"{module}:{node.lineno} setattr({ast.unparse(node.args[0])}, ...)")
+    return bad
+
+
+def test_only_the_reducer_writes_its_attributes():
+    bad = [b for module, source in all_modules().items() for b in reducer_writes(module, source)]
+    assert not bad, "reducer attributes assigned outside ddp/reducer.py (add a Reducer method):\n" + "\n".join(bad)
+
+
+def test_checker_catches_a_reducer_write():
+    # The rule must be able to fail, on each way the old tree wrote the reducer's attributes.
+    assert reducer_writes("lockstep.ddp.diagnose", "ddp.reducer.observer = attach(ddp.reducer.observer, x)\n")
+    assert reducer_writes("lockstep.ddp.wrapper", "self.reducer.comm_hook, self.reducer.comm_hook_state = h, s\n")
+    assert reducer_writes("lockstep.ddp.overlap_step", "def f(reducer):\n    reducer.bucket_cap_bytes = 1\n")
+    assert reducer_writes("lockstep.train.faults", "reducer.caps[0] += 1\nsetattr(reducer, 'x', 1)\n")
+    assert not reducer_writes("lockstep.ddp.reducer", "self.observer = attach(self.observer, x)\n")
+    assert not reducer_writes("lockstep.ddp.wrapper", "self.reducer = Reducer()\nreducer.attach_observer(x)\n")

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.ddp.config import DiagnosticsOptions
-from lockstep.ddp.observe import attach, detach
 from lockstep.ddp.reducer import Reducer
 from lockstep.diagnostics.checks import PeriodicReplicaCheck
 from lockstep.diagnostics.nonfinite import NonfiniteCheck
@@ -70,31 +69,31 @@ def setup(ddp: DiagnosedDDP, options: DiagnosticsOptions) -> None:
             else window_from_env(os.environ.get("LOCKSTEP_TRACE_STEPS"), DEFAULT_TRACE_STEPS)
         )
         recorder = TraceRecorder(ddp.reducer, ddp.process_group, trace_dir, steps, on_finish=lambda: _detach_trace(ddp))
-        ddp.reducer.observer = attach(ddp.reducer.observer, recorder)
+        ddp.reducer.attach_observer(recorder)
         ddp.trace = recorder
 
 
 def attach_nonfinite(ddp: DiagnosedDDP) -> None:
     """(Re)attach the non-finite check to the current reducer."""
     if ddp.detect_nonfinite:
-        ddp.reducer.nonfinite = NonfiniteCheck(
+        ddp.reducer.set_nonfinite(NonfiniteCheck(
             ddp.reducer.names, ddp.process_group, ddp.reducer.gradient_as_bucket_view
-        )
+        ))
 
 
 def _detach_trace(ddp: DiagnosedDDP) -> None:
     if ddp.trace is not None:
-        ddp.reducer.observer = detach(ddp.reducer.observer, ddp.trace)
+        ddp.reducer.detach_observer(ddp.trace)
 
 
 def toggle_profiler_ranges(ddp: DiagnosedDDP, enabled: bool) -> None:
     """A torch.profiler started or stopped since the last forward: attach or detach the ranges observer."""
     if enabled and ddp._profiler_ranges is None and ddp.trace is None:  # a recording trace opens its own ranges
         ddp._profiler_ranges = ProfilerRanges()
-        ddp.reducer.observer = attach(ddp.reducer.observer, ddp._profiler_ranges)
+        ddp.reducer.attach_observer(ddp._profiler_ranges)
     elif not enabled and ddp._profiler_ranges is not None:
         ddp._profiler_ranges.close_ranges()
-        ddp.reducer.observer = detach(ddp.reducer.observer, ddp._profiler_ranges)
+        ddp.reducer.detach_observer(ddp._profiler_ranges)
         ddp._profiler_ranges = None
     ddp._profiling = enabled
 

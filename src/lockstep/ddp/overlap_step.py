@@ -24,7 +24,6 @@ a script, and what forces a full wait (``finish``): docs/ddp.md#overlapping-the-
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import types
 import warnings
@@ -123,9 +122,7 @@ class OverlappedStep:
             return
         nbytes = sum(p.numel() * p.element_size() for p in reducer.params)
         cap = max(MIB, nbytes // OVERLAP_MIN_BUCKETS)
-        reducer.bucket_cap_bytes = min(reducer.bucket_cap_bytes, cap)
-        first = min(caps.rebuilt_first_bytes or cap, cap)
-        reducer.caps = dataclasses.replace(caps, rebuilt_first_bytes=first)  # the rebuild's first bucket too
+        reducer.limit_caps(cap)  # the rebuild's first bucket too
 
     # ----------------------------------------------------------------- the optimizer's methods, deferred
     def _patch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

@@ -9,6 +9,7 @@ Where a gradient is missing every bucket launches anyway, with a flag in the las
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -33,8 +34,8 @@ from lockstep.ddp.layout import agree_on_order, build_layout
 from lockstep.ddp.lifetime import register_for_exit, remove_handles
 from lockstep.ddp.lifetime import release_works as release_reducer_works
 from lockstep.ddp.module_changes import ModuleChanges
-from lockstep.ddp.observe import Observer
-from lockstep.ddp.optim_in_backward import step_optimizers_in_backward
+from lockstep.ddp.observe import Observer, attach, detach
+from lockstep.ddp.optim_in_backward import step_optimizers_in_backward, take_over_optimizers_in_backward
 from lockstep.ddp.overlap_step import OverlappedStep
 from lockstep.ddp.reducer_state import Bucket, UsageTracker, still_missing
 from lockstep.ddp.schedule import CommHook, finish_collectives, issue_bucket
@@ -150,6 +151,50 @@ class Reducer:
     def relayout(self, bucket_caps_bytes: list[int]) -> None:  # new caps, the same order: the auto-tuner's trials
         self.bucket_caps_bytes = bucket_caps_bytes
         self._build(self._param_order)
+
+    # ------------------------------------------------------------- collaborators (set between steps, here only)
+    # The wrapper, its diagnostics and the Trainer's fault points set the reducer's collaborators through these
+    # methods; no other module assigns to a reducer's attributes (tests/test_layout.py checks it).
+    def attach_observer(self, observer: Observer) -> None:
+        """Add ``observer`` to the ones told of each step's phases (``observe.attach``)."""
+        self.observer = attach(self.observer, observer)
+
+    def detach_observer(self, observer: Observer) -> None:
+        self.observer = detach(self.observer, observer)
+
+    def set_nonfinite(self, check: NonfiniteCheck | None) -> None:  # detect_nonfinite=True (``diagnose``); None: off
+        self.nonfinite = check
+
+    def set_module_changes(self, changes: ModuleChanges | None) -> None:  # explains missing gradients
+        self.module_changes = changes
+
+    def set_hierarchy(self, hierarchy: HierarchicalAllReduce | None) -> None:  # the plain buckets' all-reduce
+        self.hierarchy = hierarchy
+
+    def set_comm_hook(self, hook: CommHook, state: object, fused: FusedCompression | None) -> None:
+        """``register_comm_hook``'s hook (the wrapper checked it); ``fused``: its average, run here instead."""
+        self.comm_hook, self.comm_hook_state, self.fused = hook, state, fused
+
+    def name_comm_hook(self, name: str) -> None:  # torch's built-in hook types, logged by type (``torch_surface``)
+        self.comm_hook_name = name
+
+    def log_error(self, error: BaseException) -> None:  # an error DDP raised, for the logging data
+        self.logged_error = error_for_log(error)
+
+    def set_divisor(self, divisor: int) -> None:  # ranks still training, under join(divide_by_initial_world_size=False)
+        self.divisor = divisor
+
+    def take_over_optimizers_in_backward(self) -> None:  # torch's _apply_optimizer_in_backward, at the first forward
+        self.optimizers_in_backward = take_over_optimizers_in_backward(self.params)
+
+    def bind_overlap(self, overlap: OverlappedStep) -> None:  # ``overlap_optimizer_step``'s optimizer, bound once
+        self.overlap = overlap
+
+    def limit_caps(self, cap_bytes: int) -> None:
+        """Cap every bucket, and the rebuilt first one, at ``cap_bytes`` (applies at the next layout build)."""
+        self.bucket_cap_bytes = min(self.bucket_cap_bytes, cap_bytes)
+        first = min(self.caps.rebuilt_first_bytes or cap_bytes, cap_bytes)
+        self.caps = dataclasses.replace(self.caps, rebuilt_first_bytes=first)
 
     # ------------------------------------------------------------- before forward
     def between_steps(self) -> None:

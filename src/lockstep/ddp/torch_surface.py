@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from lockstep.ddp.args import STATIC_WITH_FIND_UNUSED
-from lockstep.ddp.errors import error_for_log
 from lockstep.ddp.reducer import Reducer
 from lockstep.ddp.reducer_state import UsageTracker
 from lockstep.ddp.replicas import broadcast_coalesced, named_syncable_buffers
@@ -113,7 +112,7 @@ class WrapperSurface:
         """Raise ``error``, noted first as torch's DDP notes an error it raises after construction: its logging
         data then carries ``has_error`` and ``error`` (``error_for_log``). Noted on the reducer, where a
         backward's error goes too, so the last one is reported."""
-        self.reducer.logged_error = error_for_log(error)
+        self.reducer.log_error(error)
         raise error
 
     @property
@@ -199,7 +198,7 @@ class WrapperSurface:
         if name not in hooks:
             raise ValueError(f"_register_builtin_comm_hook: unknown comm hook type {comm_hook_type!r}")
         self.register_comm_hook(self.process_group, hooks[name])
-        self.reducer.comm_hook_name = str(comm_hook_type)  # torch logs a built-in hook by its type, not a function
+        self.reducer.name_comm_hook(str(comm_hook_type))  # torch logs a built-in hook by its type, not a function
 
     def _register_buffer_comm_hook(self, state: Any, hook: Any, comm_hook_location: Any = None) -> None:
         """torch's buffer comm hook: ``hook(state, {name: buffer})`` replaces the buffers' broadcast.

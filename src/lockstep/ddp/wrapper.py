@@ -46,8 +46,6 @@ from lockstep.ddp.join import (
     join_divisor,
     notify_not_joined,
 )
-from lockstep.ddp.observe import attach
-from lockstep.ddp.optim_in_backward import take_over_optimizers_in_backward
 from lockstep.ddp.overlap_step import OverlappedStep
 from lockstep.ddp.pickling import Pickling
 from lockstep.ddp.replicas import (
@@ -237,7 +235,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         hierarchy = hierarchy_for(process_group, hierarchical, _HIERARCHY_KEYWORD)
         self.detect_nonfinite = diagnostics.detect_nonfinite  # read by _build_reducer (diagnose.setup sets it too)
         self.reducer = self._build_reducer()
-        self.reducer.hierarchy = hierarchy  # not pickled: an unpickled DDP sums flat
+        self.reducer.set_hierarchy(hierarchy)  # not pickled: an unpickled DDP sums flat
         diagnose.setup(self, diagnostics)
         skip_lockstep_in_dynamo()  # where a script compiled before wrapping (else at its first compiled forward)
 
@@ -262,10 +260,10 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             sparse=[produces_sparse_gradient(self.module, n) for n, _ in named],
             release_idle_buckets=self.release_idle_buckets,
         )
-        reducer.module_changes = module_changes.ModuleChanges(self.module, reducer.params, reducer.names,
-                                                              self.parameters_to_ignore)
+        reducer.set_module_changes(module_changes.ModuleChanges(self.module, reducer.params, reducer.names,
+                                                                self.parameters_to_ignore))
         if watch_for_hangs(self.process_group, getattr(self, "hang_timeout_s", None)):
-            reducer.observer = attach(reducer.observer, observer_for(reducer))  # the watchdog reads its progress
+            reducer.attach_observer(observer_for(reducer))  # the watchdog reads its progress
         return reducer
 
     # ----------------------------------------------------------------- forward
@@ -292,10 +290,10 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         if not self._lazy_init_done:
             # As torch's lazy init: _apply_optimizer_in_backward may be called after construction.
             self._lazy_init_done = True
-            self.reducer.optimizers_in_backward = take_over_optimizers_in_backward(self.reducer.params)
+            self.reducer.take_over_optimizers_in_backward()
         join_work = notify_not_joined(self) if in_join else None  # every forward, as torch
         if synced:
-            self.reducer.divisor = join_divisor(self, join_work)
+            self.reducer.set_divisor(join_divisor(self, join_work))
             self.reducer.prepare_for_forward()  # before any other collective of this iteration
             if self._replica_check is not None and not in_join:  # inside join() a joined rank would not come
                 self._replica_check.maybe_check(self.reducer.num_syncs)
@@ -375,8 +373,8 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
                                              "(one per model)"))
         if self.reducer.num_syncs > 0:
             self._log_and_throw(RuntimeError("register_comm_hook must be called before the first backward"))
-        self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
-        self.reducer.fused = fused_compression(hook, state, self.process_group)  # torch's and lockstep's fp16/bf16
+        # torch's and lockstep's fp16/bf16 compress hooks: their average run by the reducer (``fused_compress``)
+        self.reducer.set_comm_hook(hook, state, fused_compression(hook, state, self.process_group))
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
@@ -432,7 +430,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             sent_during_backward_mb: bytes of buckets sent in index order during backward before the rest go
                 first-layers-first; None measures the link over two rounds and agrees across ranks.
         """
-        self.reducer.overlap = OverlappedStep(self.reducer, optimizer, self.module, sent_during_backward_mb)
+        self.reducer.bind_overlap(OverlappedStep(self.reducer, optimizer, self.module, sent_during_backward_mb))
 
     def finish_step(self) -> None:
         """With ``overlap_optimizer_step``: wait for every bucket and apply the noted step now (a full wait). Before

@@ -86,7 +86,7 @@ def maybe_kill(point: KillPoint | None, phase: str, step: int) -> None:
 
 def install_kill_hooks(trainer, point: KillPoint) -> None:
     """Hooks for the training phases (checkpoint phases are checked by the writer itself)."""
-    from lockstep.ddp.observe import StepObserver, attach
+    from lockstep.ddp.observe import StepObserver
 
     if point.phase in ("forward", "backward"):
 
@@ -98,7 +98,7 @@ def install_kill_hooks(trainer, point: KillPoint) -> None:
                 maybe_kill(point, "backward", trainer.step + 1)
 
         reducer = trainer.ddp.reducer
-        reducer.observer = attach(reducer.observer, _KillObserver())
+        reducer.attach_observer(_KillObserver())
     elif point.phase == "optimizer":
         # after the update, before the step is counted: parameters in memory already differ from any checkpoint
         trainer.optimizer.register_step_post_hook(lambda *_: maybe_kill(point, "optimizer", trainer.step + 1))
