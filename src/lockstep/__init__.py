@@ -30,6 +30,7 @@ _EXPORTS = {
     "check_replicas": "diagnostics.checks",
     "ReplicaMismatchError": "diagnostics.checks",
     "NonfiniteGradientError": "diagnostics.nonfinite",
+    "ZeroRedundancyOptimizer": "optim.zero",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -39,13 +40,14 @@ __all__ = sorted(_EXPORTS)
 #   process_group, sampler, slurm   set-up from the environment; the sampler
 #   collectives/   ring and tree all-reduce over send/recv
 #   comm_hooks/    the hook contract, allreduce / fp16 / bf16 / chain stages, PowerSGD
+#   optim/         ZeroRedundancyOptimizer (ZeRO-1)
 #   ddp/           the DistributedDataParallel wrapper, its reducer, buckets, join, naive reference
 #   diagnostics/   replica and non-finite checks, the overlap timeline (trace), hang reports
 #   launch/        `lockstep launch` on torch's elastic agent, rank output, failure report
 #   perf/          cost model, plan, all-reduce benchmark
 #   train/         Trainer, checkpoint, metrics, data, demo
 #   integrations/  use_as_torch_ddp() for Accelerate / Lightning / HF Trainer, a Lightning strategy
-_SUBPACKAGES = ("collectives", "comm_hooks", "ddp", "diagnostics", "integrations", "launch", "perf", "train")
+_SUBPACKAGES = ("collectives", "comm_hooks", "ddp", "diagnostics", "integrations", "launch", "optim", "perf", "train")
 
 
 def __getattr__(name: str):

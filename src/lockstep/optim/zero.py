@@ -1,0 +1,361 @@
+"""ZeRO stage 1: each rank keeps the optimizer state of a shard of the parameters, steps that shard, and the
+updated parameters are all-gathered. torch's ``ZeroRedundancyOptimizer`` API, written for lockstep.
+
+The one idea: the parameters are partitioned across ranks exactly as torch partitions them (per parameter group,
+largest first, each to the rank with the fewest elements so far), so a rank's shard, its local optimizer and the
+consolidated ``state_dict`` are the ones torch's class gives, and a checkpoint moves between the two. What differs
+is how the updated parameters travel: torch broadcasts each rank's parameters (one broadcast per parameter, or one
+per rank with ``parameters_as_bucket_view``); here every rank's shard is laid out rank-major in flat chunks of whole
+parameters and each chunk is one all-gather (a few collectives for the whole model, the same bits).
+
+Memory, fp32 with Adam at N ranks: parameters 4 + gradients 4 + optimizer state 8/N bytes a parameter, plus one
+chunk in flight (at most ``GATHER_CAP_BYTES`` across the ranks, or the largest parameter's world-size copies) where
+``parameters_as_bucket_view=False``; with ``True`` the parameters are views into the chunks and nothing is copied.
+``overlap_with_ddp=True`` is refused: torch supports it on NCCL only, through a comm hook of its own DDP
+(``ddp_zero_hook``); docs/zero.md says what to use instead.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.optim import Optimizer
+
+# One all-gather moves at most this many bytes across the ranks (a chunk's slot is this over the world size), unless
+# one parameter is larger: with parameters_as_bucket_view=False the chunk is a temporary buffer (and gloo flattens the
+# outputs into one of its own), so this bounds the extra memory of the parameter exchange.
+GATHER_CAP_BYTES = 32 * 2**20
+
+
+def partition_parameters(param_groups: list[dict[str, Any]], world_size: int) -> list[list[list[torch.Tensor]]]:
+    """``[rank][group] -> parameters``: torch's sorted-greedy partition (``ZeroRedundancyOptimizer``'s).
+
+    Per group in order, the parameters largest first (a stable sort: ties keep their order), each to the rank that
+    holds the fewest elements so far (the lowest rank on a tie); the counts carry over from group to group. Frozen
+    parameters are counted too, as torch counts them, so the shards do not move when trainability changes.
+    """
+    sizes = [0] * world_size
+    out: list[list[list[torch.Tensor]]] = [[] for _ in range(world_size)]
+    for group in param_groups:
+        per_rank: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+        for param in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
+            rank = sizes.index(min(sizes))
+            per_rank[rank].append(param)
+            sizes[rank] += param.numel()
+        for rank in range(world_size):
+            out[rank].append(per_rank[rank])
+    return out
+
+
+@dataclass
+class _Chunk:
+    """One all-gather: rank r's ``params[r]`` (whole parameters, in shard order) fill slot r of ``numel`` elements."""
+
+    numel: int
+    params: list[list[torch.Tensor]]
+    storage: torch.Tensor | None = None  # world x numel; kept (and the parameters view it) with bucket views
+
+
+@dataclass
+class _Layout:
+    chunks: list[_Chunk] = field(default_factory=list)
+
+
+def _split_whole(params: list[torch.Tensor], slot_numel: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of ``params`` of at most ``slot_numel`` elements (a larger parameter is a run alone)."""
+    runs: list[list[torch.Tensor]] = []
+    size = slot_numel + 1
+    for p in params:
+        if size + p.numel() > slot_numel:
+            runs.append([])
+            size = 0
+        runs[-1].append(p)
+        size += p.numel()
+    return runs
+
+
+def build_layout(shards: list[list[torch.Tensor]], world_size: int, as_bucket_view: bool) -> _Layout:
+    """Chunks for one device's trainable parameters, ``shards[rank]`` in shard order; the same on every rank.
+
+    Chunk k holds each rank's k-th run; its slot is the longest of them (the others padded). With bucket views the
+    parameters become views of the chunks' storage (their values copied in), which the all-gather fills in place.
+    """
+    every = [p for shard in shards for p in shard]
+    if not every:
+        return _Layout()
+    itemsize = every[0].element_size()
+    slot_numel = max(GATHER_CAP_BYTES // itemsize // world_size, max(p.numel() for p in every))
+    runs = [_split_whole(shard, slot_numel) for shard in shards]
+    layout = _Layout()
+    for k in range(max(len(r) for r in runs)):
+        params = [r[k] if k < len(r) else [] for r in runs]
+        numel = max(sum(p.numel() for p in ps) for ps in params)
+        layout.chunks.append(_Chunk(numel, params))
+    if as_bucket_view:
+        for chunk in layout.chunks:
+            chunk.storage = torch.zeros(world_size * chunk.numel, dtype=every[0].dtype, device=every[0].device)
+            for rank, slot in enumerate(chunk.storage.split(chunk.numel)):
+                offset = 0
+                for p in chunk.params[rank]:
+                    view = slot[offset:offset + p.numel()].view_as(p)
+                    view.copy_(p.data)
+                    p.data = view
+                    offset += p.numel()
+    return layout
+
+
+def _slot_copy(slot: torch.Tensor, params: list[torch.Tensor], into_params: bool) -> None:
+    offset = 0
+    for p in params:
+        view = slot[offset:offset + p.numel()].view(p.shape)
+        if into_params:
+            p.data.copy_(view)
+        else:
+            view.copy_(p.data)
+        offset += p.numel()
+
+
+class _ZeroJoinHook(JoinHook):
+    """A joined rank still takes part in each step's all-gathers: it steps its shard with the gradients it has
+    (a ``Joinable`` registered before this one sets them, as torch's join test does) and gathers."""
+
+    def __init__(self, zero: ZeroRedundancyOptimizer):
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        self.zero.step()
+
+
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
+    """Wraps ``optimizer_class`` and shards its state across the ranks of ``process_group`` (ZeRO stage 1).
+
+    A drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer``: the same arguments, the same partition and
+    local optimizer (``optim``), the same ``state_dict`` (after ``consolidate_state_dict(to)`` on every rank), and
+    the parameters torch's class gives, bit for bit; the updated parameters travel as all-gathers of flat chunks.
+
+    Args:
+        params: an iterable of tensors or of parameter-group dicts, all of the same dense type.
+        optimizer_class: the local optimizer's class (``torch.optim.AdamW``...).
+        process_group: the group to shard across (default: the default group).
+        parameters_as_bucket_view: the parameters become views of the flat chunks the all-gather fills (no copy
+            in or out); with ``False`` (the default) each parameter keeps its own storage.
+        overlap_with_ddp: must be ``False``; ``True`` raises (torch's overlap runs on NCCL only, through its own
+            DDP's comm hook).
+        **defaults: the local optimizer's arguments (``lr``, ``betas``...).
+    """
+
+    def __init__(self, params: Any, optimizer_class: type[Optimizer], process_group: Any = None,
+                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, **defaults: Any):
+        if overlap_with_ddp:
+            raise ValueError("overlap_with_ddp=True is not supported by lockstep.ZeroRedundancyOptimizer (torch's "
+                             "runs only on NCCL, through its own DDP's comm hook); pass overlap_with_ddp=False")
+        params = _checked_params(params)
+        self._initialized = False
+        Optimizer.__init__(self, params, defaults)
+        Joinable.__init__(self)
+        group: Any = dist.group.WORLD if process_group is None else process_group
+        self.process_group = group
+        self.world_size: int = dist.get_world_size(group)
+        self.rank: int = dist.get_rank(group)
+        self.global_rank: int = dist.get_global_rank(group, self.rank)
+        self.parameters_as_bucket_view = parameters_as_bucket_view
+        self._into_tensor = dist.get_backend(self.process_group) == "nccl"
+        self._optim_defaults = defaults
+        self._partition = partition_parameters(self.param_groups, self.world_size)
+        mine = self._partition[self.rank]
+        local_groups = [dict(group, params=list(ps)) for group, ps in zip(self.param_groups, mine)]
+        self.optim: Optimizer = optimizer_class(local_groups, **defaults)
+        _sync_param_groups(self.optim.param_groups, self.param_groups)
+        self._trainable = self._trainable_mask()
+        self._layouts: list[_Layout] = []
+        self._build_layouts()
+        self._all_state_dicts: list[dict[str, Any]] = []
+        self._initialized = True
+
+    # ---- the partition and the chunks
+    def _all_params(self) -> list[torch.Tensor]:
+        return list(chain.from_iterable(g["params"] for g in self.param_groups))
+
+    def _trainable_mask(self) -> list[bool]:
+        return [p.requires_grad for p in self._all_params()]
+
+    def _build_layouts(self) -> None:
+        """One layout per device, in the order the devices first appear; only trainable parameters travel (a frozen
+        one is never stepped). With bucket views, a parameter that leaves the chunks gets storage of its own."""
+        for layout in self._layouts if self.parameters_as_bucket_view else ():
+            for p in (p for chunk in layout.chunks for shard in chunk.params for p in shard):
+                if not p.requires_grad:
+                    p.data = p.data.detach().clone()
+        devices = list(dict.fromkeys(p.device for p in self._all_params()))
+        self._layouts = []
+        for device in devices:
+            shards = [[p for group in rank_groups for p in group if p.device == device and p.requires_grad]
+                      for rank_groups in self._partition]
+            self._layouts.append(build_layout(shards, self.world_size, self.parameters_as_bucket_view))
+
+    def _gather_params(self) -> None:
+        """Every rank's updated shard to every rank: one all-gather per chunk, issued in the same order everywhere
+        (the layout is computed from the same parameters on every rank)."""
+        in_place = self.parameters_as_bucket_view
+        pending = []
+        for layout in self._layouts:
+            for chunk in layout.chunks:
+                region = chunk.storage
+                if region is None:  # a temporary: this rank's parameters in, the others' out after the wait
+                    region = torch.zeros(self.world_size * chunk.numel, dtype=_dtype(chunk), device=_device(chunk))
+                    _slot_copy(region.split(chunk.numel)[self.rank], chunk.params[self.rank], into_params=False)
+                slots = list(region.split(chunk.numel))
+                if self._into_tensor:  # NCCL: straight into the flat region (the list form would stage a copy)
+                    work = dist.all_gather_into_tensor(region, slots[self.rank], group=self.process_group,
+                                                       async_op=True)
+                else:  # gloo: the list form, which every torch since 2.4 has (its flat form came later)
+                    work = dist.all_gather(slots, slots[self.rank], group=self.process_group, async_op=True)
+                if in_place:
+                    pending.append(work)
+                    continue
+                work.wait()  # one temporary at a time: the extra memory stays one chunk
+                for rank, slot in enumerate(slots):
+                    if rank != self.rank:
+                        _slot_copy(slot, chunk.params[rank], into_params=True)
+        for work in pending:
+            work.wait()
+
+    # ---- the optimizer interface
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Steps this rank's shard (``closure`` and ``kwargs`` go to the local optimizer), then all-gathers the
+        updated parameters. Every rank must call it."""
+        Join.notify_join_context(self)
+        trainable = self._trainable_mask()
+        if trainable != self._trainable:  # a parameter was frozen or unfrozen: the chunks carry trainable ones only
+            self._trainable = trainable
+            self._build_layouts()
+        _sync_param_groups(self.param_groups, self.optim.param_groups)  # an LR scheduler writes the outer groups
+        loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
+        _sync_param_groups(self.optim.param_groups, self.param_groups)
+        self._gather_params()
+        return loss
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a group on every rank (call it on all of them): the earlier groups keep their shards (the greedy
+        partition of a prefix does not change), this rank's part of the new one joins the local optimizer."""
+        super().add_param_group(param_group)
+        if not getattr(self, "_initialized", False):  # Optimizer.__init__ adding the constructor's groups
+            return
+        self._partition = partition_parameters(self.param_groups, self.world_size)
+        self.optim.add_param_group(dict(self.param_groups[-1], params=list(self._partition[self.rank][-1])))
+        _sync_param_groups(self.optim.param_groups, self.param_groups)
+        self._trainable = self._trainable_mask()
+        self._build_layouts()
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gathers every rank's local ``state_dict`` (on the CPU) on rank ``to`` of the group, whose ``state_dict()``
+        then returns the whole optimizer's. Every rank must call it; one gather, where torch broadcasts per rank."""
+        _sync_param_groups(self.param_groups, self.optim.param_groups)
+        local = _to_cpu(self.optim.state_dict())
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == to else None
+        dist.gather_object(local, gathered, dst=dist.get_global_rank(self.process_group, to), group=self.process_group)
+        self._all_state_dicts = gathered if gathered is not None else []
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer's state as a plain ``optimizer_class`` would give it (global parameter indices), as of
+        the last ``consolidate_state_dict`` to this rank."""
+        if not self._all_state_dicts:
+            raise RuntimeError("ZeroRedundancyOptimizer.state_dict(): the optimizer state has not been consolidated "
+                               f"on this rank; call consolidate_state_dict(to={self.rank}) on every rank first")
+        out = super().state_dict()
+        index = {p: i for i, p in enumerate(self._all_params())}
+        state: dict[int, Any] = {}
+        for rank, local in enumerate(self._all_state_dicts):
+            for local_group, params in zip(local["param_groups"], self._partition[rank]):
+                for local_index, p in zip(local_group["params"], params):
+                    if local_index in local["state"]:
+                        state[index[p]] = local["state"][local_index]
+        out["state"] = dict(sorted(state.items()))
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a whole optimizer's state (this class's ``state_dict()`` or a plain optimizer's): the groups'
+        settings here, this rank's shard of the state into the local optimizer. ``state_dict`` is not modified."""
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        index = {p: i for i, p in enumerate(self._all_params())}
+        local_state: dict[int, Any] = {}
+        local_groups = []
+        next_id = 0  # the local optimizer numbers its parameters group after group, in shard order
+        for saved, params in zip(state_dict["param_groups"], self._partition[self.rank]):
+            ids = list(range(next_id, next_id + len(params)))
+            next_id += len(params)
+            for local_index, p in zip(ids, params):
+                if index[p] in state_dict["state"]:
+                    local_state[local_index] = state_dict["state"][index[p]]
+            settings = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+            local_groups.append({**settings, "params": ids})
+        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        _sync_param_groups(self.param_groups, self.optim.param_groups)
+
+    # ---- Joinable
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._all_params()[0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+
+def _checked_params(params: Any) -> list[Any]:
+    """``params`` as a list of tensors or of group dicts, all of one dense type, or a one-line error saying why not."""
+    wrong = f"ZeroRedundancyOptimizer: params must be an iterable of tensors or dicts, got {torch.typename(params)}"
+    if isinstance(params, torch.Tensor):
+        raise TypeError(wrong)
+    try:
+        items = list(params)
+    except TypeError:
+        raise TypeError(wrong) from None
+    if not items:
+        raise ValueError("ZeroRedundancyOptimizer: params is empty")
+    if all(isinstance(x, dict) for x in items):
+        if any("params" not in g for g in items):
+            raise ValueError("ZeroRedundancyOptimizer: each parameter group in params needs a 'params' key")
+        tensors = [p for g in items for p in ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])]
+    elif all(isinstance(x, torch.Tensor) for x in items):
+        tensors = items
+    else:
+        raise TypeError("ZeroRedundancyOptimizer: params must hold only tensors or only parameter-group dicts")
+    kinds = {torch.typename(p) for p in tensors}
+    if any(p.is_sparse for p in tensors) or len(kinds) > 1:
+        raise ValueError(f"ZeroRedundancyOptimizer: every parameter must be of one dense type, got {sorted(kinds)}")
+    return items
+
+
+def _sync_param_groups(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
+    """Copies every setting but ``params`` (lr, betas, a scheduler's initial_lr...) group by group."""
+    for src, dst in zip(source, target):
+        dst.update({k: v for k, v in src.items() if k != "params"})
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return copy.copy(value)
+
+
+def _dtype(chunk: _Chunk) -> torch.dtype:
+    return next(p for ps in chunk.params for p in ps).dtype
+
+
+def _device(chunk: _Chunk) -> torch.device:
+    return next(p for ps in chunk.params for p in ps).device
