@@ -196,3 +196,50 @@ def test_an_unwritable_out_fails_before_the_benchmark_runs(tmp_path, capsys):
         with pytest.raises(SystemExit):
             cli_main(["allreduce", "--max-size", "4KiB", "--out", str(locked)])
 
+
+
+def test_under_a_launcher_the_launchers_ranks_measure_and_plan_reads_the_result(tmp_path):
+    # issue #35 item 6: the plan "given the measured link": `lockstep bench allreduce` run by the launcher's ranks
+    # (across nodes, over the link the job will use), its result file given to `lockstep plan --link-from`
+    import glob
+    import subprocess
+    import sys
+
+    out = tmp_path / "link"
+    cmd = [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", "-m", "lockstep", "bench",
+           "allreduce", "--min-size", "256KiB", "--max-size", "16MiB", "--iters", "3", "--budget-s", "0.2",
+           "--algorithms", "native", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("| 16 MiB | native |") == 1, proc.stdout  # rank 0 reports, once
+    assert "2 gloo ranks started by a launcher (1 node(s))" in proc.stdout, proc.stdout
+    [result] = glob.glob(str(out / "allreduce_*_n2.json"))
+    assert json.load(open(result))["meta"]["where"].startswith("gloo ranks started by a launcher")
+    plan = subprocess.run([sys.executable, "-m", "lockstep", "plan", "--params", "1e7", "--world-size", "2",
+                           "--compute-ms", "50", "--link-from", result], capture_output=True, text=True, timeout=60)
+    assert plan.returncode == 0, plan.stderr
+    assert f"link measured ({os.path.basename(result)})" in plan.stdout, plan.stdout
+    twice = subprocess.run(cmd[:-2] + ["--nproc", "2", "--out", ""], capture_output=True, text=True, timeout=180,
+                           stdin=subprocess.DEVNULL)
+    assert twice.returncode != 0
+    assert "argument --nproc: under a launcher its 2 ranks run the benchmark (WORLD_SIZE); leave --nproc out" \
+        in twice.stdout + twice.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--link-from", "README.md"], "argument --link-from: README.md: not a `lockstep bench allreduce` result"),
+    (["--link-from", "no/such.json"], "argument --link-from: no/such.json: No such file or directory"),
+    (["--link", "10gbe", "--link-from", "x.json"], "argument --link-from: give --link or --link-from, not both"),
+])
+@pytest.mark.parametrize("command", ["plan", "scaling"])
+def test_link_from_a_bad_file_is_one_line_naming_the_flag(command, argv, message, capsys, monkeypatch):
+    from lockstep.perf.plan import cli_main as plan_main
+    from lockstep.perf.scaling import cli_main as scaling_main
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main, extra = (plan_main, ["--params", "1e6"]) if command == "plan" else (scaling_main, ["--out", ""])
+    with pytest.raises(SystemExit) as exit_info:
+        main(extra + argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err

@@ -71,7 +71,7 @@ def test_efficiencies_and_prediction_arithmetic(run):
 def test_prediction_is_the_plans():
     rows = [{"mode": "strong", "world_size": n, "batch_per_rank": 32 // n, "global_batch": 32, "step_s": s,
              "comm_wait_s_per_step": c, "params": 10_000_000} for n, s, c in ((1, 0.100, 0.0), (2, 0.080, 0.02))]
-    add_efficiency_and_prediction(rows, "10gbe")
+    add_efficiency_and_prediction(rows, LINKS["10gbe"])
     plan = make_plan(PlanConfig(params=1e7, precision="fp32", optimizer="sgd-nomomentum", world_size=2, link=LINKS["10gbe"],
                                 compute_ms=50.0, device_memory_gb=1e6))
     assert rows[1]["predicted_step_s"] == pytest.approx(plan.step_ms["overlap"] / 1e3)

@@ -55,11 +55,9 @@ def sizes_between(min_nbytes: int, max_nbytes: int, factor: int) -> list[int]:
 
 
 def _worker(rank, world_size, port, cfg, queue):
-    """One rank: time every (size, algorithm); rank 0 puts the results on ``queue``."""
+    """One spawned rank: time every (size, algorithm); rank 0 puts the results on ``queue``."""
     import torch
     import torch.distributed as dist
-
-    from lockstep.collectives import all_reduce
 
     torch.set_num_threads(1)
     with report_to_parent(rank, queue) as rows:
@@ -67,36 +65,83 @@ def _worker(rank, world_size, port, cfg, queue):
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=cfg["timeout_s"]),
         )
-        dtype = getattr(torch, cfg["dtype"])
-        algos = cfg["algorithms"]
-        for nbytes in cfg["sizes"]:
-            numel = max(1, nbytes // torch.empty((), dtype=dtype).element_size())
-            buf = torch.empty(numel, dtype=dtype)
-            for algo in algos:  # warm-up that also checks the answer: sum of (rank+1) over ranks
-                buf.fill_(rank + 1)
-                all_reduce(buf, algorithm=algo)
-                if not bool((buf == world_size * (world_size + 1) // 2).all()):
-                    raise RuntimeError(f"{algo} all-reduce of {nbytes} bytes gave a wrong sum on rank {rank}")
-            buf.zero_()  # 0 + 0 stays 0: repeated sums never overflow or go subnormal
-            spans = [_timed(all_reduce, buf, a, dist) for a in algos]
-            probe = torch.tensor([end - start for start, end in spans], dtype=torch.float64)
-            dist.all_reduce(probe, op=dist.ReduceOp.MAX)  # every rank derives the same iteration count
-            iters = int(max(cfg["min_iters"], min(cfg["iters"], cfg["budget_s"] / max(probe.sum().item(), 1e-9))))
-            starts = torch.zeros(iters, len(algos), dtype=torch.float64)
-            ends = torch.zeros_like(starts)
-            for i in range(iters):
-                for j in range(len(algos)):
-                    k = (i + j) % len(algos)  # rotate who goes first: no algorithm always follows another
-                    starts[i, k], ends[i, k] = _timed(all_reduce, buf, algos[k], dist)
-            # All ranks share this host's monotonic clock, so a call lasted from the
-            # last rank's start to the last rank's finish (the barrier's skew drops out).
+        rows += measure(rank, world_size, cfg, one_clock=True)
+
+
+def measure(rank: int, world_size: int, cfg: dict, one_clock: bool) -> list[dict]:
+    """Time every (size, algorithm) on the default group; every rank returns the same rows.
+
+    ``one_clock``: the ranks share one host's monotonic clock, so a call lasted from the last rank's start to the
+    last rank's finish (the barrier's skew drops out). Across hosts (``lockstep launch`` on several nodes) clocks
+    differ: a call lasted the longest of the ranks' own spans, start to finish after the barrier.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from lockstep.collectives import all_reduce
+
+    rows: list[dict] = []
+    dtype = getattr(torch, cfg["dtype"])
+    algos = cfg["algorithms"]
+    for nbytes in cfg["sizes"]:
+        numel = max(1, nbytes // torch.empty((), dtype=dtype).element_size())
+        buf = torch.empty(numel, dtype=dtype)
+        for algo in algos:  # warm-up that also checks the answer: sum of (rank+1) over ranks
+            buf.fill_(rank + 1)
+            all_reduce(buf, algorithm=algo)
+            if not bool((buf == world_size * (world_size + 1) // 2).all()):
+                raise RuntimeError(f"{algo} all-reduce of {nbytes} bytes gave a wrong sum on rank {rank}")
+        buf.zero_()  # 0 + 0 stays 0: repeated sums never overflow or go subnormal
+        spans = [_timed(all_reduce, buf, a, dist) for a in algos]
+        probe = torch.tensor([end - start for start, end in spans], dtype=torch.float64)
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX)  # every rank derives the same iteration count
+        iters = int(max(cfg["min_iters"], min(cfg["iters"], cfg["budget_s"] / max(probe.sum().item(), 1e-9))))
+        starts = torch.zeros(iters, len(algos), dtype=torch.float64)
+        ends = torch.zeros_like(starts)
+        for i in range(iters):
+            for j in range(len(algos)):
+                k = (i + j) % len(algos)  # rotate who goes first: no algorithm always follows another
+                starts[i, k], ends[i, k] = _timed(all_reduce, buf, algos[k], dist)
+        if one_clock:
             dist.all_reduce(starts, op=dist.ReduceOp.MAX)
             dist.all_reduce(ends, op=dist.ReduceOp.MAX)
             times = ends - starts
-            for k, algo in enumerate(algos):
-                rows.append({"algorithm": algo, "nbytes": numel * buf.element_size(), "iters": iters,
-                             "median_s": statistics.median(times[:, k].tolist()), "min_s": times[:, k].min().item()})
-            del buf
+        else:
+            times = ends - starts
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        for k, algo in enumerate(algos):
+            rows.append({"algorithm": algo, "nbytes": numel * buf.element_size(), "iters": iters,
+                         "median_s": statistics.median(times[:, k].tolist()), "min_s": times[:, k].min().item()})
+        del buf
+    return rows
+
+
+def launched() -> tuple[int, int] | None:
+    """(rank, world size) when a launcher (``lockstep launch``, torchrun) started this process as one of several
+    ranks; None when run alone (the command then spawns its own ranks on this host)."""
+    env = os.environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    return (int(env["RANK"]), int(env["WORLD_SIZE"])) if int(env["WORLD_SIZE"]) > 1 else None
+
+
+def run_launched(rank: int, world_size: int, cfg: dict) -> list[dict]:
+    """This process is one of a launcher's ranks (``lockstep launch -m lockstep bench allreduce``): join its group
+    (gloo, the launcher's environment) and time the link between the launcher's nodes."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg["timeout_s"]))
+    try:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        rows = measure(rank, world_size, cfg, one_clock=local_world == world_size)
+    finally:
+        dist.destroy_process_group()
+    for row in rows:
+        row["algbw_gb_s"] = row["nbytes"] / row["median_s"] / 1e9
+        row["busbw_gb_s"] = bus_bandwidth_gb_s(row["nbytes"], world_size, row["median_s"])
+    return rows
 
 
 def _timed(all_reduce, buf, algo, dist) -> tuple[float, float]:
@@ -144,9 +189,8 @@ def summarise(rows, world_size: int) -> dict:
             "ring_over_native_median": statistics.median(ratios.values()) if ratios else None}
 
 
-def format_report(rows, summary, world_size: int) -> str:
-    lines = [f"all-reduce on {world_size} gloo ranks (127.0.0.1), "
-             "median over iterations of last finish - last start", "",
+def format_report(rows, summary, world_size: int, where: str = "gloo ranks (127.0.0.1)") -> str:
+    lines = [f"all-reduce on {world_size} {where}, median over iterations of a call's span", "",
              "| size | algorithm | iters | median ms | algbw GB/s | busbw GB/s |", "|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {human(r['nbytes'])} | {r['algorithm']} | {r['iters']} | {r['median_s'] * 1e3:.3f} "
@@ -195,7 +239,9 @@ def cli_main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="what", required=True)
     p = sub.add_parser("allreduce", help="time native, ring and tree all-reduce on local gloo ranks")
     sub.add_parser("scaling", help="step time and efficiency from 1 to N ranks, beside the plan (see --help after it)")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn (default 2)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks to spawn (default 2); under a launcher (lockstep launch -m lockstep bench allreduce) "
+                        "the launcher's ranks run it, over the link between its nodes")
     p.add_argument("--min-size", type=parse_size, default=4 << 10, help="smallest buffer (default 4KiB)")
     p.add_argument("--max-size", type=parse_size, default=256 << 20, help="largest buffer (default 256MiB)")
     p.add_argument("--factor", type=int, default=4, help="size step factor (default 4)")
@@ -210,27 +256,44 @@ def cli_main(argv: list[str]) -> int:
     bad = [a for a in algorithms if a not in ALGORITHMS]
     if bad or not algorithms:
         p.error(f"argument --algorithms: {bad or algorithms} not in {list(ALGORITHMS)}")
-    for flag, ok, need in (("--nproc", 2 <= args.nproc <= 64, "between 2 and 64"),
+    ranks = launched()
+    if ranks is not None and args.nproc is not None:
+        p.error(f"argument --nproc: under a launcher its {ranks[1]} ranks run the benchmark (WORLD_SIZE); "
+                "leave --nproc out")
+    nproc = ranks[1] if ranks is not None else 2 if args.nproc is None else args.nproc
+    for flag, ok, need in (("--nproc", 2 <= nproc <= 64, "between 2 and 64"),
                            ("--factor", args.factor >= 2, ">= 2"),
                            ("--iters", args.iters >= 1, ">= 1"), ("--min-size", args.min_size >= 1, ">= 1 byte"),
                            ("--max-size", args.max_size >= args.min_size, ">= --min-size"),
                            ("--budget-s", args.budget_s > 0, "> 0")):
         if not ok:
             p.error(f"argument {flag}: must be {need}, got {getattr(args, flag[2:].replace('-', '_'))}")
-    out = results_dir(p, args.out)
+    rank0 = ranks is None or ranks[0] == 0
+    out = results_dir(p, args.out) if rank0 else None
     sizes = sizes_between(args.min_size, args.max_size, args.factor)
+    cfg = dict(sizes=sizes, algorithms=algorithms, iters=args.iters, min_iters=min(3, args.iters),
+               budget_s=args.budget_s, dtype=args.dtype, timeout_s=600.0)
     try:
-        rows = run(sizes, algorithms, args.nproc, iters=args.iters, min_iters=min(3, args.iters),
-                   budget_s=args.budget_s, dtype=args.dtype)
+        if ranks is None:
+            rows = run(sizes, algorithms, nproc, iters=args.iters, min_iters=min(3, args.iters),
+                       budget_s=args.budget_s, dtype=args.dtype)
+        else:
+            rows = run_launched(ranks[0], nproc, cfg)
     except RuntimeError as e:  # a rank died or timed out: spawn_and_collect names which
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 1
+    if not rank0:
+        return 0  # rank 0 reports: every rank measured the same calls
+    args.nproc = nproc
+    where = "gloo ranks (127.0.0.1)" if ranks is None else \
+        f"gloo ranks started by a launcher ({nproc // int(os.environ.get('LOCAL_WORLD_SIZE', nproc))} node(s))"
     summary = summarise(rows, args.nproc)
-    report = format_report(rows, summary, args.nproc)
+    report = format_report(rows, summary, args.nproc, where)
     print(report)
     if out is not None:
         stem = out / f"allreduce_{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d_%H%M%S}_n{args.nproc}"
         meta = {"world_size": args.nproc, "dtype": args.dtype, "backend": "gloo", "host_cpus": os.cpu_count(),
+                "where": where,
                 "python": sys.version.split()[0], "argv": argv,
                 # The box is shared: the load says how much CPU the ranks were competing for.
                 "load_average_1_5_15": os.getloadavg()}

@@ -19,6 +19,7 @@ Pure Python: ``lockstep plan`` imports this without paying for torch.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 
@@ -71,6 +72,28 @@ LINKS = {
 }
 
 ALGORITHMS = ("native", "ring", "tree")
+
+
+def link_from_bench(path: str, algorithm: str = "native") -> Link:
+    """The link a ``lockstep bench allreduce`` result file measured: its alpha-beta fit of ``algorithm`` (native:
+    the backend's own all-reduce, what DDP's buckets use) on the medians. ValueError, one line naming the file,
+    where the file is not such a result."""
+    import json
+
+    try:
+        with open(path) as f:
+            result = json.load(f)
+        fit = result["summary"]["fits"]["median"][algorithm]
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{path}: not a `lockstep bench allreduce` result (no {algorithm} fit in its JSON)") from None
+    if "error" in fit:
+        raise ValueError(f"{path}: its {algorithm} fit failed: {fit['error']}")
+    meta = result.get("meta", {})
+    where = meta.get("where", "gloo ranks (127.0.0.1)")
+    return Link(f"measured ({os.path.basename(path)})", fit["alpha_us"] * 1e-6, fit["bandwidth_gb_s"],
+                f"lockstep bench allreduce, {meta.get('world_size', '?')} {where}: {algorithm} fit of the medians")
 
 
 def _check(world_size: int, algorithm: str) -> None:

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TypedDict
 
-from lockstep.perf.costmodel import LINKS, Link, allreduce_time_s
+from lockstep.perf.costmodel import LINKS, Link, allreduce_time_s, link_from_bench
 
 GB = 1e9
 PRECISIONS = {  # name -> (weight bytes, gradient bytes, master-weight bytes, bytes per optimizer state)
@@ -377,7 +377,10 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZERS))
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--device-memory-gb", type=float, default=80.0)
-    p.add_argument("--link", default="nvlink", choices=sorted(LINKS))
+    p.add_argument("--link", default=None, choices=sorted(LINKS), help="a link's nominal numbers (default nvlink)")
+    p.add_argument("--link-from", metavar="FILE",
+                   help="the link a `lockstep bench allreduce` result (its .json) measured, e.g. run across the "
+                        "nodes with `lockstep launch ... -m lockstep bench allreduce`")
     p.add_argument("--alpha-us", type=float, help="override the link's latency, microseconds")
     p.add_argument("--bandwidth-gb-s", type=float, help="override the link's bandwidth, GB/s")
     p.add_argument("--compute-ms", type=float, help="forward+backward time of one step on one device")
@@ -388,7 +391,12 @@ def cli_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.model and "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # `--model mymodels:build` from the project directory, like `python -m`
-    link = LINKS[args.link]
+    if args.link_from is not None and args.link is not None:
+        p.error("argument --link-from: give --link or --link-from, not both")
+    try:
+        link = LINKS[args.link or "nvlink"] if args.link_from is None else link_from_bench(args.link_from)
+    except ValueError as e:
+        p.error(f"argument --link-from: {e}")
     if args.alpha_us is not None and not (args.alpha_us >= 0 and math.isfinite(args.alpha_us)):
         p.error(f"argument --alpha-us: must be a finite number >= 0, got {args.alpha_us:g}")
     if args.bandwidth_gb_s is not None and not (args.bandwidth_gb_s > 0 and math.isfinite(args.bandwidth_gb_s)):

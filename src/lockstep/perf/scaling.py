@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from lockstep.perf.costmodel import LINKS
+from lockstep.perf.costmodel import LINKS, Link, link_from_bench
 from lockstep.perf.plan import PlanConfig, make_plan
 from lockstep.perf.spawn import DEFAULT_OUT, OUT_HELP, report_to_parent, results_dir, spawn_and_collect
 
@@ -166,9 +166,8 @@ def run_world(world_size: int, cfg: dict) -> list[dict]:
     return spawn_and_collect(_worker, world_size, free_port(), cfg, cfg["timeout_s"], "scaling")
 
 
-def add_efficiency_and_prediction(rows: list[dict], link_name: str) -> None:
+def add_efficiency_and_prediction(rows: list[dict], link: Link) -> None:
     """Efficiency against N = 1 of the same mode, the communication share, and the plan's prediction, per row."""
-    link = LINKS[link_name]
     for mode in MODES:
         mine = [r for r in rows if r["mode"] == mode]
         base = next((r for r in mine if r["world_size"] == 1), None)
@@ -276,6 +275,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU); default 1")
     p.add_argument("--link", default=None, choices=sorted(LINKS),
                    help="the plan's link (default loopback on CPU, nvlink on GPU)")
+    p.add_argument("--link-from", metavar="FILE",
+                   help="the plan's link as a `lockstep bench allreduce` result (its .json) measured it")
     p.add_argument("--oversubscribe", action="store_true", help="run world sizes beyond the cores / GPUs anyway")
     p.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP)
     p.add_argument("--timeout-s", type=float, default=900.0)
@@ -312,7 +313,13 @@ def cli_main(argv: list[str]) -> int:
                 f"must divide by every N in {sizes}")
     for note in skipped:
         print(f"lockstep bench scaling: not running {note}", file=sys.stderr)
-    link = args.link or ("nvlink" if cuda else "loopback")
+    if args.link_from is not None and args.link is not None:
+        p.error("argument --link-from: give --link or --link-from, not both")
+    try:
+        link = LINKS[args.link or ("nvlink" if cuda else "loopback")] if args.link_from is None else \
+            link_from_bench(args.link_from)
+    except ValueError as e:
+        p.error(f"argument --link-from: {e}")
     cfg = dict(model=args.model, modes=modes, batch=args.batch, steps=args.steps, warmup=args.warmup,
                threads=args.threads, cuda=cuda, timeout_s=args.timeout_s)
     out = results_dir(p, args.out)
@@ -326,8 +333,8 @@ def cli_main(argv: list[str]) -> int:
     rows.sort(key=lambda r: (MODES.index(r["mode"]), r["world_size"]))
     add_efficiency_and_prediction(rows, link)
     meta = {"model": args.model, "backend": "nccl" if cuda else "gloo", "threads": args.threads,
-            "host_cpus": os.cpu_count(),
-            "steps": args.steps, "warmup": args.warmup, "link": link, "skipped": skipped, "argv": argv,
+            "host_cpus": os.cpu_count(), "steps": args.steps, "warmup": args.warmup, "link": link.name,
+            "link_source": link.source, "skipped": skipped, "argv": argv,
             "torch": torch.__version__, "load_average_1_5_15": os.getloadavg()}
     table = format_table(rows, meta)
     print(table)
