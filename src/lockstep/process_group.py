@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import socket
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -201,6 +202,7 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, env: dict | None
         os.environ.setdefault("MASTER_PORT", str(launch.master_port))
         if launch.launcher != "single":
             interface_note = _gloo_interface(launch.master_addr)
+        before = socket_fds()
         dist.init_process_group(
             backend=backend,
             rank=launch.rank,
@@ -209,12 +211,34 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, env: dict | None
             device_id=device if backend == "nccl" else None,
             store=_loopback_store(launch, timeout_s),
         )
+        _GROUP_SOCKETS[:] = sorted(socket_fds() - before)
     else:
         backend = dist.get_backend()
     _configure_logging(dist.get_rank())
     if interface_note:
         logging.getLogger("lockstep.process_group").info(interface_note)
     return DistEnv(dist.get_rank(), launch.local_rank, dist.get_world_size(), device, backend)
+
+
+# The sockets the default group's creation opened (gloo's connections, the store's client): in-place recovery
+# (train/inplace.py) shuts them down to end a collective that waits on a lost peer; gloo cannot abort one.
+_GROUP_SOCKETS: list[int] = []
+
+
+def socket_fds() -> set[int]:
+    found = set()
+    for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        try:
+            if stat.S_ISSOCK(os.stat(f"/proc/self/fd/{fd}").st_mode):
+                found.add(int(fd))
+        except (OSError, ValueError):
+            continue  # closed meanwhile (listdir's own descriptor)
+    return found
+
+
+def group_sockets() -> set[int]:
+    """The socket descriptors ``init()`` saw the default group open (empty where it did not make it)."""
+    return set(_GROUP_SOCKETS)
 
 
 # Called by shutdown() before the group goes, in registration order: the diagnostics register here

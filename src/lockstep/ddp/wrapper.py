@@ -266,6 +266,21 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             reducer.attach_observer(observer_for(reducer))  # the watchdog reads its progress
         return reducer
 
+    def rebind(self, process_group: dist.ProcessGroup | None = None) -> None:
+        """Average over ``process_group`` from now on (default: the default group, read now): in-place recovery
+        (``lockstep.train.inplace``) re-formed the world. The replicas must already be equal: nothing is broadcast.
+        The reducer is made again for the new world size (its hooks and pending works dropped), flat (the
+        hierarchy was the old nodes'); the replica check runs at the next synchronised forward."""
+        old = self.reducer
+        if old.comm_hook is not None or old.overlap is not None:  # their state holds the old group
+            raise RuntimeError("DistributedDataParallel.rebind: not with a comm hook or overlap_optimizer_step")
+        old.remove_hooks()
+        old.release_works(keep=False)
+        self.process_group = resolve_group(process_group, None)
+        self.reducer = self._build_reducer()
+        self._lazy_init_done = False
+        diagnose.setup(self, DiagnosticsOptions(self.check_replicas_every, self.detect_nonfinite, None, None))
+
     # ----------------------------------------------------------------- forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # torch.compile(DDP(module)): ours runs eagerly (``compiled``)

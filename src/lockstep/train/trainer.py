@@ -34,6 +34,8 @@ from lockstep.train.departures import explain_departure, next_fit
 from lockstep.train.epoch_meter import EpochMeter
 from lockstep.train.evaluate import evaluate
 from lockstep.train.faults import install_kill_hooks, kill_point_from_env
+from lockstep.train.inplace import InPlaceGroup, PeerLost, Regrouped
+from lockstep.train.inplace import wanted as inplace_wanted
 from lockstep.train.loggers import open_run_loggers
 from lockstep.train.metrics import comm_report
 from lockstep.train.overlap import wants_overlap
@@ -45,7 +47,7 @@ from lockstep.train.preempt import (
     leave_marker,
 )
 from lockstep.train.progress import epoch_line, nothing_left_line, progress_bar, resumed_line, step_postfix
-from lockstep.train.resize import accum_steps_for
+from lockstep.train.resize import accum_steps_for, batches_done_at
 from lockstep.train.run_identity import claim_checkpoint_dir
 from lockstep.train.stragglers import BLOCKS, find_straggler, gather_epoch, straggler_line
 
@@ -115,8 +117,14 @@ class Trainer:
             trace_steps=(cfg.trace_steps[0], cfg.trace_steps[1]) if cfg.trace_dir else None,  # a list given: a tuple
             hang_timeout_s=FROM_ENV if cfg.hang_timeout_s is None else cfg.hang_timeout_s)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        # In-place recovery (lockstep launch --nnodes MIN:MAX, docs/preemptible.md): the default group only, and the
+        # plain step: the overlapped one would apply the update before the step's commit.
+        self._inplace = InPlaceGroup() if group is None and inplace_wanted() else None
+        self._committed: dict | None = None  # the state the last committed step left (``_snapshot``)
+        self._regrouped: Regrouped | None = None  # a re-formation to report after the first step at the new size
         # Before any scheduler wraps optimizer.step (a scheduler made later wraps the deferred step: torch's order).
-        self.overlapped = wants_overlap(cfg, optimizer, self.precision.scaler is not None, self.world_size)
+        self.overlapped = self._inplace is None and wants_overlap(cfg, optimizer, self.precision.scaler is not None,
+                                                                  self.world_size)
         if self.overlapped:
             self.ddp.overlap_optimizer_step(optimizer)
         self._last_step_at = ""  # "(epoch E, batch B of N)" of the last optimizer step: an overlapped step's errors
@@ -207,9 +215,14 @@ class Trainer:
             if cfg.sample_log_path:
                 self._open_sample_log(cfg.sample_log_path)
             while self.epoch < cfg.epochs and not self._stopped() and not self.preempted:
-                if not self._train_epoch():
-                    break  # stopped mid-epoch by max_steps or preemption: no epoch summary
-                self._end_epoch()
+                try:
+                    if not self._train_epoch():
+                        break  # stopped mid-epoch by max_steps or preemption: no epoch summary
+                    self._end_epoch()
+                except Exception as e:
+                    if self._inplace is None:
+                        raise
+                    self._recover(e)  # a peer lost: the survivors go on from the last committed step
             if watch is not None:
                 watch.drain()
             # the position, not the step: a save at an epoch's last step precedes its evaluation, and a checkpoint
@@ -224,6 +237,8 @@ class Trainer:
         finally:
             if watch is not None:
                 watch.uninstall()
+            if self._inplace is not None:
+                self._inplace.stop()
             if self._sample_log is not None:
                 self._sample_log.close()
             self.metrics.close()
@@ -271,6 +286,7 @@ class Trainer:
         t_data = t_group
         set_phase("data")  # for a hang report: the Trainer knows its phases, DDP only forward/backward
         step_ids: list[int] | None = [] if self._sample_log is not None else None
+        self._snapshot()
         for i, (inputs, targets) in enumerate(loader, start=self.batches_done):
             tracer = self.ddp.trace  # the timeline's data and optimizer phases (None unless tracing)
             t_batch = time.perf_counter()
@@ -311,6 +327,8 @@ class Trainer:
                 continue
             set_phase("optimizer")
             self._last_step_at = f"(epoch {self.epoch + 1}, batch {i + 1} of {n_batches})"
+            # every rank's averages completed (else PeerLost: the step is discarded everywhere)
+            regrouped = self._inplace.commit(self.step + 1) if self._inplace is not None else None
             self.precision.step(self.optimizer, self._clip)  # fp16: unscaled, then skipped on an Inf/NaN
             self.optimizer.zero_grad(set_to_none=True)
             if self.scheduler is not None:
@@ -328,7 +346,12 @@ class Trainer:
             if step_ids is not None and self._sample_log is not None:  # both or neither
                 self._sample_log.write(json.dumps({"step": self.step, "epoch": self.epoch + 1, "ids": step_ids}) + "\n")
                 step_ids = []
+            if self._inplace is not None:
+                self._after_commit(regrouped)
             self._after_step(loss_value, bar, step_s)
+            if regrouped is not None:
+                bar.close()
+                raise _Resized  # the rest of the epoch is dealt again at the new size
             t_group = t_data = time.perf_counter()  # logging and checkpoints are not step time
             set_phase("data")
             if self._watch is not None and self._watch.should_stop():  # every rank agrees on the same step
@@ -339,6 +362,54 @@ class Trainer:
                 bar.close()
                 return False
         return True  # the bar stays open: _end_epoch shows the epoch's all-rank loss on its last line
+
+    # -- in-place recovery (train/inplace.py) ---------------------------------------------------
+    def _snapshot(self) -> None:
+        """What the last committed step left: the state a lost peer rolls every survivor back to. No tensors: the
+        parameters and the optimizer change only after a commit."""
+        self._committed = {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,
+                           "sampler": self.sampler.state_dict(), "loss": (self._loss_sum, self._loss_count),
+                           "seen": (self._samples_seen, self._train_time_s)}
+
+    def _after_commit(self, regrouped: Regrouped | None) -> None:
+        assert self._inplace is not None
+        self._snapshot()
+        if regrouped is not None:  # this rank's commit failed after the others': it applied the step, now resize
+            self._resize(regrouped)
+        elif self._regrouped is not None:  # the first step at the new size: the launcher's line
+            self._inplace.report(self._regrouped, self.step)
+            self._regrouped = None
+
+    def _recover(self, error: Exception) -> None:
+        """A collective failed: rejoin the survivors, go back to the last committed step, continue at the new size."""
+        assert self._inplace is not None and self._committed is not None
+        if isinstance(error, _Resized):
+            return  # already re-formed and resized (``_after_commit``)
+        outcome = error.outcome if isinstance(error, PeerLost) else self._inplace.rejoin(error)
+        saved = self._committed
+        self.step, self.epoch = saved["step"], saved["epoch"]
+        (self._loss_sum, self._loss_count), (self._samples_seen, self._train_time_s) = saved["loss"], saved["seen"]
+        if self._bar is not None:
+            self._bar.close()
+        self._resize(outcome)
+
+    def _resize(self, outcome: Regrouped) -> None:
+        """The DDP re-bound to the new group, the rest of the epoch dealt at its size (the global batch kept)."""
+        assert self._committed is not None
+        cfg, saved = self.config, self._committed
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.is_writer = self.rank == 0
+        self.ddp.rebind(None)
+        self.optimizer.zero_grad(set_to_none=True)  # a discarded step's gradients
+        self.sampler.num_replicas, self.sampler.rank = self.world_size, self.rank
+        self.sampler.load_state_dict(saved["sampler"])
+        where = f"in-place recovery at world size {self.world_size}"
+        self.grad_accum_steps = accum_steps_for(self.global_batch, cfg.batch_size, self.world_size, where)
+        self.batches_done = batches_done_at(saved["sampler"]["position"], saved["batches_done"], cfg.batch_size,
+                                            self.world_size, where)
+        self.resized_from = outcome.old_world_size
+        self._regrouped = outcome
+        self._snapshot()
 
     def _clip(self) -> None:
         if self.config.grad_clip_norm is not None:  # the gradient is already averaged: every rank clips alike
@@ -437,3 +508,7 @@ class Trainer:
         return {**last, "steps": self.step, "epochs": self.epoch, "history": self.history,
                 "samples_per_s": self._samples_seen / self._train_time_s if self._train_time_s else 0.0,
                 "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None}
+
+
+class _Resized(Exception):
+    """Out of the epoch's loop after a step applied by a rank whose commit failed late (``Trainer._after_commit``)."""

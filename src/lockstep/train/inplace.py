@@ -1,0 +1,313 @@
+"""In-place recovery: when a peer is lost mid-step, the survivors re-form the group in the same processes.
+
+The one idea is the step commit. Every rank enters a one-element all-reduce (the commit) only after its
+gradient collectives returned, and applies the optimizer step only after the commit returned. So a commit
+that completed on any rank proves every rank's averages completed; a commit that completed nowhere means no
+rank changed its parameters. When a collective fails (a peer's sockets closed, or this group's watcher shut
+ours because another rank raised the alarm), each survivor says in the store which step it committed and
+whether it stood in the next commit; the survivors agree on the members (who rejoined; the others' heartbeats
+stopped) and on the step: the highest one committed. A survivor one step behind stood in that commit with
+complete averages and applies it itself (roll forward); everything after it is discarded (roll back). Then
+the survivors form generation g+1 (a new store prefix, the old group destroyed, its sockets closed), and the
+caller re-binds its DDP and re-deals the rest of the epoch at the new size. docs/preemptible.md shows it.
+
+Gloo cannot abort an operation in flight (``ProcessGroupGloo.abort()`` and ``shutdown()`` leave a blocked
+``wait`` blocked, measured with torch 2.13), so a watcher thread ends it the way a dead peer would: it shuts
+down the group's connected TCP sockets, and the blocked operation fails at once. The group's gloo timeout
+(``LOCKSTEP_INPLACE_TIMEOUT_S``, 60 s) bounds what neither ends (a cut link with no heartbeat store either).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lockstep.process_group import group_sockets, socket_fds
+
+ENV = "LOCKSTEP_INPLACE"  # "1": set by ``lockstep launch --nnodes MIN:MAX`` (launch/agent.py)
+TIMEOUT_ENV = "LOCKSTEP_INPLACE_TIMEOUT_S"  # gloo's per-operation timeout in an in-place run
+PREFIX = "lockstep/inplace"
+REPORT_KEY = f"{PREFIX}/report"  # + "/<generation>": what the launcher prints (launch/elastic.py)
+BEAT_S = 0.2  # each rank's heartbeat in the store
+SILENT_S = 1.5  # a member that did not rejoin and whose heartbeat stood still this long is gone
+ALARM_SILENT_S = 15.0  # a member silent this long raises the alarm by itself (a cut link: no socket closes)
+DECIDE_TIMEOUT_S = 60.0
+
+
+class PeerLost(RuntimeError):
+    """A peer was lost and the survivors re-formed the group: ``outcome`` says how (``Regrouped``)."""
+
+    def __init__(self, outcome: Regrouped):
+        super().__init__(f"lost rank(s) {outcome.left}: the group re-formed at world size {outcome.world_size}")
+        self.outcome = outcome
+
+
+@dataclass(frozen=True)
+class Regrouped:
+    """What the survivors agreed on: the new generation, this rank's place in it, and the step to go on from."""
+
+    generation: int
+    rank: int
+    world_size: int
+    old_world_size: int
+    left: list[int]  # the launch ranks that left
+    committed: int  # the step every survivor now stands at
+    rolled_forward: bool  # this rank applied the agreed step itself (its commit failed after the others')
+    alarm_at: float  # wall time of the first alarm (time.time())
+
+
+def _shut(fds: set[int], keep_port: int) -> None:
+    """Shut down the connected sockets among ``fds`` (not a listener: gloo aborts the process on a failed
+    accept; not the store connection on ``keep_port``): a gloo wait on them fails at once."""
+    for fd in fds:
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and not sock.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and sock.getpeername()[1] != keep_port:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected, or gone meanwhile
+        finally:
+            sock.close()
+
+
+class InPlaceGroup:
+    """The default process group of an in-place run, generation by generation.
+
+    Made on every rank right after ``lockstep.init()`` (the Trainer does it under ``lockstep launch --nnodes
+    MIN:MAX``). It keeps its own client of the launcher's store (MASTER_ADDR:MASTER_PORT, served by node 0),
+    a heartbeat, and the watcher that shuts the group's sockets when any rank raises the alarm.
+    """
+
+    def __init__(self, timeout_s: float | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("InPlaceGroup needs lockstep.init() first")
+        self.me = int(os.environ.get("RANK", dist.get_rank()))  # the launch rank: this process's name for good
+        self.members = list(range(dist.get_world_size()))  # launch ranks, in the order of the group's ranks
+        self.generation, self.committed, self.ready = 0, 0, 0
+        self.timeout_s = float(timeout_s or os.environ.get(TIMEOUT_ENV, 60))
+        self.backend = dist.get_backend()
+        self.host, self.port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.store = self._client()
+        self.sockets = group_sockets()
+        self.lock = threading.Lock()  # held while the group's sockets are shut or the group destroyed
+        self.alarm_at: float | None = None
+        self.seen: dict[int, tuple[int, float]] = {}  # launch rank -> (its last heartbeat, when it changed)
+        self.stopped = threading.Event()
+        self.watcher = threading.Thread(target=self._watch, name="lockstep-inplace", daemon=True)
+        self.watcher.start()
+
+    def _client(self) -> dist.TCPStore:
+        timeout = datetime.timedelta(seconds=DECIDE_TIMEOUT_S)
+        return dist.TCPStore(self.host, self.port, None, False, timeout, wait_for_workers=False)
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.me)
+
+    def _key(self, what: str, generation: int | None = None) -> str:
+        return f"{PREFIX}/{self.generation if generation is None else generation}/{what}"
+
+    # -- the watcher ---------------------------------------------------------------------------
+    def _watch(self) -> None:
+        client = self._client()  # its own connection: the main thread's may wait in a store call
+        while not self.stopped.wait(BEAT_S):
+            try:
+                client.add(f"{PREFIX}/beat/{self.me}", 1)
+                now = time.monotonic()
+                for r in self.members:
+                    beat = client.add(f"{PREFIX}/beat/{r}", 0)
+                    if self.seen.get(r, (None,))[0] != beat:
+                        self.seen[r] = (beat, now)
+                generation = self.generation
+                if client.check([self._key("alarm", generation)]):
+                    self._shut_group(generation)
+                elif any(now - t > ALARM_SILENT_S for r, (_, t) in self.seen.items() if r in self.members):
+                    self.raise_alarm()  # a member froze or its link was cut: nothing else would end our waits
+            except Exception:  # the store is slow or gone: the gloo timeout still bounds the step
+                continue
+
+    def _shut_group(self, generation: int) -> None:
+        with self.lock:
+            if generation == self.generation and self.sockets:
+                _shut(self.sockets, self.port)
+                self.sockets = set()
+
+    def raise_alarm(self) -> None:
+        """Tell every rank of this generation to drop its collectives and rejoin (first caller's time kept)."""
+        self.store.compare_set(self._key("alarm"), "", f"{time.time():.3f}")
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.watcher.join(timeout=2 * BEAT_S + 1)
+
+    # -- the commit ----------------------------------------------------------------------------
+    def commit(self, step: int) -> Regrouped | None:
+        """Every rank's averages for ``step`` completed: apply it. None: as usual. A ``Regrouped``: a peer was
+        lost during the commit and the others had completed it: apply it too (this rank's averages are complete),
+        then go on at the new size. Raises ``PeerLost`` when the step is discarded."""
+        self.ready = step
+        flag = torch.ones(1)
+        try:
+            dist.all_reduce(flag)
+        except Exception as e:
+            outcome = self.rejoin(e)
+            if outcome.committed != step:
+                raise PeerLost(outcome) from e
+            return outcome
+        self.committed = step
+        return None
+
+    # -- rejoining -----------------------------------------------------------------------------
+    def is_peer_loss(self, error: BaseException) -> bool:
+        """A collective that failed because of the group (a peer gone, an alarm), not a bug in the step."""
+        if isinstance(error, (dist.DistError, PeerLost)):
+            return True
+        text = str(error)
+        return isinstance(error, RuntimeError) and ("gloo" in text or "Connection closed" in text
+                                                    or "Timed out" in text or "Connection reset" in text)
+
+    def rejoin(self, error: BaseException) -> Regrouped:
+        """After a failed collective: agree with the survivors on members and step, and form the next group."""
+        if not self.is_peer_loss(error):
+            raise error
+        self.raise_alarm()
+        self._shut_group(self.generation)  # our pending operations end now, not at the gloo timeout
+        mine = {"committed": self.committed, "ready": self.ready}
+        self.store.set(self._key(f"joined/{self.me}"), json.dumps(mine))
+        decision = self._decide()
+        if self.me not in decision["members"]:
+            raise RuntimeError(f"lockstep: in-place recovery: launch rank {self.me} was judged gone by the others "
+                               f"(generation {self.generation}); it stops") from error
+        step = decision["committed"]
+        if step not in (self.committed, self.committed + 1) or (step == self.committed + 1 and self.ready != step):
+            raise RuntimeError(f"lockstep: in-place recovery: the survivors committed step {step}, this rank "
+                               f"{self.committed} (ready {self.ready}): they cannot agree") from error
+        alarm_at = float(self.store.get(self._key("alarm")).decode())
+        old_world, left = len(self.members), sorted(set(self.members) - set(decision["members"]))
+        self._next_group(decision["members"])
+        rolled_forward = step != self.committed
+        self.committed = self.ready = step
+        return Regrouped(self.generation, self.rank, len(self.members), old_world, left, step, rolled_forward,
+                         alarm_at)
+
+    def _decide(self) -> dict:
+        """The members of the next generation: whoever rejoined, once every other member's heartbeat stood
+        still for SILENT_S. The first rank to see that writes it; everyone reads what was written."""
+        key, deadline = self._key("decision"), time.monotonic() + DECIDE_TIMEOUT_S
+        while not self.store.check([key]):
+            joined = [r for r in self.members if self.store.check([self._key(f"joined/{r}")])]
+            now = time.monotonic()
+            silent = all(now - self.seen.get(r, (0, now))[1] > SILENT_S for r in self.members if r not in joined)
+            if silent or now > deadline:
+                records = [json.loads(self.store.get(self._key(f"joined/{r}"))) for r in joined]
+                decision = {"members": joined, "committed": max(rec["committed"] for rec in records)}
+                self.store.compare_set(key, "", json.dumps(decision))
+                break
+            time.sleep(0.05)
+        return json.loads(self.store.get(key))
+
+    def _next_group(self, members: list[int]) -> None:
+        with self.lock:  # the watcher must not shut sockets that the next group may reuse
+            self.sockets = set()
+            dist.destroy_process_group()
+            self.generation += 1
+            self.members = members
+        before = socket_fds()
+        store = dist.PrefixStore(self._key("pg"), self.store)
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=len(members),
+                                timeout=datetime.timedelta(seconds=self.timeout_s))
+        with self.lock:
+            self.sockets = socket_fds() - before
+        # what a reader of the environment sees (report_resume, hang reports) follows the new group
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(len(members))
+
+    def report(self, outcome: Regrouped, step: int) -> None:
+        """Rank 0 of the new group, after its first step at the new size: the launcher's line
+        (``node 1 (10.201.0.2) left at step 812: world 4 -> 2 in 1.8 s, 0 steps lost``)."""
+        if self.rank != 0:
+            return
+        record = {"left": outcome.left, "old_world": outcome.old_world_size, "world": outcome.world_size,
+                  "step": outcome.committed, "seconds": time.time() - outcome.alarm_at, "lost": 0,
+                  "first_step": step}
+        self.store.set(f"{REPORT_KEY}/{outcome.generation}", json.dumps(record))
+
+
+def wanted() -> bool:
+    """In-place recovery is on for this process (``lockstep launch --nnodes MIN:MAX``, or LOCKSTEP_INPLACE=1)."""
+    return os.environ.get(ENV) == "1" and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class InPlaceRecovery:
+    """A script's loop with in-place recovery: one call per optimizer step.
+
+    Args:
+        ddp: lockstep's DistributedDataParallel over the default group.
+        optimizer: stepped by ``step`` once every rank's averages completed.
+        sampler: lockstep's DistributedSampler; re-dealt at the new size from the last committed position.
+
+    Call ``set_epoch(epoch)`` instead of the sampler's at each epoch's start. ``step(fn)`` runs ``fn()`` (this
+    step's forward and backward passes), commits, then steps the optimizer and zeroes the gradients. When a peer
+    is lost it raises ``PeerLost`` once the group re-formed, the model was re-bound and the sampler re-dealt:
+    start the DataLoader's iteration again (docs/preemptible.md).
+    """
+
+    def __init__(self, ddp, optimizer: torch.optim.Optimizer, sampler, group: InPlaceGroup | None = None):
+        self.ddp, self.optimizer, self.sampler = ddp, optimizer, sampler
+        self.group = group if group is not None else InPlaceGroup()
+        self.step_count = 0
+        self._sampler_state = sampler.state_dict()  # the position the last committed step left
+        self._report: Regrouped | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """``sampler.set_epoch(epoch)``, noting the epoch's start (or resumed position) as the committed one."""
+        self.sampler.set_epoch(epoch)
+        self._sampler_state = self.sampler.state_dict()
+
+    def step(self, fn: Callable[[], object]) -> object:
+        try:
+            result = fn()
+            regrouped = self.group.commit(self.step_count + 1)
+        except PeerLost as lost:
+            self._regrouped(lost.outcome, rolled_back=True)
+            raise
+        except Exception as e:
+            outcome = self.group.rejoin(e)  # re-raises what is no peer loss
+            self._regrouped(outcome, rolled_back=True)
+            raise PeerLost(outcome) from e
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        self._sampler_state = self.sampler.state_dict()
+        if self._report is not None:
+            self.group.report(self._report, self.step_count)
+            self._report = None
+        if regrouped is not None:
+            self._regrouped(regrouped, rolled_back=False)
+            raise PeerLost(regrouped)
+        return result
+
+    def _regrouped(self, outcome: Regrouped, rolled_back: bool) -> None:
+        if rolled_back:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.ddp.rebind(None)
+        self.sampler.num_replicas, self.sampler.rank = outcome.world_size, outcome.rank
+        self.sampler.load_state_dict(self._sampler_state)
+        self._report = outcome
+
+
+def recoverable_step(recovery: InPlaceRecovery, fn: Callable[[], object]) -> object:
+    """``recovery.step(fn)``: run one optimizer step that survives the loss of a peer (``InPlaceRecovery``)."""
+    return recovery.step(fn)
