@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -217,3 +218,190 @@ def test_membership_line_names_who_left_or_joined_and_the_sizes():
     assert describe_change([a], [a, b, c], 2) == "node 1 (10.0.0.2), node 2 (10.0.0.3) joined: world size 2 -> 6"
     assert describe_change([a, b], [a, c], 1) == "node 1 (10.0.0.2) left; node 2 (10.0.0.3) joined: world size 2 -> 2"
     assert describe_change([a, b], [a, b], 2) == "the same 2 node(s) restarted: world size 4 -> 4"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In-place recovery (the default with --nnodes MIN:MAX, train/inplace.py): the survivors' workers are never
+# restarted. launch_scripts/inplace_train.py writes no checkpoint until the end (nothing is read back), runs
+# with --max-restarts 0 (a restart would fail the job, so the in-place path is the one that ran), and logs
+# "time step world_size pid" per step. Goal (issue #37): <= 5 s from the kill to the next step at the smaller
+# size; asserted loosely (a loaded 2-core machine), printed exactly.
+INPLACE = os.path.join(HERE, "launch_scripts", "inplace_train.py")
+INPLACE_BOUND_S = 30
+LEFT_LINE = (r"lockstep launch: node 1 \(10\.201\.0\.2\) left at step (\d+): world (\d+) -> (\d+) in ([\d.]+) s, "
+             r"0 steps lost$")
+
+
+def _inplace_argv(node_rank: int, nproc: int, port: int, directory: str, *extra: str, nnodes: str = "1:2") -> list[str]:
+    return [sys.executable, "-m", "lockstep", "launch", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+            "--node-rank", str(node_rank), "--master-addr", netns.ADDRS[0], "--master-port", str(port),
+            "--max-restarts", "0", INPLACE, directory, *extra]
+
+
+def _rows(directory: str) -> list[tuple[float, int, int, int]]:
+    """(time, step, world size, pid) of every step every worker finished, in time order."""
+    rows = []
+    for name in os.listdir(directory):
+        if name.startswith("progress-"):
+            with open(os.path.join(directory, name)) as f:
+                rows += [(float(t), int(s), int(w), int(p)) for t, s, w, p in (line.split() for line in f)]
+    return sorted(rows)
+
+
+def _wait_step(directory: str, step: int, timeout_s: float, launches) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(s >= step for _, s, _, _ in _rows(directory)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no step {step} in {timeout_s} s:\n" + "\n".join(x.text()[-3000:] for x in launches))
+        time.sleep(0.05)
+
+
+def _samples_once(directory: str, complete: bool) -> None:
+    """No sample twice in an epoch, whichever world size dealt it; with ``complete``, every sample once. A node
+    killed at a random moment may have committed a step without logging its share: then one step may lack it."""
+    per_step: dict[tuple[int, int], set[int]] = {}
+    for name in os.listdir(directory):
+        if name.startswith("samples-"):
+            with open(os.path.join(directory, name)) as f:
+                for rec in map(json.loads, f):
+                    if "ids" in rec:
+                        per_step.setdefault((rec["epoch"], rec["step"]), set()).update(rec["ids"])
+    assert sorted(s for _, s in per_step) == list(range(1, STEPS + 1))
+    for epoch in {e for e, _ in per_step}:
+        steps = [ids for (e, _), ids in per_step.items() if e == epoch]
+        seen = [i for ids in steps for i in ids]
+        assert len(seen) == len(set(seen)), f"epoch {epoch}: a sample in two steps"
+        short = [len(ids) for ids in steps if len(ids) != GLOBAL_BATCH]
+        assert not short if complete else len(short) <= 1, f"epoch {epoch}: steps of {short} samples"
+
+
+def _lose_node_in_place(directory: str, nproc: int, kill_step: int | None = None, pause_at: int | None = None) -> dict:
+    """Both nodes train; node 1 is killed (every process) while paused after ``pause_at`` (the others wait in the
+    next step), or as soon as some rank finished ``kill_step``. Node 0 must go on in place and finish."""
+    port = 29600 + random.randrange(300)
+    pause = ["--pause-at", str(pause_at), "--pause-rank", str(nproc)] if pause_at is not None else []
+    with netns.two_nodes() as (a, b):
+        node_a = Launch(a.command(_inplace_argv(0, nproc, port, directory, *pause)), clean_env())
+        node_b = Launch(b.command(_inplace_argv(1, nproc, port, directory, *pause)), clean_env())
+        try:
+            if pause_at is not None:
+                _wait_file(os.path.join(directory, "paused"), 240, [node_a, node_b])
+            else:
+                _wait_step(directory, kill_step or 1, 240, [node_a, node_b])
+            before = _rows(directory)
+            killed_at = _kill_node(node_b)
+            node_a.wait_for(LEFT_LINE, INPLACE_BOUND_S + 30)
+            after_kill = [r for r in _rows(directory) if r[0] > killed_at and r[2] == nproc]
+            assert node_a.finish(240) == 0, node_a.text()[-4000:]
+        finally:
+            for launch in (node_a, node_b):
+                if launch.proc.poll() is None:
+                    _kill_node(launch)
+    line = next(m for m in (re.search(LEFT_LINE, x) for x in node_a.err) if m)
+    rows = _rows(directory)
+    return {"text": node_a.text(), "line": line.group(0), "step": int(line.group(1)),
+            "worlds": (int(line.group(2)), int(line.group(3))), "reported_s": float(line.group(4)),
+            "recover_s": after_kill[0][0] - killed_at if after_kill else None,
+            "pids_before": {p for _, _, w, p in before if w == 2 * nproc},
+            "pids_after": {p for _, _, w, p in rows if w == nproc},
+            "last_step_before": max(s for _, s, _, _ in before)}
+
+
+def _clean_stop_and_resume(directory: str, nproc: int, step: int) -> dict:
+    """The reference: 2 nodes x ``nproc`` stopped cleanly after ``step`` (fixed --nnodes 2), resumed on one node."""
+    port = 29600 + random.randrange(300)
+    with netns.two_nodes() as (a, b):
+        pair = [Launch(n.command(_inplace_argv(r, nproc, port, directory, "--max-steps", str(step), nnodes="2")),
+                       clean_env()) for r, n in enumerate((a, b))]
+        for launch in pair:
+            assert launch.finish(240) == 0, launch.text()[-4000:]
+    done = subprocess.run([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", str(nproc), INPLACE,
+                           directory], env=clean_env(), cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return _final(directory)
+
+
+def _assert_bit_for_bit(got: dict, want: dict) -> None:
+    assert got["step"] == want["step"] == STEPS and got["world_size"] == want["world_size"]
+    for key, tensor in want["model"].items():
+        assert torch.equal(got["model"][key], tensor), f"{key}: max abs diff {(got['model'][key] - tensor).abs().max()}"
+    for key, state in want["optimizer"]["state"].items():
+        assert all(torch.equal(got["optimizer"]["state"][key][k], v) for k, v in state.items())
+    assert got["scheduler"] == want["scheduler"]
+
+
+def _check_in_place(measured: dict, nproc: int) -> None:
+    print(f"{measured['line']}; kill to the next step at world size {nproc}: {measured['recover_s']:.2f} s")
+    assert measured["worlds"] == (2 * nproc, nproc)
+    assert measured["pids_after"] <= measured["pids_before"] and len(measured["pids_after"]) == nproc  # same PIDs
+    assert "restarted" not in measured["text"] and "resumed from step" not in measured["text"]
+    # no completed step lost: the survivors went on from the last step any rank finished before the kill, or
+    # the one after it (a step in flight whose commit had completed somewhere)
+    assert measured["step"] >= measured["last_step_before"]
+    assert measured["recover_s"] is not None and measured["recover_s"] < INPLACE_BOUND_S
+
+
+@needs_netns
+def test_in_place_a_node_killed_mid_step_loses_no_step_and_equals_a_clean_resume(tmp_path):
+    """2 x 2: node 1 killed while its first rank pauses after step K and the others wait inside step K + 1."""
+    killed, clean = str(tmp_path / "killed"), str(tmp_path / "clean")
+    os.makedirs(killed)
+    os.makedirs(clean)
+    measured = _lose_node_in_place(killed, 2, pause_at=K)
+    _check_in_place(measured, 2)
+    assert measured["step"] == K  # step K + 1 was in flight: discarded on every survivor, done again at 2
+    _samples_once(killed, complete=True)
+    _assert_bit_for_bit(_final(killed), _clean_stop_and_resume(clean, 2, K))
+
+
+@needs_netns
+@heavy
+@pytest.mark.parametrize("run", range(10))
+def test_in_place_kill_at_random_steps(tmp_path, run):
+    """10 random kill points (LOCKSTEP_KILL_SEED), 2 x 2 and 2 x 1 in turn, each against its clean resume."""
+    nproc = 2 if run % 2 == 0 else 1
+    step = random.Random(f"{os.environ.get('LOCKSTEP_KILL_SEED', '2')}-{run}").randint(1, STEPS - 2)
+    killed, clean = str(tmp_path / "killed"), str(tmp_path / "clean")
+    os.makedirs(killed)
+    os.makedirs(clean)
+    measured = _lose_node_in_place(killed, nproc, kill_step=step)
+    print(f"run {run}: 2 x {nproc}, killed once step {step} was done")
+    _check_in_place(measured, nproc)
+    _samples_once(killed, complete=False)
+    _assert_bit_for_bit(_final(killed), _clean_stop_and_resume(clean, nproc, measured["step"]))
+
+
+def _two_ranks_on_loopback(directory: str, *extra: str) -> None:
+    from lockstep.process_group import free_port
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, INPLACE, directory, *extra], cwd=HERE, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCKSTEP_INPLACE="1"))
+             for r in range(2)]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-4000:]
+
+
+def test_in_place_ten_recoveries_in_one_process_leak_nothing_and_change_nothing(tmp_path):
+    """Rank 0 raises the alarm after 10 steps: every rank drops its collectives and the group re-forms (same size,
+    same processes) 10 times. Threads, sockets and descriptors stay as after the first re-formation, RSS within
+    a few MiB, and the parameters equal, bit for bit, a run without alarms. Loopback: no root needed."""
+    alarmed, quiet = str(tmp_path / "alarmed"), str(tmp_path / "quiet")
+    os.makedirs(alarmed)
+    os.makedirs(quiet)
+    _two_ranks_on_loopback(alarmed, "--alarms", "10", "--epochs", "4")
+    _two_ranks_on_loopback(quiet, "--epochs", "4")
+    for name in (n for n in os.listdir(alarmed) if n.startswith("resources-")):
+        with open(os.path.join(alarmed, name)) as f:
+            rows = [line.split() for line in f]  # step world generation threads sockets fds rss_mib
+        assert [int(r[2]) for r in rows] == list(range(11)), rows
+        first, last = rows[1], rows[-1]
+        print(f"{name}: after re-formation 1: {first[3:]}; after 10: {last[3:]} (threads sockets fds RSS MiB)")
+        assert first[3:6] == last[3:6], (first, last)
+        assert float(last[6]) - float(first[6]) < 8, (first, last)
+    got, want = (torch.load(os.path.join(d, "ckpt-000000024.pt"), weights_only=True) for d in (alarmed, quiet))
+    for key, tensor in want["model"].items():
+        assert torch.equal(got["model"][key], tensor), key

@@ -87,6 +87,14 @@ def bury(works: Iterable[Any], graveyard: collections.deque = _GRAVEYARD, clock:
         graveyard.append((now, kept))
 
 
+def let_go_of_finished(graveyard: collections.deque = _GRAVEYARD) -> None:
+    """Drop every finished work now, whatever its age: called when a group was destroyed and re-formed in place
+    (``lockstep.train.inplace``), whose works all failed or completed, so that its sockets and buffers go."""
+    kept = [entry for entry in graveyard if not _finished(entry[1])]
+    graveyard.clear()
+    graveyard.extend(kept)
+
+
 def release_works(state: dict, keep: bool, clear: bool = True) -> None:
     """A reducer's works (its buckets', its status and NaN-check exchanges') from its ``__dict__``: buried
     where ``keep``, and unset on the reducer where ``clear``. Read from the dict because a reducer that failed

@@ -363,6 +363,8 @@ def watch_for_hangs(process_group: Any, hang_timeout_s: float | None) -> bool:
         return True
     if _WATCHDOG is not None:
         _WATCHDOG.stop()
+        # replaced (a group re-formed in place): atexit's reference would keep it, and its store client, for good
+        atexit.unregister(_WATCHDOG._at_exit)
     # Our own client (one socket): the group's client may be blocked in a get() of its own.
     try:
         client = dist.TCPStore(

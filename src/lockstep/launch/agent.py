@@ -83,6 +83,13 @@ class LaunchOptions:
     # --nnodes MIN:MAX: the job runs on MIN to nnodes nodes and re-forms when one leaves or joins
     # (launch/elastic.py); None: exactly nnodes
     min_nodes: int | None = None
+    # --nnodes MIN:MAX: "in-place" (the survivors' workers re-form the group themselves, train/inplace.py) or
+    # "restart" (every worker restarted, torchrun's way)
+    recovery: str = "in-place"
+
+    @property
+    def in_place(self) -> bool:
+        return self.min_nodes is not None and self.recovery == "in-place"
 
     def __post_init__(self) -> None:
         if not self.monitor_interval_s > 0:
@@ -183,6 +190,7 @@ def _launch_config(options: LaunchOptions, logs: RankLogsSpecs):
             "lockstep_master_addr": options.master_addr,
             "lockstep_port": options.master_port,
             "lockstep_node_timeout": options.node_timeout_s,
+            "lockstep_inplace": options.in_place,
             **dict(options.rdzv_conf),
             **(
                 {"last_call_timeout": int(elastic.DEFAULT_LAST_CALL_S)}
@@ -265,6 +273,8 @@ def _agent_environment(
     if log_dir:
         updates["LOCKSTEP_LOG_DIR"] = log_dir  # hang reports go beside the ranks' logs
     updates.update(extra or {})
+    if options.in_place:
+        updates[elastic.INPLACE_ENV] = "1"  # the Trainer recovers from a lost node in place (train/inplace.py)
     if options.as_torch_ddp:
         # read in every worker at `import torch` (lockstep.integrations.autoload)
         updates["LOCKSTEP_AS_TORCH_DDP"] = "1"

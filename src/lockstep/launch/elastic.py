@@ -23,6 +23,8 @@ import threading
 
 REPORT_ENV = "LOCKSTEP_REPORT_RESUME"  # set by the launcher: workers report the step they resumed from
 RESUME_KEY = "lockstep/resumed"  # in the workers' store of the round (MASTER_ADDR:MASTER_PORT)
+INPLACE_ENV = "LOCKSTEP_INPLACE"  # "1": the workers recover in place (train/inplace.py reads the same name)
+INPLACE_REPORT_KEY = "lockstep/inplace/report"  # + "/<generation>": the workers' record of a re-formation (the same)
 DEFAULT_LAST_CALL_S = 5.0  # how long a round waits for more nodes once MIN joined (torchrun's default: 30)
 
 
@@ -87,6 +89,49 @@ class ResumeReport(threading.Thread):
         else:
             tail = f"; resumed from step {step['step']}"
         print(f"lockstep launch: {self.change}{tail}", file=sys.stderr, flush=True)
+
+
+def describe_in_place(record: dict, nodes: list[dict], nproc: int) -> tuple[str, list[dict]]:
+    """'node 1 (10.201.0.2) left at step 812: world 4 -> 2 in 1.8 s, 0 steps lost', and the nodes that left.
+
+    ``record`` is what the workers' new rank 0 wrote (train/inplace.py): the launch ranks that left, the
+    sizes, the step the survivors went on from, the seconds from the first alarm to their first step at the
+    new size. Launch rank r ran on the round's node r // nproc (nodes numbered by --node-rank)."""
+    gone = sorted({r // nproc for r in record["left"]})
+    left = [nodes[i] for i in gone if i < len(nodes)]
+    names = ", ".join(f"node {n['node_rank']} ({n['addr']})" for n in left) or f"ranks {record['left']}"
+    partial = [i for i in gone if sum(r // nproc == i for r in record["left"]) != nproc]
+    if partial:  # only some of a node's workers: say so, by launch rank
+        names += f" (ranks {record['left']})"
+    return (f"{names} left at step {record['step']}: world {record['old_world']} -> {record['world']} in "
+            f"{record['seconds']:.1f} s, {record['lost']} steps lost"), left
+
+
+class InPlaceReport(threading.Thread):
+    """Prints a line for each in-place re-formation the workers record in their store, and hands the nodes that
+    left to ``on_left`` (the rendezvous handler forgets them). Polled every 0.2 s on a client of its own."""
+
+    def __init__(self, host: str, port: int, nodes: list[dict], nproc: int, on_left):
+        super().__init__(name="lockstep-inplace-report", daemon=True)
+        self.host, self.port, self.nodes, self.nproc, self.on_left = host, port, nodes, nproc, on_left
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        from lockstep.launch.liveness import connect
+
+        generation = 1
+        try:
+            store = connect(self.host, self.port, 10)
+            while not self.stop.wait(0.2):
+                key = f"{INPLACE_REPORT_KEY}/{generation}"
+                if not store.check([key]):
+                    continue
+                line, left = describe_in_place(json.loads(store.get(key)), self.nodes, self.nproc)
+                print(f"lockstep launch: {line}", file=sys.stderr, flush=True)
+                self.on_left(left)
+                generation += 1
+        except Exception:  # the round ended (its store gone)
+            pass
 
 
 def report_resume(step: int | None, world_size: int, from_world_size: int | None = None) -> None:

@@ -159,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--node-timeout", "--node_timeout", type=float, default=30.0, metavar="SECONDS",
         help="several nodes: a node whose heartbeat stops this long is lost; its peers stop their workers "
         "and restart (--max-restarts) or fail, naming it (default: 30)")
+    add("--recovery", default="in-place", choices=["in-place", "restart"],
+        help="--nnodes MIN:MAX: when a node is lost, the survivors' workers re-form the group in place and go on "
+        "from the last completed step (in-place), or every worker is restarted from the last checkpoint "
+        "(restart, torchrun's way; default: in-place)")
     # ---- the workers
     add("--max-restarts", "--max_restarts", type=int, default=0,
         help="restart the whole group up to K times after a worker fails (default: 0)")

@@ -101,6 +101,10 @@ class Liveness(threading.Thread):
         if self.lost is not None and not self.stop.is_set():
             self.on_lost(self.lost)
 
+    def forget(self, node_rank: int) -> None:
+        """Stop judging ``node_rank`` (its workers' peers went on without it: in-place recovery)."""
+        self.seen.pop(node_rank, None)
+
     def _beat(self) -> None:
         client = None
         while not self.stop.wait(HEARTBEAT_S) and self.lost is None:
@@ -108,14 +112,14 @@ class Liveness(threading.Thread):
                 if client is None:
                     client = connect(*self.master, timeout_s=min(5.0, self.timeout_s))
                 client.add(f"{self.prefix}/{self.node_rank}", 1)
-                beats = {j: client.add(f"{self.prefix}/{j}", 0) for j in self.seen}
+                beats = {j: client.add(f"{self.prefix}/{j}", 0) for j in list(self.seen)}
             except Exception:  # a failed client may be out of step with the server: start a new one
                 client = None
                 continue
             now = time.monotonic()
             self.last_ok = now
             for j, beat in beats.items():
-                if beat != self.seen[j][0]:
+                if j in self.seen and beat != self.seen[j][0]:
                     self.seen[j] = (beat, now)
 
 

@@ -74,6 +74,8 @@ class LockstepRendezvous(RendezvousHandler):
         self.node_timeout_s = float(params.get("lockstep_node_timeout"))
         self.rdzv_timeout_s = float(params.get("join_timeout"))
         self.single = params.max_nodes == 1
+        # --nnodes MIN:MAX --recovery in-place: the workers re-form the group themselves when a node is lost
+        self.in_place = params.get_as_bool("lockstep_inplace", False)
         self.local_addr = "127.0.0.1" if self.single else route_source_addr(self.master_addr)
         self.lost_reason: str | None = None  # set when a node was lost; the launcher's report names it
         # Why this node last stopped its own workers; kept past the next round, read once by the restart line
@@ -87,6 +89,8 @@ class LockstepRendezvous(RendezvousHandler):
         self.group_rank = self.node_rank  # this node's index among the nodes of the round (elastic: fewer may be there)
         self._last_nodes: list[dict] | None = None  # the previous round's nodes, for the membership line
         self._report: elastic.ResumeReport | None = None
+        self._in_place_report: elastic.InPlaceReport | None = None
+        self._round: tuple[dist.Store, int] | None = None  # the round's store and node count (the exit barrier's)
         self._worker_store: dist.TCPStore | None = None
         self._watchdog: Liveness | None = None
         self._poller: Poller | None = None
@@ -129,6 +133,11 @@ class LockstepRendezvous(RendezvousHandler):
         if change is not None:  # one line once the workers say which step they resumed from
             self._report = elastic.ResumeReport(change, master, int(meta["port"]))
             self._report.start()
+        self._round = (store, world_size)
+        if self.in_place and not self.single:  # one line per node the workers lost and left behind in place
+            self._in_place_report = elastic.InPlaceReport(master, int(meta["port"]), nodes, self.nproc,
+                                                          self._left_in_place)
+            self._in_place_report.start()
         return RendezvousInfo(store, self.group_rank, world_size, RendezvousStoreInfo(master, int(meta["port"])))
 
     def _check_layout(self) -> None:
@@ -197,16 +206,32 @@ class LockstepRendezvous(RendezvousHandler):
             except ProcessLookupError:
                 pass
 
+    def _left_in_place(self, left: list[dict]) -> None:
+        """The workers went on without ``left``: stop watching them, and check in for them at torch's exit barrier
+        (the agent waits there for every node of the round, 300 s, once its workers finished)."""
+        from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+        from torch.distributed.elastic.utils.store import _barrier_nonblocking
+
+        if self._watchdog is not None:
+            for node in left:
+                self._watchdog.forget(node["node_rank"])
+        remaining = [n for n in self._last_nodes or [] if n["node_rank"] not in {m["node_rank"] for m in left}]
+        self._last_nodes = remaining  # the next round's line compares with the nodes really there
+        if self._round is not None and remaining and self.node_rank == remaining[0]["node_rank"]:
+            store, size = self._round
+            for _ in left:
+                _barrier_nonblocking(store, size, _TERMINAL_STATE_SYNC_ID)
+
     def take_stop_reason(self) -> str | None:
         """Why this node stopped its workers since the last call (None: it did not)."""
         reason, self._stopped_workers_because = self._stopped_workers_because, None
         return reason
 
     def _stop_watchdog(self) -> None:
-        for thread in (self._watchdog, self._poller, self._report):
+        for thread in (self._watchdog, self._poller, self._report, self._in_place_report):
             if thread is not None:
                 thread.stop.set()
-        self._watchdog = self._poller = self._report = None
+        self._watchdog = self._poller = self._report = self._in_place_report = None
 
     # ------------------------------------------------------------------ delegated
     def get_backend(self) -> str:

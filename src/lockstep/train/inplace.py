@@ -33,10 +33,10 @@ import torch.distributed as dist
 
 from lockstep.process_group import group_sockets, socket_fds
 
-ENV = "LOCKSTEP_INPLACE"  # "1": set by ``lockstep launch --nnodes MIN:MAX`` (launch/agent.py)
+ENV = "LOCKSTEP_INPLACE"  # "1": set by ``lockstep launch --nnodes MIN:MAX`` (launch/elastic.py's INPLACE_ENV)
 TIMEOUT_ENV = "LOCKSTEP_INPLACE_TIMEOUT_S"  # gloo's per-operation timeout in an in-place run
 PREFIX = "lockstep/inplace"
-REPORT_KEY = f"{PREFIX}/report"  # + "/<generation>": what the launcher prints (launch/elastic.py)
+REPORT_KEY = f"{PREFIX}/report"  # + "/<generation>": what the launcher prints (launch/elastic.py, the same key)
 BEAT_S = 0.2  # each rank's heartbeat in the store
 SILENT_S = 1.5  # a member that did not rejoin and whose heartbeat stood still this long is gone
 ALARM_SILENT_S = 15.0  # a member silent this long raises the alarm by itself (a cut link: no socket closes)
@@ -234,6 +234,16 @@ class InPlaceGroup:
         # what a reader of the environment sees (report_resume, hang reports) follows the new group
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(len(members))
 
+    def settle(self) -> None:
+        """After the caller re-bound its model to the new group: let the old group's works, and with them its
+        sockets and threads, go now (the graveyard keeps works 5 s: ``lockstep.ddp.lifetime``)."""
+        import gc
+
+        from lockstep.ddp.lifetime import let_go_of_finished
+
+        gc.collect()  # the old reducer lives in a reference cycle (its hooks point back at it)
+        let_go_of_finished()
+
     def report(self, outcome: Regrouped, step: int) -> None:
         """Rank 0 of the new group, after its first step at the new size: the launcher's line
         (``node 1 (10.201.0.2) left at step 812: world 4 -> 2 in 1.8 s, 0 steps lost``)."""
@@ -303,6 +313,7 @@ class InPlaceRecovery:
         if rolled_back:
             self.optimizer.zero_grad(set_to_none=True)
         self.ddp.rebind(None)
+        self.group.settle()
         self.sampler.num_replicas, self.sampler.rank = outcome.world_size, outcome.rank
         self.sampler.load_state_dict(self._sampler_state)
         self._report = outcome

@@ -97,6 +97,10 @@ class PreemptionWatch:
         bury((self._work,))  # a step that raises drops it in flight: see ddp/lifetime.py (torch 2.4's exit hang)
         return False
 
+    def forget_pending(self) -> None:
+        """Drop the outstanding all-reduce: its group is gone (in-place recovery re-formed it); the flag stays."""
+        self._work = None
+
     def drain(self) -> None:
         """Wait for the outstanding all-reduce (before the group's next collectives, at the end of training)."""
         if self._work is not None:

@@ -10,6 +10,7 @@ resumed run prints first (where it resumed, or that nothing is left to train) ar
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, TextIO
 
@@ -29,6 +30,7 @@ class _LinePerRefresh:
         self.stream.flush()
 
 
+@functools.cache  # one class: tqdm keeps a monitor thread per class, so a class per bar leaked one thread per epoch
 def _forwarded_bar_class():
     from tqdm import tqdm
 

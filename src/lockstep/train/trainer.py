@@ -400,6 +400,10 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.is_writer = self.rank == 0
         self.ddp.rebind(None)
+        if self._watch is not None:
+            self._watch.forget_pending()  # issued on the old group
+        assert self._inplace is not None
+        self._inplace.settle()
         self.optimizer.zero_grad(set_to_none=True)  # a discarded step's gradients
         self.sampler.num_replicas, self.sampler.rank = self.world_size, self.rank
         self.sampler.load_state_dict(saved["sampler"])

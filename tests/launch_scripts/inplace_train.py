@@ -1,0 +1,95 @@
+"""A Trainer run for the in-place recovery tests: global batch 16 over 1, 2 or 4 ranks, no checkpoint until the end.
+
+Arguments: OUT_DIR [--max-steps N] [--pause-at STEP] [--pause-rank R] [--step-sleep S] [--alarms N]
+``--pause-at``: after step STEP, launch rank R (default 2: the first rank of node 1 when nodes run 2 each)
+writes OUT_DIR/paused and sleeps, so a test can kill node 1 while the others wait in step STEP + 1.
+``--alarms N``: rank 0 raises the in-place alarm after every step until the group re-formed N times: every rank
+drops its collectives and the group re-forms at the same size (the leak check's 10 recoveries in one process).
+Every rank appends "time step world_size pid" to OUT_DIR/progress-<pid>.txt after each step, and the
+step, world size, generation, threads, sockets, descriptors and RSS (MiB) to OUT_DIR/resources-<pid>.txt
+after each generation's first step.
+The checkpoint at the end (OUT_DIR/ckpt-*.pt) holds the final parameters; with --max-steps it is a clean stop.
+"""
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import lockstep
+from lockstep import Trainer, TrainerConfig
+
+N, GLOBAL_BATCH, BATCH, EPOCHS = 96, 16, 4, 2
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 6, generator=g)
+    return TensorDataset(x, (x[:, 0] + 0.5 * x[:, 1] > 0).long() + (x[:, 2] > 1).long())
+
+
+def resources() -> str:
+    fds = os.listdir("/proc/self/fd")
+    sockets = 0
+    for fd in fds:
+        try:
+            sockets += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass  # listdir's own descriptor, closed since
+    rss_mb = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return f"{threading.active_count()} {sockets} {len(fds)} {rss_mb:.1f}"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("directory")
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--pause-at", type=int, default=None)
+    p.add_argument("--pause-rank", type=int, default=2)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--alarms", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=EPOCHS)
+    args = p.parse_args()
+    env = lockstep.init()
+    launch_rank, pid = env.rank, os.getpid()
+    try:
+        torch.manual_seed(7)
+        model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        cfg = TrainerConfig(epochs=args.epochs, batch_size=BATCH, global_batch=GLOBAL_BATCH, warmup_steps=3, seed=5,
+                            checkpoint_dir=args.directory, save_every_steps=None, keep_last=100, progress=False,
+                            resume=True, max_steps=args.max_steps,
+                            sample_log_path=os.path.join(args.directory, f"samples-{pid}.jsonl"))
+        sizes = []
+
+        def on_step_end(trainer):
+            with open(os.path.join(args.directory, f"progress-{pid}.txt"), "a") as f:
+                f.write(f"{time.time():.3f} {trainer.step} {trainer.world_size} {pid}\n")
+            generation = trainer._inplace.generation if trainer._inplace is not None else 0
+            if not sizes or sizes[-1] != generation:
+                sizes.append(generation)
+                with open(os.path.join(args.directory, f"resources-{pid}.txt"), "a") as f:
+                    f.write(f"{trainer.step} {trainer.world_size} {generation} {resources()}\n")
+            if trainer.rank == 0 and generation < args.alarms:
+                trainer._inplace.raise_alarm()  # once per generation (the first raise is kept)
+            if args.pause_at == trainer.step and launch_rank == args.pause_rank:
+                open(os.path.join(args.directory, "paused"), "w").close()
+                time.sleep(3600)  # until the test kills this node
+            time.sleep(args.step_sleep)
+
+        trainer = Trainer(model, optimizer, nn.functional.cross_entropy, data(), None, cfg, on_step_end=on_step_end)
+        trainer.fit()
+        if trainer.rank == 0:
+            print(f"done: step {trainer.step} world_size {trainer.world_size} accum {trainer.grad_accum_steps}",
+                  file=sys.stderr, flush=True)
+    finally:
+        lockstep.shutdown()
+
+
+if __name__ == "__main__":
+    main()
