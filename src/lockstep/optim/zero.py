@@ -5,12 +5,12 @@ The one idea: the parameters are partitioned across ranks exactly as torch parti
 largest first, each to the rank with the fewest elements so far), so a rank's shard, its local optimizer and the
 consolidated ``state_dict`` are the ones torch's class gives, and a checkpoint moves between the two. What differs
 is how the updated parameters travel: torch broadcasts each rank's parameters (one broadcast per parameter, or one
-per rank with ``parameters_as_bucket_view``); here every rank's shard is laid out rank-major in flat chunks of whole
-parameters and each chunk is one all-gather (a few collectives for the whole model, the same bits).
+per rank with ``parameters_as_bucket_view``); here every rank's shard is laid out end to end (rank-major), and slices of
+``GATHER_CAP_BYTES`` across the ranks are all-gathered one after another (the same bits, in fewer collectives).
 
 Memory, fp32 with Adam at N ranks: parameters 4 + gradients 4 + optimizer state 8/N bytes a parameter, plus one
-chunk in flight (at most ``GATHER_CAP_BYTES`` across the ranks, or the largest parameter's world-size copies) where
-``parameters_as_bucket_view=False``; with ``True`` the parameters are views into the chunks and nothing is copied.
+all-gather's buffers in flight (``GATHER_CAP_BYTES``: gloo's, and ours to copy through where
+``parameters_as_bucket_view=False``; with ``True`` the parameters are views of the gathered storage).
 ``overlap_with_ddp=True`` is refused: torch supports it on NCCL only, through a comm hook of its own DDP
 (``ddp_zero_hook``); docs/zero.md says what to use instead.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -28,10 +28,11 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-# One all-gather moves at most this many bytes across the ranks (a chunk's slot is this over the world size), unless
-# one parameter is larger: with parameters_as_bucket_view=False the chunk is a temporary buffer (and gloo flattens the
-# outputs into one of its own), so this bounds the extra memory of the parameter exchange.
-GATHER_CAP_BYTES = 32 * 2**20
+# One all-gather moves at most this many bytes across the ranks (each rank's slot is this over the world size; a
+# parameter may span two all-gathers). Every all-gather needs a buffer of its size in gloo (and, with
+# parameters_as_bucket_view=False, one of ours to copy through), so this is what the parameter exchange adds to a
+# step's peak memory: kept below one large parameter's optimizer-step temporaries, it adds nothing (docs/zero.md).
+GATHER_CAP_BYTES = 16 * 2**20
 
 
 def partition_parameters(param_groups: list[dict[str, Any]], world_size: int) -> list[list[list[torch.Tensor]]]:
@@ -55,71 +56,56 @@ def partition_parameters(param_groups: list[dict[str, Any]], world_size: int) ->
 
 
 @dataclass
-class _Chunk:
-    """One all-gather: rank r's ``params[r]`` (whole parameters, in shard order) fill slot r of ``numel`` elements."""
+class _Segment:
+    """One device's trainable parameters, rank-major: rank r's ``shards[r]`` end to end (each at ``starts[r][i]``),
+    every rank's run padded to ``numel``; all-gathered ``slot`` elements a rank at a time."""
 
+    shards: list[list[torch.Tensor]]
+    starts: list[list[int]]
     numel: int
-    params: list[list[torch.Tensor]]
-    storage: torch.Tensor | None = None  # world x numel; kept (and the parameters view it) with bucket views
+    slot: int
+    storage: torch.Tensor | None = None  # world x numel; kept, and the parameters view it, with bucket views
 
 
-@dataclass
-class _Layout:
-    chunks: list[_Chunk] = field(default_factory=list)
-
-
-def _split_whole(params: list[torch.Tensor], slot_numel: int) -> list[list[torch.Tensor]]:
-    """Consecutive runs of ``params`` of at most ``slot_numel`` elements (a larger parameter is a run alone)."""
-    runs: list[list[torch.Tensor]] = []
-    size = slot_numel + 1
-    for p in params:
-        if size + p.numel() > slot_numel:
-            runs.append([])
-            size = 0
-        runs[-1].append(p)
-        size += p.numel()
-    return runs
-
-
-def build_layout(shards: list[list[torch.Tensor]], world_size: int, as_bucket_view: bool) -> _Layout:
-    """Chunks for one device's trainable parameters, ``shards[rank]`` in shard order; the same on every rank.
-
-    Chunk k holds each rank's k-th run; its slot is the longest of them (the others padded). With bucket views the
-    parameters become views of the chunks' storage (their values copied in), which the all-gather fills in place.
-    """
+def build_segment(shards: list[list[torch.Tensor]], world_size: int, as_bucket_view: bool) -> _Segment | None:
+    """The layout of one device's trainable parameters, ``shards[rank]`` in shard order; the same on every rank.
+    With bucket views the parameters become views of the segment's storage (their values copied in), which the
+    all-gathers fill in place."""
     every = [p for shard in shards for p in shard]
     if not every:
-        return _Layout()
-    itemsize = every[0].element_size()
-    slot_numel = max(GATHER_CAP_BYTES // itemsize // world_size, max(p.numel() for p in every))
-    runs = [_split_whole(shard, slot_numel) for shard in shards]
-    layout = _Layout()
-    for k in range(max(len(r) for r in runs)):
-        params = [r[k] if k < len(r) else [] for r in runs]
-        numel = max(sum(p.numel() for p in ps) for ps in params)
-        layout.chunks.append(_Chunk(numel, params))
+        return None
+    starts = [[sum(p.numel() for p in shard[:i]) for i in range(len(shard))] for shard in shards]
+    numel = max(sum(p.numel() for p in shard) for shard in shards)
+    slot = max(1, GATHER_CAP_BYTES // world_size // every[0].element_size())
+    segment = _Segment(shards, starts, numel, min(slot, numel))
     if as_bucket_view:
-        for chunk in layout.chunks:
-            chunk.storage = torch.zeros(world_size * chunk.numel, dtype=every[0].dtype, device=every[0].device)
-            for rank, slot in enumerate(chunk.storage.split(chunk.numel)):
-                offset = 0
-                for p in chunk.params[rank]:
-                    view = slot[offset:offset + p.numel()].view_as(p)
-                    view.copy_(p.data)
-                    p.data = view
-                    offset += p.numel()
-    return layout
+        segment.storage = torch.zeros(world_size * numel, dtype=every[0].dtype, device=every[0].device)
+        for rank, (shard, offsets) in enumerate(zip(shards, starts)):
+            for p, start in zip(shard, offsets):
+                view = segment.storage[rank * numel + start:rank * numel + start + p.numel()].view_as(p)
+                view.copy_(p.data)
+                p.data = view
+    return segment
 
 
-def _slot_copy(slot: torch.Tensor, params: list[torch.Tensor], into_params: bool) -> None:
-    offset = 0
-    for p in params:
-        view = slot[offset:offset + p.numel()].view(p.shape)
-        if into_params:
-            p.data.copy_(view)
-        else:
-            view.copy_(p.data)
-        offset += p.numel()
+def copy_range(params: list[torch.Tensor], starts: list[int], lo: int, hi: int, slot: torch.Tensor,
+               into_params: bool) -> None:
+    """Elements ``[lo, hi)`` of a rank's run of ``params`` (each at its start) from or into ``slot``."""
+    for p, start in zip(params, starts):
+        a, b = max(lo, start), min(hi, start + p.numel())
+        if start >= hi:
+            break
+        if a >= b:
+            continue
+        part = slot[a - lo:b - lo]
+        if not into_params:
+            part.copy_(p.data.reshape(-1)[a - start:b - start])  # reshape: a copy only for a non-contiguous one
+        elif p.data.is_contiguous():
+            p.data.view(-1)[a - start:b - start].copy_(part)
+        else:  # channels_last and the like: through a contiguous copy of the whole parameter
+            whole = p.data.contiguous()
+            whole.view(-1)[a - start:b - start].copy_(part)
+            p.data.copy_(whole)
 
 
 class _ZeroJoinHook(JoinHook):
@@ -166,7 +152,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.rank: int = dist.get_rank(group)
         self.global_rank: int = dist.get_global_rank(group, self.rank)
         self.parameters_as_bucket_view = parameters_as_bucket_view
-        self._into_tensor = dist.get_backend(self.process_group) == "nccl"
         self._optim_defaults = defaults
         self._partition = partition_parameters(self.param_groups, self.world_size)
         self._list_params()
@@ -175,7 +160,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.optim: Optimizer = optimizer_class(local_groups, **defaults)
         _sync_param_groups(self.optim.param_groups, self.param_groups)
         self._trainable = self._trainable_mask()
-        self._layouts: list[_Layout] = []
+        self._segments: list[_Segment] = []
         self._build_layouts()
         self._all_state_dicts: list[dict[str, Any]] = []
         self._initialized = True
@@ -189,45 +174,39 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return [p.requires_grad for p in self._all_params]
 
     def _build_layouts(self) -> None:
-        """One layout per device, in the order the devices first appear; only trainable parameters travel (a frozen
-        one is never stepped). With bucket views, a parameter that leaves the chunks gets storage of its own."""
-        for layout in self._layouts if self.parameters_as_bucket_view else ():
-            for p in (p for chunk in layout.chunks for shard in chunk.params for p in shard):
+        """One segment per device, in the order the devices first appear; only trainable parameters travel (a frozen
+        one is never stepped). With bucket views, a parameter that leaves the storage gets storage of its own."""
+        for old in self._segments if self.parameters_as_bucket_view else ():
+            for p in (p for shard in old.shards for p in shard):
                 if not p.requires_grad:
                     p.data = p.data.detach().clone()
         devices = list(dict.fromkeys(p.device for p in self._all_params))
-        self._layouts = []
+        self._segments = []
         for device in devices:
             shards = [[p for group in rank_groups for p in group if p.device == device and p.requires_grad]
                       for rank_groups in self._partition]
-            self._layouts.append(build_layout(shards, self.world_size, self.parameters_as_bucket_view))
+            built = build_segment(shards, self.world_size, self.parameters_as_bucket_view)
+            if built is not None:
+                self._segments.append(built)
 
     def _gather_params(self) -> None:
-        """Every rank's updated shard to every rank: one all-gather per chunk, issued in the same order everywhere
-        (the layout is computed from the same parameters on every rank)."""
-        in_place = self.parameters_as_bucket_view
-        pending = []
-        for layout in self._layouts:
-            for chunk in layout.chunks:
-                region = chunk.storage
-                if region is None:  # a temporary: this rank's parameters in, the others' out after the wait
-                    region = torch.zeros(self.world_size * chunk.numel, dtype=_dtype(chunk), device=_device(chunk))
-                    _slot_copy(region.split(chunk.numel)[self.rank], chunk.params[self.rank], into_params=False)
-                slots = list(region.split(chunk.numel))
-                if self._into_tensor:  # NCCL: straight into the flat region (the list form would stage a copy)
-                    work = dist.all_gather_into_tensor(region, slots[self.rank], group=self.process_group,
-                                                       async_op=True)
-                else:  # gloo: the list form, which every torch since 2.4 has (its flat form came later)
-                    work = dist.all_gather(slots, slots[self.rank], group=self.process_group, async_op=True)
-                if in_place:
-                    pending.append(work)
-                    continue
-                work.wait()  # one temporary at a time: the extra memory stays one chunk
-                for rank, slot in enumerate(slots):
-                    if rank != self.rank:
-                        _slot_copy(slot, chunk.params[rank], into_params=True)
-        for work in pending:
-            work.wait()
+        """Every rank's updated shard to every rank: all-gathers of ``slot`` elements a rank, one at a time (each
+        needs a buffer of its size), in the same order everywhere (the segments are computed alike on every rank)."""
+        world, rank = self.world_size, self.rank
+        for segment in self._segments:
+            for lo in range(0, segment.numel, segment.slot):
+                hi = min(lo + segment.slot, segment.numel)
+                if segment.storage is not None:  # bucket views: straight into the parameters' storage
+                    slots = [segment.storage[r * segment.numel + lo:r * segment.numel + hi] for r in range(world)]
+                else:  # a buffer: this rank's elements in, the others' out after the wait
+                    like = _first(segment)
+                    slots = list(torch.empty(world * (hi - lo), dtype=like.dtype, device=like.device).split(hi - lo))
+                    copy_range(segment.shards[rank], segment.starts[rank], lo, hi, slots[rank], into_params=False)
+                dist.all_gather(slots, slots[rank], group=self.process_group)
+                if segment.storage is None:
+                    for r in range(world):
+                        if r != rank:
+                            copy_range(segment.shards[r], segment.starts[r], lo, hi, slots[r], into_params=True)
 
     # ---- the optimizer interface
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
@@ -273,15 +252,30 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise RuntimeError("ZeroRedundancyOptimizer.state_dict(): the optimizer state has not been consolidated "
                                f"on this rank; call consolidate_state_dict(to={self.rank}) on every rank first")
         out = super().state_dict()
-        index = {p: i for i, p in enumerate(self._all_params)}
         state: dict[int, Any] = {}
         for rank, local in enumerate(self._all_state_dicts):
-            for local_group, params in zip(local["param_groups"], self._partition[rank]):
-                for local_index, p in zip(local_group["params"], params):
-                    if local_index in local["state"]:
-                        state[index[p]] = local["state"][local_index]
+            state.update(self._global_state(local, rank))
         out["state"] = dict(sorted(state.items()))
         return out
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the state (on the CPU) in the whole optimizer's numbering, with the whole
+        ``param_groups``: a checkpoint part (``lockstep.optim.state_parts``). No collective. Its own part is all
+        this rank's ``load_state_dict`` needs at the same world size; every rank's, merged, load at any."""
+        _sync_param_groups(self.param_groups, self.optim.param_groups)
+        out = super().state_dict()
+        out["state"] = dict(sorted(self._global_state(_to_cpu(self.optim.state_dict()), self.rank).items()))
+        return out
+
+    def _global_state(self, local: dict[str, Any], rank: int) -> dict[int, Any]:
+        """Rank ``rank``'s local optimizer state, keyed by the whole optimizer's parameter indices."""
+        index = {p: i for i, p in enumerate(self._all_params)}
+        state: dict[int, Any] = {}
+        for local_group, params in zip(local["param_groups"], self._partition[rank]):
+            for local_index, p in zip(local_group["params"], params):
+                if local_index in local["state"]:
+                    state[index[p]] = local["state"][local_index]
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a whole optimizer's state (this class's ``state_dict()`` or a plain optimizer's): the groups'
@@ -356,9 +350,5 @@ def _to_cpu(value: Any) -> Any:
     return copy.copy(value)
 
 
-def _dtype(chunk: _Chunk) -> torch.dtype:
-    return next(p for ps in chunk.params for p in ps).dtype
-
-
-def _device(chunk: _Chunk) -> torch.device:
-    return next(p for ps in chunk.params for p in ps).device
+def _first(segment: _Segment) -> torch.Tensor:
+    return next(p for shard in segment.shards for p in shard)

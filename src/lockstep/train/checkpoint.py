@@ -7,7 +7,9 @@ dropout masks, so one rank's RNG is not enough. Everything is stored as tensors 
 plain containers so ``torch.load(weights_only=True)`` reads it: loading a checkpoint
 never runs code from the file. The files themselves (atomic writes, the SHA-256 in
 ``ckpt-<step>.meta.json``, finding the newest good one) are ``checkpoint_files``; this
-module gathers what each rank must keep and puts it back.
+module gathers what each rank must keep and puts it back. With ``TrainerConfig.zero`` every
+rank also writes its optimizer shard as a part file first (``zero``), and the checkpoint
+names the parts instead of holding the optimizer's state.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lockstep.train import resize
+from lockstep.train import resize, zero
 from lockstep.train.checkpoint_files import (  # noqa: F401  (re-exported: the public file API)
     FORMAT,
     UNFINISHED,
@@ -96,24 +98,26 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
     on_error = on_error or trainer.config.on_save_error
     mine = {"sampler": trainer.sampler.state_dict(), "rng": capture_rng_state(),
             "loss_sum": trainer._loss_sum, "loss_count": trainer._loss_count}
+    stage = trainer.config.zero
+    if stage:  # every rank's optimizer shard in a part file first; rank 0 commits the checkpoint only if all are
+        mine["part_error"] = zero.save_part(trainer.optimizer, checkpoint_path(trainer.config.checkpoint_dir,
+                                            trainer.step), trainer.rank, trainer.world_size, trainer.step,
+                                            trainer.run_id)
     gathered = [None] * trainer.world_size if trainer.is_writer else None
     dist.gather_object(mine, gathered, dst=0, group=trainer.group)  # pickled in memory between our own ranks only
     path: Path | None = None
     status: list[str | None] = [None]  # rank 0's error, broadcast
     if trainer.is_writer:
-        scheduler = trainer.scheduler
-        payload = {"format": FORMAT, "run_id": trainer.run_id, "step": trainer.step, "epoch": trainer.epoch,
-                   "batches_done": trainer.batches_done, "world_size": trainer.world_size,
-                   "global_batch": trainer.global_batch, "batch_size": trainer.config.batch_size,
-                   "target_epochs": trainer.config.epochs,  # what `lockstep demo --resume` trains up to
-                   "model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-                   "scheduler": scheduler.state_dict() if scheduler is not None else None, "ranks": gathered,
-                   "scaler": trainer.precision.state_dict()}  # fp16's GradScaler: scale and growth tracker
         directory = trainer.config.checkpoint_dir
         kill = trainer._kill if trainer._kill is not None and trainer._kill.phase.startswith("ckpt") else None
+        target = checkpoint_path(directory, trainer.step)
         try:
-            path = save_atomic(payload, checkpoint_path(directory, trainer.step), kill=kill)
+            if stage:
+                zero.check_parts(target, [r.get("part_error", "") for r in gathered])  # type: ignore[union-attr]
+            path = save_atomic(_payload(trainer, gathered or []), target, kill=kill)
         except Exception as e:  # whatever it is, every rank must hear of it: rank 0 alone must not leave
+            if stage:
+                zero.remove_parts(target)  # parts of a checkpoint never committed
             status = [
                 str(e) if isinstance(e, CheckpointSaveError) else f"checkpoint {directory}: {type(e).__name__}: {e}"
             ]
@@ -137,6 +141,20 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
     trainer._saved_at = (trainer.step, trainer.epoch)
     trainer.last_checkpoint = checkpoint_path(trainer.config.checkpoint_dir, trainer.step)  # on every rank
     return path
+
+
+def _payload(trainer, gathered: list) -> dict:
+    """Global rank 0's checkpoint: the shared state, and every rank's own (``gathered``)."""
+    scheduler, stage = trainer.scheduler, trainer.config.zero
+    return {"format": FORMAT, "run_id": trainer.run_id, "step": trainer.step, "epoch": trainer.epoch,
+            "batches_done": trainer.batches_done, "world_size": trainer.world_size,
+            "global_batch": trainer.global_batch, "batch_size": trainer.config.batch_size,
+            "target_epochs": trainer.config.epochs,  # what `lockstep demo --resume` trains up to
+            "model": trainer.model.state_dict(),
+            "optimizer": None if stage else trainer.optimizer.state_dict(),
+            "optimizer_parts": zero.parts_entry(trainer.step, stage, trainer.world_size) if stage else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None, "ranks": gathered,
+            "scaler": trainer.precision.state_dict()}  # fp16's GradScaler: scale and growth tracker
 
 
 def open_writer_files(trainer):
@@ -239,7 +257,7 @@ def load_trainer_checkpoint(trainer) -> str | None:
     if (payload["scheduler"] is None) != (trainer.scheduler is None):
         raise ValueError(f"checkpoint {path} and this Trainer disagree on having an lr scheduler")
     trainer.model.load_state_dict(payload["model"])
-    trainer.optimizer.load_state_dict(payload["optimizer"])
+    zero.load_optimizer(trainer.optimizer, trainer.config.zero, Path(path), payload, trainer.rank, trainer.world_size)
     if trainer.scheduler is not None:
         trainer.scheduler.load_state_dict(payload["scheduler"])
     trainer.precision.load_state_dict(payload.get("scaler"), path)

@@ -231,6 +231,8 @@ def prune_checkpoints(directory: str | os.PathLike, keep_last: int, run_id: str 
     for path in doomed:
         path.unlink(missing_ok=True)
         meta_path(path).unlink(missing_ok=True)
+        for part in path.parent.glob(f"{path.name.removesuffix('.pt')}.optim-r*-of-*"):  # ZeRO's (train/zero.py)
+            part.unlink(missing_ok=True)
     return doomed
 
 

@@ -49,6 +49,10 @@ class TrainerConfig:
     # Step the optimizer in the next forward, each bucket's parameters as their average lands (docs/ddp.md,
     # "Overlapping the optimizer step"; the same bits). None: where that is exact (``train.overlap``); True: or raise
     overlap_step: bool | None = None
+    # ZeRO (docs/zero.md): 1 shards the optimizer state across the ranks (lockstep.ZeroRedundancyOptimizer), 2 the
+    # gradients too (DistributedDataParallel.zero_optimizer); the Trainer builds it from the optimizer it is given
+    # (its class, groups and settings). Checkpoints then hold one optimizer part a rank (train/zero.py).
+    zero: int | None = None
     check_replicas_every: int | None = None  # check the replicas' parameters agree every N optimizer steps
     trace_dir: str | None = None  # record the overlap timeline of trace_steps there (Chrome trace, summary, PNG)
     trace_steps: tuple[int, int] = (5, 10)  # first and last optimizer step of the timeline, inclusive
@@ -102,6 +106,11 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.trace_steps must be (first, last) with 1 <= first <= last, got {steps!r}")
         if self.overlap_step not in (None, True, False):
             raise ValueError(f"TrainerConfig.overlap_step must be None, True or False, got {self.overlap_step!r}")
+        if self.zero not in (None, 0, 1, 2) or isinstance(self.zero, bool):
+            raise ValueError(f"TrainerConfig.zero must be None, 1 or 2 (the ZeRO stage), got {self.zero!r}")
+        if self.zero and self.overlap_step:
+            raise ValueError("TrainerConfig.zero and TrainerConfig.overlap_step=True exclude each other: a ZeRO "
+                             "optimizer steps its shard itself; leave overlap_step at None")
         if self.on_save_error not in ("raise", "continue"):
             raise ValueError(f"TrainerConfig.on_save_error must be 'raise' or 'continue', got {self.on_save_error!r}")
         if self.global_batch is not None and self.grad_accum_steps != 1:

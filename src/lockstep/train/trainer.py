@@ -50,6 +50,7 @@ from lockstep.train.progress import epoch_line, nothing_left_line, progress_bar,
 from lockstep.train.resize import accum_steps_for, batches_done_at
 from lockstep.train.run_identity import claim_checkpoint_dir
 from lockstep.train.stragglers import BLOCKS, find_straggler, gather_epoch, straggler_line
+from lockstep.train.zero import sharded_optimizer
 
 __all__ = ["Trainer", "TrainerConfig"]
 
@@ -116,6 +117,14 @@ class Trainer:
             detect_nonfinite=cfg.detect_nonfinite and self.precision.scaler is None, trace_dir=cfg.trace_dir,
             trace_steps=(cfg.trace_steps[0], cfg.trace_steps[1]) if cfg.trace_dir else None,  # a list given: a tuple
             hang_timeout_s=FROM_ENV if cfg.hang_timeout_s is None else cfg.hang_timeout_s)
+        if cfg.zero:  # the optimizer's class, groups and settings, sharded (train/zero.py); before any scheduler
+            if scheduler is not None:
+                raise ValueError("Trainer: scheduler= was built on the optimizer that TrainerConfig.zero replaces; "
+                                 "use TrainerConfig.warmup_steps/lr_scale_base_batch, or zero=None")
+            if group is None and inplace_wanted():
+                raise ValueError("TrainerConfig.zero: in-place recovery cannot rebuild the optimizer shard of a "
+                                 "rank that left; launch with --recovery restart (resumes from the checkpoint)")
+            optimizer = sharded_optimizer(self.ddp, optimizer, cfg.zero)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         # In-place recovery (lockstep launch --nnodes MIN:MAX, docs/preemptible.md): the default group only, and the
         # plain step: the overlapped one would apply the update before the step's commit.
@@ -123,8 +132,8 @@ class Trainer:
         self._committed: dict | None = None  # the state the last committed step left (``_snapshot``)
         self._regrouped: Regrouped | None = None  # a re-formation to report after the first step at the new size
         # Before any scheduler wraps optimizer.step (a scheduler made later wraps the deferred step: torch's order).
-        self.overlapped = self._inplace is None and wants_overlap(cfg, optimizer, self.precision.scaler is not None,
-                                                                  self.world_size)
+        self.overlapped = self._inplace is None and not cfg.zero and wants_overlap(
+            cfg, optimizer, self.precision.scaler is not None, self.world_size)
         if self.overlapped:
             self.ddp.overlap_optimizer_step(optimizer)
         self._last_step_at = ""  # "(epoch E, batch B of N)" of the last optimizer step: an overlapped step's errors
