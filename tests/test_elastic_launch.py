@@ -47,7 +47,7 @@ K = random.Random(os.environ.get("LOCKSTEP_KILL_SEED", "2")).randint(2, 6)
 def _argv(node_rank: int, port: int, directory: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "lockstep", "launch", "--nnodes", "1:2", "--nproc-per-node", "2",
             "--node-rank", str(node_rank), "--master-addr", netns.ADDRS[0], "--master-port", str(port),
-            "--max-restarts", "3", SCRIPT, directory, *extra]
+            "--max-restarts", "3", "--recovery", "restart", SCRIPT, directory, *extra]
 
 
 def _kill_node(launch: Launch) -> float:
@@ -405,3 +405,43 @@ def test_in_place_ten_recoveries_in_one_process_leak_nothing_and_change_nothing(
     got, want = (torch.load(os.path.join(d, "ckpt-000000024.pt"), weights_only=True) for d in (alarmed, quiet))
     for key, tensor in want["model"].items():
         assert torch.equal(got["model"][key], tensor), key
+
+
+def test_in_place_line_names_the_node_the_step_the_sizes_and_the_time():
+    from lockstep.launch.elastic import describe_in_place
+
+    a, b, c = ({"node_rank": r, "addr": f"10.201.0.{r + 1}", "host": "h"} for r in range(3))
+    record = {"left": [2, 3], "old_world": 4, "world": 2, "step": 812, "seconds": 1.84, "lost": 0}
+    line, left = describe_in_place(record, [a, b], 2)
+    assert line == "node 1 (10.201.0.2) left at step 812: world 4 -> 2 in 1.8 s, 0 steps lost" and left == [b]
+    line, left = describe_in_place({**record, "left": [1], "old_world": 3}, [a, b, c], 1)
+    assert line.startswith("node 1 (10.201.0.2) left at step 812: world 3 -> 2") and left == [b]
+    line, _ = describe_in_place({**record, "left": [3], "world": 3}, [a, b], 2)  # one worker of a node
+    assert line.startswith("node 1 (10.201.0.2) (ranks [3]) left at step 812: world 4 -> 3")
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--nnodes", "1:2", "--nproc-per-node", "2"], ("1", "2")),
+    (["--nnodes", "1:2", "--recovery", "restart"], (None, None)),
+    (["--nnodes", "2"], (None, None)),  # a fixed size has no smaller size to go on at
+])
+def test_in_place_is_on_for_min_max_unless_restart_is_asked_for(argv, expected):
+    from lockstep.launch import elastic
+    from lockstep.launch.agent import _agent_environment
+    from lockstep.launch.launcher import parse_launch_args
+    from lockstep.train import inplace
+
+    assert (elastic.INPLACE_ENV, elastic.INPLACE_MIN_WORLD_ENV) == (inplace.ENV, inplace.MIN_WORLD_ENV)
+    assert elastic.INPLACE_REPORT_KEY == inplace.REPORT_KEY
+    options, _, _ = parse_launch_args([*argv, "--master-addr", "10.0.0.9", "--master-port", "29999", SCRIPT])
+    with _agent_environment(options):
+        assert (os.environ.get(elastic.INPLACE_ENV), os.environ.get(elastic.INPLACE_MIN_WORLD_ENV)) == expected
+    assert os.environ.get(elastic.INPLACE_ENV) is None
+
+
+def test_bad_recovery_is_one_line_naming_the_flag(capsys):
+    from lockstep.launch.launcher import cli_main
+
+    assert cli_main(["--nnodes", "1:2", "--recovery", "later", SCRIPT, "dir"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1].replace("'", "")  # Pythons differ in quoting choices
+    assert line == "lockstep launch: error: argument --recovery: invalid choice: later (choose from in-place, restart)"

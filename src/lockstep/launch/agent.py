@@ -275,6 +275,7 @@ def _agent_environment(
     updates.update(extra or {})
     if options.in_place:
         updates[elastic.INPLACE_ENV] = "1"  # the Trainer recovers from a lost node in place (train/inplace.py)
+        updates[elastic.INPLACE_MIN_WORLD_ENV] = str((options.min_nodes or 1) * options.nproc_per_node)
     if options.as_torch_ddp:
         # read in every worker at `import torch` (lockstep.integrations.autoload)
         updates["LOCKSTEP_AS_TORCH_DDP"] = "1"

@@ -24,6 +24,7 @@ import threading
 REPORT_ENV = "LOCKSTEP_REPORT_RESUME"  # set by the launcher: workers report the step they resumed from
 RESUME_KEY = "lockstep/resumed"  # in the workers' store of the round (MASTER_ADDR:MASTER_PORT)
 INPLACE_ENV = "LOCKSTEP_INPLACE"  # "1": the workers recover in place (train/inplace.py reads the same name)
+INPLACE_MIN_WORLD_ENV = "LOCKSTEP_INPLACE_MIN_WORLD"  # --nnodes MIN x --nproc-per-node (the same name there)
 INPLACE_REPORT_KEY = "lockstep/inplace/report"  # + "/<generation>": the workers' record of a re-formation (the same)
 DEFAULT_LAST_CALL_S = 5.0  # how long a round waits for more nodes once MIN joined (torchrun's default: 30)
 

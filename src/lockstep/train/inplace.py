@@ -35,6 +35,7 @@ from lockstep.process_group import group_sockets, socket_fds
 
 ENV = "LOCKSTEP_INPLACE"  # "1": set by ``lockstep launch --nnodes MIN:MAX`` (launch/elastic.py's INPLACE_ENV)
 TIMEOUT_ENV = "LOCKSTEP_INPLACE_TIMEOUT_S"  # gloo's per-operation timeout in an in-place run
+MIN_WORLD_ENV = "LOCKSTEP_INPLACE_MIN_WORLD"  # --nnodes MIN x --nproc-per-node: fewer survivors leave it to the agent
 PREFIX = "lockstep/inplace"
 REPORT_KEY = f"{PREFIX}/report"  # + "/<generation>": what the launcher prints (launch/elastic.py, the same key)
 BEAT_S = 0.2  # each rank's heartbeat in the store
@@ -97,7 +98,7 @@ class InPlaceGroup:
         self.me = int(os.environ.get("RANK", dist.get_rank()))  # the launch rank: this process's name for good
         self.members = list(range(dist.get_world_size()))  # launch ranks, in the order of the group's ranks
         self.generation, self.committed, self.ready = 0, 0, 0
-        self.timeout_s = float(timeout_s or os.environ.get(TIMEOUT_ENV, 60))
+        self.timeout_s = float(timeout_s or os.environ.get(TIMEOUT_ENV) or 60)
         self.backend = dist.get_backend()
         self.host, self.port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         self.store = self._client()
@@ -105,9 +106,10 @@ class InPlaceGroup:
         self.lock = threading.Lock()  # held while the group's sockets are shut or the group destroyed
         self.alarm_at: float | None = None
         self.seen: dict[int, tuple[int, float]] = {}  # launch rank -> (its last heartbeat, when it changed)
+        self.min_world = int(os.environ.get(MIN_WORLD_ENV) or 1)
         self.stopped = threading.Event()
-        self.watcher = threading.Thread(target=self._watch, name="lockstep-inplace", daemon=True)
-        self.watcher.start()
+        self.watcher: threading.Thread | None = None
+        self.start()
 
     def _client(self) -> dist.TCPStore:
         timeout = datetime.timedelta(seconds=DECIDE_TIMEOUT_S)
@@ -149,9 +151,17 @@ class InPlaceGroup:
         """Tell every rank of this generation to drop its collectives and rejoin (first caller's time kept)."""
         self.store.compare_set(self._key("alarm"), "", f"{time.time():.3f}")
 
+    def start(self) -> None:
+        """Heartbeat and watch (again, after ``stop``: a Trainer's second ``fit``)."""
+        if self.watcher is None or not self.watcher.is_alive():
+            self.stopped.clear()
+            self.watcher = threading.Thread(target=self._watch, name="lockstep-inplace", daemon=True)
+            self.watcher.start()
+
     def stop(self) -> None:
         self.stopped.set()
-        self.watcher.join(timeout=2 * BEAT_S + 1)
+        if self.watcher is not None:
+            self.watcher.join(timeout=2 * BEAT_S + 1)
 
     # -- the commit ----------------------------------------------------------------------------
     def commit(self, step: int) -> Regrouped | None:
@@ -191,6 +201,9 @@ class InPlaceGroup:
         if self.me not in decision["members"]:
             raise RuntimeError(f"lockstep: in-place recovery: launch rank {self.me} was judged gone by the others "
                                f"(generation {self.generation}); it stops") from error
+        if len(decision["members"]) < self.min_world:  # --nnodes MIN: the agents wait for nodes, as torchrun's do
+            raise RuntimeError(f"lockstep: in-place recovery: {len(decision['members'])} ranks are left, fewer than "
+                               f"--nnodes MIN x --nproc-per-node = {self.min_world}; the workers stop") from error
         step = decision["committed"]
         if step not in (self.committed, self.committed + 1) or (step == self.committed + 1 and self.ready != step):
             raise RuntimeError(f"lockstep: in-place recovery: the survivors committed step {step}, this rank "

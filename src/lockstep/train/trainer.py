@@ -196,6 +196,8 @@ class Trainer:
         self._fit = next_fit()  # names this fit's departure keys in the store (departures.py)
         if cfg.resume:
             self.load_latest()
+        if self._inplace is not None:
+            self._inplace.start()  # stopped at the end of the last fit
         run_id = self.run_id
         assert run_id is not None  # set on every rank in __init__ (open_writer_files), replaced by a resume
         if cfg.checkpoint_dir:  # a new run stops here if the folder holds another run's checkpoints
