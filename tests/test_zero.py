@@ -188,7 +188,7 @@ def _checkpoints(rank):
 
 
 def _lockstep_zero_cases(rank):
-    out = {"exact": _exactness(rank), "checkpoints": _checkpoints(rank)}
+    out = {"exact": _exactness(rank), "checkpoints": _checkpoints(rank), "slices": _slices(rank)}
     for view in (False, True):
         counts = []
         for cls in (LockstepZero, ZeroRedundancyOptimizer):
@@ -198,6 +198,56 @@ def _lockstep_zero_cases(rank):
             counts.append(_count_collectives(opt.step)[1])  # the step alone: DDP's own collectives are not counted
         out[("collectives", view)] = tuple(counts)
     return out
+
+
+def _odd_model() -> torch.nn.Module:
+    """_model() with one non-contiguous parameter (a transposed weight)."""
+    model = _model()
+    model[2].weight = torch.nn.Parameter(model[2].weight.detach().t().contiguous().t())
+    assert not model[2].weight.is_contiguous()
+    return model
+
+
+def _slices(rank):
+    """GATHER_CAP_BYTES so small that parameters span several all-gathers (and one is non-contiguous): the same
+    bits as torch's class, or as a plain AdamW where torch's cannot broadcast a non-contiguous parameter."""
+    import lockstep.optim.zero as zero
+
+    saved, zero.GATHER_CAP_BYTES = zero.GATHER_CAP_BYTES, 40  # 5 elements a rank an all-gather
+    out = {}
+    try:
+        for view in (False, True):
+            ours, _, opt = _run(rank, lambda ps: LockstepZero(ps, optimizer_class=torch.optim.AdamW, lr=1e-3,
+                                                            parameters_as_bucket_view=view), steps=10)
+            theirs, _, topt = _run(rank, lambda ps: ZeroRedundancyOptimizer(ps, optimizer_class=torch.optim.AdamW,
+                                                                           lr=1e-3, parameters_as_bucket_view=view), steps=10)
+            shard = [id(p) for p in opt.optim.param_groups[0]["params"]]
+            order = [i for i, p in enumerate(opt.param_groups[0]["params"]) if id(p) in shard]
+            out[view] = {"vs_torch": _same(ours, theirs), "order": order == sorted(order),
+                         "same_shard": len(topt.optim.param_groups[0]["params"]) == len(shard)}
+            # The same data on both ranks and no DDP: the gradients agree without one, so a plain AdamW is the reference.
+            g = torch.Generator().manual_seed(7)
+            models = [_odd_model(), _odd_model()]
+            opts = [LockstepZero(models[0].parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2,
+                                 parameters_as_bucket_view=view), torch.optim.AdamW(models[1].parameters(), lr=1e-2)]
+            for _ in range(5):
+                x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+                for model, opt_ in zip(models, opts):
+                    opt_.zero_grad()
+                    F.cross_entropy(model(x), y).backward()
+                    opt_.step()
+            out[view]["non_contiguous"] = _same(list(models[0].parameters()), list(models[1].parameters()))
+    finally:
+        zero.GATHER_CAP_BYTES = saved
+    return out
+
+
+def test_parameters_spanning_several_all_gathers(all_results):
+    for rank, r in enumerate(all_results):
+        for view, cell in r["lockstep_zero"]["slices"].items():
+            assert cell["vs_torch"], f"rank {rank}, parameters_as_bucket_view={view}: != torch's class"
+            assert cell["non_contiguous"], f"rank {rank}, parameters_as_bucket_view={view}: a non-contiguous parameter"
+            assert cell["same_shard"] and cell["order"], cell  # torch's shard, in the model's order
 
 
 def test_lockstep_zero_is_bit_for_bit_torch_zero_and_a_plain_optimizer(all_results):

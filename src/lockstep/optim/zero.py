@@ -41,17 +41,22 @@ def partition_parameters(param_groups: list[dict[str, Any]], world_size: int) ->
     Per group in order, the parameters largest first (a stable sort: ties keep their order), each to the rank that
     holds the fewest elements so far (the lowest rank on a tie); the counts carry over from group to group. Frozen
     parameters are counted too, as torch counts them, so the shards do not move when trainability changes.
+
+    Each rank's list keeps the group's order, where torch's keeps the sorted one: the same shards and the same
+    whole-optimizer ``state_dict``, but a for-loop optimizer then steps the large parameters between the small ones
+    as in the model, and holds one large parameter's temporaries at a time (Adam's ``denom`` of the last parameter
+    lives until the next one's is computed: two of the largest in a row cost a third temporary, +50% of the step's).
     """
     sizes = [0] * world_size
     out: list[list[list[torch.Tensor]]] = [[] for _ in range(world_size)]
     for group in param_groups:
-        per_rank: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+        owner: dict[int, int] = {}  # id(param) -> rank
         for param in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
             rank = sizes.index(min(sizes))
-            per_rank[rank].append(param)
+            owner[id(param)] = rank
             sizes[rank] += param.numel()
         for rank in range(world_size):
-            out[rank].append(per_rank[rank])
+            out[rank].append([p for p in group["params"] if owner[id(p)] == rank])
     return out
 
 
