@@ -73,6 +73,29 @@ def test_describe_phases():
     assert describe(rec(3, "optimizer")) == "optimizer after step 3"
 
 
+def test_zero2_waits_name_the_reduce_scatter_and_the_all_gather():
+    # ZeRO-2 (``ddp.zero2``): the observer hears which collective the waits are; the report names it
+    progress = Progress()
+    obs = ProgressObserver(lambda: False, progress)
+    obs.backward_start()
+    obs.collective("reduce-scatter")
+    obs.wait_start(2, 7)
+    record = {**rec(4, "wait", bucket=2, seq=7), "op": progress.snapshot()["op"]}
+    assert describe(record) == "reduce-scatter of bucket 2 (collective #7) of step 5"
+    obs.wait_end(2, 7)
+    assert progress.phase == "backward"
+    obs.backward_end(5)
+    obs.forward_start()
+    obs.collective("all-gather")
+    obs.wait_start(0, 3)
+    record = {**rec(5, "wait", bucket=0, seq=3), "op": progress.snapshot()["op"]}
+    assert describe(record) == "all-gather of bucket 0 (collective #3) of the update of step 5"
+    obs.wait_end(0, 3)
+    assert progress.phase == "forward"  # back to the forward the wait was in (was "backward" before ZeRO-2)
+    obs.backward_start()
+    assert progress.op == "all-reduce"
+
+
 def test_observer_tracks_phases_and_a_skipped_backward():
     progress = Progress()
     expects = [False]

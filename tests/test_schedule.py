@@ -21,9 +21,10 @@ from dist_utils import run_ranks
 from torch import nn
 
 _DIST_FUNCTIONS = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "all_gather_into_tensor",
-                   "broadcast_object_list", "reduce_scatter_tensor", "barrier", "all_to_all")
+                   "broadcast_object_list", "reduce_scatter_tensor", "barrier", "all_to_all", "reduce_scatter_single",
+                   "all_gather_single")
 _GROUP_METHODS = ("allreduce", "broadcast", "allgather", "_allgather_base", "allreduce_coalesced", "barrier",
-                  "reduce_scatter", "alltoall")
+                  "reduce_scatter", "alltoall", "_reduce_scatter_base", "reduce_scatter_single", "all_gather_single")
 
 
 class Recorder:
@@ -61,6 +62,10 @@ class Recorder:
 
 def _kind(name: str) -> str:
     """``dist.all_reduce`` and the group's ``allreduce`` are one kind of collective (the reducer calls the latter)."""
+    if name in ("reduce_scatter_single", "pg.reduce_scatter_single", "pg._reduce_scatter_base"):
+        return "reduce_scatter_tensor"  # torch >= 2.12's name of it, and the group's method under both
+    if name in ("all_gather_single", "pg.all_gather_single", "pg._allgather_base"):
+        return "all_gather_into_tensor"
     return {"pg.allreduce": "all_reduce", "pg.broadcast": "broadcast", "pg.allgather": "all_gather",
             "pg.barrier": "barrier"}.get(name, name)
 
@@ -99,6 +104,10 @@ MODES: dict[str, dict] = {
     "detect_nonfinite": {"detect_nonfinite": True},
     "sparse": {"sparse": True},
     "sparse_find_unused": {"sparse": True, "find_unused_parameters": True, "use_all": False},
+    # ZeRO-2 (``zero2``): reduce-scatters, the flag's all-reduce, and the step's all-gathers (a joined rank steps
+    # its shards in its shadow round)
+    "zero2": {"zero": True},
+    "zero2_fp16": {"zero": True, "hook": "fp16"},
 }
 
 
@@ -108,11 +117,12 @@ def _sequences(rank: int, recorder: Recorder, mode: dict, steps_both: int) -> li
 
     mode = dict(mode)
     hook, use_all, sparse = mode.pop("hook", None), mode.pop("use_all", True), mode.pop("sparse", False)
+    zero = mode.pop("zero", False)
     torch.manual_seed(0)
     model = lockstep.DistributedDataParallel(_Net(sparse), bucket_cap_mb=0.001, **mode)  # several buckets
     if hook is not None:
         model.register_comm_hook(None, {"allreduce": allreduce_hook, "fp16": fp16_compress_hook}[hook])
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = model.zero_optimizer(torch.optim.SGD, lr=0.1) if zero else torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(rank)
     recorder.calls, recorder.on = [], False
     with model.join():
@@ -145,8 +155,11 @@ def results():
 @pytest.mark.parametrize("mode", [*MODES, "join_at_once"])
 def test_joined_rank_issues_the_training_ranks_collectives(results, mode):
     training, joined = results[0][mode], results[1][mode]
-    reduces = [c for c in training if c[0] == "all_reduce"]
+    reduces = [c for c in training if c[0] in ("all_reduce", "reduce_scatter_tensor")]
     assert len(reduces) >= 6, training  # the join round, the buckets, the status: the sequence is not empty
+    if mode.startswith("zero2"):  # the step's all-gathers, one per bucket, after the bucket's reduce-scatters
+        assert sum(c[0] == "all_gather_into_tensor" for c in training) == sum(
+            c[0] == "reduce_scatter_tensor" for c in training) >= 2, training
     assert training == joined, "\n".join(
         f"{i}: training {t}   joined {j}{'   <--' if t != j else ''}"
         for i, (t, j) in enumerate(zip(training + [None] * len(joined), joined + [None] * len(training)))

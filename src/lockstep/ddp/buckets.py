@@ -83,6 +83,9 @@ class BucketPlan:
     direct: bool = False  # one large parameter, all-reduced in its own gradient when it can be (``copy_in``)
     # one parameter whose gradient is sparse (``nn.Embedding(sparse=True)``): no flat buffer, numel 0
     sparse: bool = False
+    # ZeRO-2 (``zero2``): the buffer holds at least this many elements, a multiple of the world size that the
+    # reduce-scatter splits into equal shards (the padding stays zero); 0: numel + the spare element
+    padded_numel: int = 0
 
     @property
     def nbytes(self) -> int:

@@ -54,6 +54,7 @@ class JoinableDDP(Protocol):
     @property
     def _sync_buffers(self) -> list[torch.Tensor]: ...
     def _will_sync_buffers(self) -> bool: ...
+    def finish_step(self) -> None: ...
 
 
 class DDPJoinHook(JoinHook):
@@ -78,6 +79,7 @@ class DDPJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
+        ddp.finish_step()  # ZeRO-2's all-gathers of the last step land before the broadcast writes the parameters
         # The highest rank among those that joined last holds the fully trained state.
         candidate = torch.tensor([dist.get_rank(ddp.process_group) if is_last_joiner else -1], device=ddp.join_device)
         dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=ddp.process_group)

@@ -41,11 +41,15 @@ def build_layout(
     direct_min_bytes: int | None,
     mode: str,
     sparse: Sequence[bool],
+    shards: int = 0,
 ) -> BucketLayout:
     """Fresh buckets for ``params`` filled in ``order`` (``buckets.assign_buckets`` has the caps' rules): direct
-    buckets only where gradients are copied in (COPY); with bucket views (VIEW) the gradients move into them."""
-    direct = direct_min_bytes if mode == COPY else None
+    buckets only where gradients are copied in (COPY); with bucket views (VIEW) the gradients move into them.
+    ``shards`` (ZeRO-2: the world size): no direct buckets, each buffer padded to a multiple of it."""
+    direct = direct_min_bytes if mode == COPY and not shards else None
     plans = assign_buckets(params, order, cap_bytes, first_bytes, caps_bytes, direct, sparse if any(sparse) else None)
+    for plan in plans if shards else ():
+        plan.padded_numel = -(-plan.numel // shards) * shards
     buckets = [Bucket(b, plan, params) for b, plan in enumerate(plans)]
     if mode == VIEW:
         move_grads_into(buckets)

@@ -104,13 +104,7 @@ class OverlappedStep:
         self._warned: set[str] = set()
         self._patch_optimizer(optimizer)
         self._split_default_buckets()
-        index_of = {id(p): i for i, p in enumerate(reducer.params)}
-        self._handles = []
-        for sub in module.modules():
-            owned = [index_of[id(p)] for p in sub.parameters(recurse=False) if id(p) in index_of]
-            if owned:
-                self._handles.append(sub.register_forward_pre_hook(self._pre_hook(owned)))
-        self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.finish()))
+        self._handles = register_waits(module, reducer.params, self._in_flight, self.finish_params, self.finish)
 
     def _split_default_buckets(self) -> None:
         """With the default cap (25 MB, torch's; not "auto") and before the rebuild, cap the rebuilt buckets so that
@@ -241,11 +235,8 @@ class OverlappedStep:
         location = self.reducer._location
         self._finish_buckets(sorted({location[i][0] for i in indices}, reverse=True))
 
-    def _pre_hook(self, owned: list[int]) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            if self.round is not None:
-                self.finish_params(owned)
-        return hook
+    def _in_flight(self) -> bool:
+        return self.round is not None
 
     def _finish_buckets(self, indices: Sequence[int]) -> None:
         self._check_flag()
@@ -350,23 +341,7 @@ class OverlappedStep:
             self._call_on(lambda p: id(p) not in mine, self._step)
 
     def _call_on(self, keep: Callable[[torch.Tensor], bool], call: Callable[[], Any]) -> None:
-        """``call()`` with each param group narrowed to the parameters ``keep`` accepts (groups left empty out)."""
-        opt = self.optimizer
-        groups = opt.param_groups
-        full = [g["params"] for g in groups]
-        try:
-            narrowed = []
-            for g, params in zip(groups, full):
-                g["params"] = [p for p in params if keep(p)]
-                if g["params"]:
-                    narrowed.append(g)
-            if narrowed:
-                opt.param_groups = narrowed
-                call()
-        finally:
-            opt.param_groups = groups
-            for g, params in zip(groups, full):
-                g["params"] = params
+        call_on(self.optimizer, keep, call)
 
     # ----------------------------------------------------------------- the launch sequence
     def _record_timing(self, done_s: float) -> None:
@@ -431,3 +406,47 @@ class OverlappedStep:
 def _snapshot(value: Any) -> Any:
     """A hyperparameter as it is now (a tensor learning rate is updated in place by schedulers)."""
     return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+# ----------------------------------------------------------------- shared with ZeRO-2 (``zero2``)
+def register_waits(module: nn.Module, params: Sequence[nn.Parameter], in_flight: Callable[[], bool],
+                   finish_params: Callable[[list[int]], None], finish: Callable[[], None]) -> list[Any]:
+    """Per module that owns some of ``params``, a forward pre-hook that, while ``in_flight()``, waits for those
+    parameters alone (``finish_params`` with their indices into ``params``); ``finish`` before the module's
+    state_dict. The overlapped step waits for averaged gradients so, ZeRO-2 for its all-gathered parameters."""
+    index_of = {id(p): i for i, p in enumerate(params)}
+    handles = []
+    for sub in module.modules():
+        owned = [index_of[id(p)] for p in sub.parameters(recurse=False) if id(p) in index_of]
+        if owned:
+            handles.append(sub.register_forward_pre_hook(_wait_hook(owned, in_flight, finish_params)))
+    handles.append(module.register_state_dict_pre_hook(lambda *_: finish()))
+    return handles
+
+
+def _wait_hook(owned: list[int], in_flight: Callable[[], bool],
+               finish_params: Callable[[list[int]], None]) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        if in_flight():
+            finish_params(owned)
+    return hook
+
+
+def call_on(optimizer: torch.optim.Optimizer, keep: Callable[[torch.Tensor], bool], call: Callable[[], Any]) -> None:
+    """``call()`` with each of ``optimizer``'s param groups narrowed to the parameters ``keep`` accepts (groups left
+    empty out); the groups' own dicts are kept, so hyperparameters read and written stay the optimizer's."""
+    groups = optimizer.param_groups
+    full = [g["params"] for g in groups]
+    try:
+        narrowed = []
+        for g, params in zip(groups, full):
+            g["params"] = [p for p in params if keep(p)]
+            if g["params"]:
+                narrowed.append(g)
+        if narrowed:
+            optimizer.param_groups = narrowed
+            call()
+    finally:
+        optimizer.param_groups = groups
+        for g, params in zip(groups, full):
+            g["params"] = params

@@ -52,6 +52,7 @@ from lockstep.ddp.step import (
     one_in_flight,
     plan_backward,
 )
+from lockstep.ddp.zero2 import ZeroShards
 from lockstep.diagnostics.nonfinite import NonfiniteCheck
 
 
@@ -74,12 +75,10 @@ class Reducer:
         sparse: Sequence[bool] | None = None,  # per parameter, torch's expect_sparse_gradient (``copy_in``); None: none
         release_idle_buckets: bool | None = None,  # bucket views: free idle buckets between steps (``idle_buckets``)
     ):
-        self.params = list(params)
-        self.names = list(names)
+        self.params, self.names = list(params), list(names)
         self.sparse = sparse_flags(sparse, len(self.params))
         self.has_sparse = any(self.sparse)
-        self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
+        self.process_group, self.world_size = process_group, dist.get_world_size(process_group)
         self.divisor = self.world_size  # ranks still training, under join(divide_by_initial_world_size=False)
         self.caps = caps
         # The layout's caps now: the auto-tuner's trials change the per-bucket caps, the rebuild the first one.
@@ -89,7 +88,7 @@ class Reducer:
         self.grad_mode = grad_mode(gradient_as_bucket_view)
         self.gradient_as_bucket_view = self.grad_mode == VIEW  # torch's True: the bucket is divided at launch
         self.usage = UsageTracker(len(self.params), find_unused_parameters, static_graph)
-        self.comm_hook: CommHook | None = None
+        self.comm_hook: CommHook | None = None  # and its state (``comm_hook_state``): ``set_comm_hook``
         self.comm_hook_state: object = None
         self.fused: FusedCompression | None = None  # the hook's average, run here instead (``fused_compress``)
         self.nonfinite: NonfiniteCheck | None = None  # detect_nonfinite=True (``diagnose``); None = off
@@ -98,6 +97,7 @@ class Reducer:
         self.events: list[tuple] | None = None  # tests: ("ready", i) / ("launch", b); None = off
         self.optimizers_in_backward = False  # torch's _apply_optimizer_in_backward on these parameters
         self.overlap: OverlappedStep | None = None  # an optimizer stepped in the next forward (``overlap_step``)
+        self.zero: ZeroShards | None = None  # ZeRO-2: buckets reduce-scattered into this rank's shards (``zero2``)
         self.post_backward_futures: list = []  # a buffer comm hook's futures, waited for at the end of backward
         self.expect_hooks = False  # set by a synchronised forward: other backwards' hooks do nothing
         self.step: Backward | None = None  # the running backward's state, from its start to its end
@@ -106,12 +106,9 @@ class Reducer:
         self.rebuild_pending = self.buckets_rebuilt = False  # once, from the first synced backward's order
         self.direct_launches = 0  # all-reduces on a gradient where autograd left it (``copy_in``), since construction
         self.launch_seq = 0  # launches issued since construction: the same on every rank, step after step
-        # Buckets one at a time (``launch_order``): set from the last plain backward's measured rate, per rank (it
-        # changes when a collective is issued, never which or in what order).
-        self.serial_launch = False
+        self.serial_launch = False  # one at a time (``launch_order``), per rank: when, never which or in what order
         self._first_launch_s = 0.0  # this backward's first launch (perf_counter)
-        self.comm_wait_s = 0.0
-        self.num_syncs = 0
+        self.comm_wait_s, self.num_syncs = 0.0, 0
         self.rounds = 0  # synchronised backwards completed, a joined rank's shadows included: the same on every rank
         self.tuner = BucketTuner(caps.auto) if caps.auto is not None else None
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
@@ -120,7 +117,7 @@ class Reducer:
         self._fast_cache: FastCache | None = None  # (layout, divisor, hook) -> the hook's common-path table
         self.idle = IdleBuckets(release_idle_buckets if self.grad_mode != COPY else False)  # bucket views only
         self.buckets: list[Bucket] = []
-        self.layout_version = 0
+        self.layout_version = 0  # the fast table's cache key, bumped by each layout build
         self._build(list(reversed(range(len(self.params)))))
         ref = weakref.ref(self)  # the parameters outlive a dropped DDP object; its reducer must not
         self._handles = [p.register_post_accumulate_grad_hook(make_hook(ref, i)) for i, p in enumerate(self.params)]
@@ -131,7 +128,8 @@ class Reducer:
         if self.buckets:
             self.release_works(keep=False)  # before the old buckets go
         layout = build_layout(self.params, order, self.bucket_cap_bytes, self.first_bucket_bytes,  # VIEW: grads in
-                              self.bucket_caps_bytes, self.caps.direct_min_bytes, self.grad_mode, self.sparse)
+                              self.bucket_caps_bytes, self.caps.direct_min_bytes, self.grad_mode, self.sparse,
+                              shards=self.world_size if self.zero is not None else 0)
         self._param_order, self.buckets, self._location = layout.order, layout.buckets, layout.location
         self._sizes = layout.sizes
         self.layout_version += 1  # the fast table's cache key
@@ -173,6 +171,9 @@ class Reducer:
 
     def set_comm_hook(self, hook: CommHook, state: object, fused: FusedCompression | None) -> None:
         """``register_comm_hook``'s hook (the wrapper checked it); ``fused``: its average, run here instead."""
+        if self.zero is not None:
+            self.zero.check_hook(hook, fused)
+            self.zero.compress = fused
         self.comm_hook, self.comm_hook_state, self.fused = hook, state, fused
 
     def name_comm_hook(self, name: str) -> None:  # torch's built-in hook types, logged by type (``torch_surface``)
@@ -189,6 +190,17 @@ class Reducer:
 
     def bind_overlap(self, overlap: OverlappedStep) -> None:  # ``overlap_optimizer_step``'s optimizer, bound once
         self.overlap = overlap
+
+    def bind_zero(self, shards: ZeroShards) -> None:
+        """ZeRO-2 (``zero_optimizer``): the buckets are built again, padded and with no direct bucket, and kept for
+        good (no rebuild from the observed order, whose new shards would leave the optimizer's state behind)."""
+        if self.step is not None:
+            raise RuntimeError("zero_optimizer: called inside a backward; bind it between steps")
+        self.zero = shards
+        shards.compress = self.fused
+        self.rebuild_pending, self._observed_order, self.buckets_rebuilt = False, None, True
+        self._build(self._param_order)
+        shards.take_layout(self.buckets, self._location)
 
     def limit_caps(self, cap_bytes: int) -> None:
         """Cap every bucket, and the rebuilt first one, at ``cap_bytes`` (applies at the next layout build)."""
@@ -210,6 +222,16 @@ class Reducer:
         if self.overlap is not None:
             retune = self.tuner is not None and not self.tuner.done
             self.overlap.at_forward_start(full or self.rebuild_pending or retune)
+        if self.zero is not None and full:
+            self.zero.finish()  # the all-gathers of the last step: every parameter is read
+
+    def finish_in_flight(self) -> None:
+        """The forward's end, ``finish_step()``, a join's end: what the next forward's pre-hooks would wait for (the
+        overlapped step's buckets, ZeRO-2's all-gathers) is finished now."""
+        if self.overlap is not None:
+            self.overlap.finish()
+        if self.zero is not None:
+            self.zero.finish()
 
     def prepare_for_forward(self) -> None:
         """Start of a synchronised forward: finish a backward that could not, rebuild buckets once."""
@@ -236,14 +258,17 @@ class Reducer:
     def _begin(self, common_path: bool) -> Backward:
         """A fresh backward and plan; ``common_path``: the hook's common path may apply (not a joined rank's shadow)."""
         fast = None
+        # Not in the first backward (it records the order) nor under ZeRO-2 (a bucket's memory comes back at its
+        # first write, ``copy_in``)
         if (common_path and self.expect_hooks and self.grad_mode == COPY and not self.usage.active
-                and self._observed_order is None and self.events is None):  # the first backward records the order
+                and self._observed_order is None and self.events is None and self.zero is None):
             self._fast_cache = cached_fast_table(self._fast_cache, self.layout_version, self.buckets, len(self.params),
                                                  self.divisor, hooked=self.comm_hook is not None)
             fast = self._fast_cache[1]
         plan = plan_backward(mode=self.grad_mode, divisor=self.divisor, comm_hook=self.comm_hook, fused=self.fused,
                              nonfinite=self.nonfinite, has_sparse=self.has_sparse,
-                             last_bucket_sparse=self.buckets[-1].plan.sparse, tracks_usage=self.usage.active, fast=fast)
+                             last_bucket_sparse=self.buckets[-1].plan.sparse, tracks_usage=self.usage.active, fast=fast,
+                             zero=self.zero)
         sequence = None if self.overlap is None else self.overlap.sequence_for(self.layout_version)
         serial = self.serial_launch and self.overlap is None  # the overlapped step's drain must not wait
         carrier = sequence is not None and plan.nonfinite is not None
@@ -261,6 +286,8 @@ class Reducer:
         if self.overlap is not None:
             self.overlap.finish()  # a round still in flight (a backward with no forward through the wrapper)
             self.overlap.before_backward()  # the launch sequence, agreed once per layout
+        if self.zero is not None:
+            self.zero.finish()  # the last step's all-gathers (a forward not through the wrapper)
         # Runs once the whole backward is done: the only safe point to wait for the buckets.
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         self.release_works(keep=False)  # before this backward launches its own
@@ -320,7 +347,12 @@ class Reducer:
     def bucket_full(self, step: Backward, b: int) -> None:
         if self.observer is not None:
             self.observer.bucket_ready(b)
+        zero = step.plan.zero
+        if zero is not None:
+            zero.bucket_full(self.buckets[b])  # the parameters' .grad go: the bucket holds them
         step.order.mark_ready(b)
+        if zero is not None:  # reduce-scatters done already: their buckets' memory goes while backward runs
+            zero.reap(self.buckets, step.order.next_index)
 
     # ------------------------------------------------------------- launch (in index order: ``launch_order``)
     def _launch(self, bucket: Bucket) -> None:
@@ -371,13 +403,17 @@ class Reducer:
                                                 joined=False, copy_each=early, observer=self.observer, futures=futures,
                                                 names=self.names, explain=explain)
             self._measure_link(waited)
-            if not early:
+            if step.plan.zero is not None:
+                step.plan.zero.note_unused(status.globally_used)  # find_unused_parameters: skipped in the step
+            if not early and step.plan.zero is None:  # ZeRO-2: the averages are in the shards, not .grad
                 copy_back(self.buckets, self.params, status.globally_used, self.grad_mode, fast)
             if self.overlap is not None:
                 self.overlap.finished_in_full()
             self.end_round(waited, reset=False)
         except Exception as error:  # as torch's reducer, noted for the wrapper's logging data
             self.logged_error = error_for_log(error)
+            if self.zero is not None:
+                self.zero.zero_grad(set_to_none=True)  # no shard keeps what raised: a step after it moves nothing
             raise
         finally:
             self.dist_autograd.at_end_of_backward(self.params)  # under distributed autograd: averages into the context
@@ -426,12 +462,18 @@ class Reducer:
         """A joined rank's stand-in for one backward (``join``): the same collectives, in the same order, with zeros."""
         self.release_works(keep=False)  # as at a real backward's start
         zero_for_shadow(self.buckets, self.grad_mode)  # nothing of its own: adds nothing to the sum
+        if self.zero is not None:
+            self.zero.zero_grad(set_to_none=True)  # the training ranks' zero_grad: each shadow step is on its own round
         step = self._begin(common_path=False)
         try:
-            finish_collectives(step, self.buckets, self.usage, self.process_group, [], joined=True, copy_each=False,
-                               observer=None, futures=(), names=self.names, explain=None)
+            status, _ = finish_collectives(step, self.buckets, self.usage, self.process_group, [], joined=True,
+                                           copy_each=False, observer=None, futures=(), names=self.names, explain=None)
+            if self.zero is not None:
+                self.zero.note_unused(status.globally_used)
         finally:
             self._end_step()
+        if self.zero is not None:
+            self.zero.shadow_step()  # the training ranks' opt.step(): this rank's shards stepped and all-gathered
         self.rounds += 1
         # As after a real backward: the training ranks rebuild at their next forward (a broadcast), so must this one.
         if self._observed_order is not None and not self.buckets_rebuilt:

@@ -69,7 +69,7 @@ class Bucket:
     flags), views, in-flight work."""
 
     __slots__ = ("index", "plan", "buffer", "flat", "views", "params", "grads", "seen", "work", "seq", "direct",
-                 "compressed", "compressed_views", "sparse", "resident")
+                 "compressed", "compressed_views", "sparse", "resident", "storage_freed")
 
     def __init__(self, index: int, plan: BucketPlan, params: Sequence[torch.nn.Parameter]):
         self.index = index
@@ -91,13 +91,14 @@ class Bucket:
         """The buffer (+1 spare element), ``flat`` (what a comm hook sees: the gradients only) and the slots."""
         plan = self.plan
         make = torch.zeros if zeroed else torch.empty
-        self.buffer = make(plan.numel + 1, dtype=plan.dtype, device=plan.device)
+        self.buffer = make(max(plan.numel + 1, plan.padded_numel), dtype=plan.dtype, device=plan.device)
         self.flat = self.buffer[: plan.numel]
         # A sparse bucket (``plan.sparse``) has no slots: its one buffer element is the last bucket's spare.
         self.views = [] if plan.sparse else [slot_view(self.flat, o, p) for o, p in zip(plan.offsets, self.params)]
         self.compressed: torch.Tensor | None = None  # ``fused_compress``: the buffer's bytes as the wire dtype
         self.compressed_views: list[torch.Tensor] = []
         self.resident = True
+        self.storage_freed = False
 
     def release(self) -> int:
         """Under bucket views, at a synchronised forward's start: let go of the buffer if no ``.grad`` is one of its
@@ -134,9 +135,23 @@ class Bucket:
 
     def make_resident(self) -> None:
         """Before anything writes a released bucket: a fresh buffer (its contents unread: every slot is written
-        before the bucket is sent, the spare element at its launch)."""
+        before the bucket is sent, the spare element at its launch); a freed storage gets its memory back, with
+        the padding past the gradients zeroed (``free_storage``)."""
         if not self.resident:
-            self._allocate(zeroed=False)
+            if self.storage_freed:
+                self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
+                self.buffer[self.plan.numel:].zero_()
+                self.storage_freed, self.resident = False, True
+            else:
+                self._allocate(zeroed=False)
+
+    def free_storage(self) -> None:
+        """ZeRO-2 (``zero2``), once the bucket's reduce-scatter is done: its memory goes, but the buffer and its
+        views stay the same objects (the storage is resized in place, as FSDP frees its unsharded parameters), so
+        whatever holds a view stays valid; ``make_resident`` gives the memory back before the next write."""
+        if self.resident and not self.plan.sparse:
+            self.buffer.untyped_storage().resize_(0)
+            self.storage_freed, self.resident = True, False
 
     def reset(self) -> None:
         self.direct = None

@@ -77,6 +77,8 @@ class StepPlan:
     """The NaN/Inf check (``detect_nonfinite=True``), or None."""
     fast: list[FastEntry | None] | None
     """The hook's common-path table (``fast_table``), or None: every hook takes the slow path."""
+    zero: Any = None
+    """ZeRO-2's shards (``zero2.ZeroShards``): each bucket reduce-scattered, not all-reduced; None: plain DDP."""
 
     def scale_for(self, grad: torch.Tensor) -> Any:
         """1/divisor for ``grad``: the cached float32 tensor for float32/float16/bfloat16 CPU gradients, else a float
@@ -102,8 +104,13 @@ def one_in_flight(comm_hook: Any, fused: FusedCompression | None) -> bool:
 def plan_backward(
     *, mode: str, divisor: int, comm_hook: Any, fused: FusedCompression | None, nonfinite: NonfiniteCheck | None,
     has_sparse: bool, last_bucket_sparse: bool, tracks_usage: bool, fast: list[FastEntry | None] | None,
+    zero: Any = None,
 ) -> StepPlan:
-    """The plan of the backward about to start (a synchronised one, or a joined rank's shadow of one)."""
+    """The plan of the backward about to start (a synchronised one, or a joined rank's shadow of one). ``zero``
+    (ZeRO-2): the shards take the reduce (its compression included), the flag goes apart, nothing is copied back."""
+    if zero is not None:
+        return StepPlan(mode=mode, divisor=divisor, hooked=comm_hook is not None, fused=None, flag_apart=True,
+                        one_in_flight=False, copy_each=False, nonfinite=nonfinite, fast=None, zero=zero)
     fused = fused_now(fused, nonfinite, has_sparse)
     return StepPlan(
         mode=mode,

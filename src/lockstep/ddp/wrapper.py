@@ -46,13 +46,14 @@ from lockstep.ddp.join import (
     join_divisor,
     notify_not_joined,
 )
-from lockstep.ddp.overlap_step import OverlappedStep
+from lockstep.ddp.overlap_step import OverlappedStep, register_waits
 from lockstep.ddp.pickling import Pickling
 from lockstep.ddp.replicas import (
     broadcast_coalesced,
     syncable_buffers,
     verify_params_across_ranks,
 )
+from lockstep.ddp.step import COPY
 from lockstep.ddp.torch_surface import (
     TorchReducer,
     WrapperSurface,
@@ -60,6 +61,7 @@ from lockstep.ddp.torch_surface import (
     closed_message,
     move_to,
 )
+from lockstep.ddp.zero2 import ZeroOptimizer, ZeroShards, check_optimizer_class, observer_of
 from lockstep.diagnostics.progress import observer_for
 from lockstep.diagnostics.watchdog import FROM_ENV, resolve_hang_timeout, watch_for_hangs
 
@@ -292,7 +294,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             inputs, kwargs = move_to(inputs, self.device), move_to(kwargs, self.device)
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         in_join = self._join_config.enable  # inside model.join() (torch's flag; it stays set after, as torch's)
-        # A round of overlap_optimizer_step's in flight: its flag read before this forward's collectives.
+        # overlap_optimizer_step's round: its flag read now; join and the replica check finish it (and ZeRO-2's gathers)
         self.reducer.overlap_at_forward_start(full=in_join or self._replica_check_due())
         if diagnose.profiler_enabled() is not self._profiling:  # one flag read per forward
             diagnose.toggle_profiler_ranges(self, not self._profiling)
@@ -302,8 +304,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         changes = self.reducer.module_changes
         if changes is not None and changes.seen != module_changes.GENERATION[0]:  # a module or parameter assigned
             changes.warn_not_averaged()  # a layer added or replaced after construction would never be averaged
-        if not self._lazy_init_done:
-            # As torch's lazy init: _apply_optimizer_in_backward may be called after construction.
+        if not self._lazy_init_done:  # as torch's lazy init: _apply_optimizer_in_backward may come after construction
             self._lazy_init_done = True
             self.reducer.take_over_optimizers_in_backward()
         join_work = notify_not_joined(self) if in_join else None  # every forward, as torch
@@ -313,16 +314,14 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             if self._replica_check is not None and not in_join:  # inside join() a joined rank would not come
                 self._replica_check.maybe_check(self.reducer.num_syncs)
         elif torch.is_grad_enabled():
-            # As torch: the one-time rebuild (and here the auto-tuning switches) happens in the next
-            # forward with grad, no_sync included, which is where a joined rank's round does it too.
+            # As torch: the one-time rebuild (and the auto-tuning switches) in the next forward with grad, no_sync too
             self.reducer.between_steps()
         # As torch: buffers follow the *previous* forward. They are broadcast when it was synchronised
         # (so also in an eval or no_sync forward right after a training step), which is what keeps
         # BatchNorm statistics bit-identical to torch's under gradient accumulation.
         sync_buffers = (self.require_forward_param_sync and self.forward_sync_buffers
                         and dist.get_world_size(self.process_group) > 1)
-        buffer_hook = self._buffer_hook  # torch's _register_buffer_comm_hook: (hook, state, before forward?)
-        pending = None
+        buffer_hook, pending = self._buffer_hook, None  # torch's _register_buffer_comm_hook: (hook, state, pre?)
         if sync_buffers and buffer_hook is None:
             # Read afresh; waited for before the first BatchNorm where only such layers own buffers (``buffer_sync``).
             # Under join: from a rank still training, waited for here (the join's own collectives come next).
@@ -338,8 +337,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         finally:
             if pending is not None:
                 pending.finish()
-            if self.reducer.overlap is not None:
-                self.reducer.overlap.finish()  # the buckets of parameters this forward did not use
+            self.reducer.finish_in_flight()  # the buckets / all-gathers of parameters this forward did not use
         if observer is not None:
             observer.forward_end()
         if sync_buffers and buffer_hook is not None and not buffer_hook[2]:
@@ -450,8 +448,54 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
     def finish_step(self) -> None:
         """With ``overlap_optimizer_step``: wait for every bucket and apply the noted step now (a full wait). Before
         reading ``.grad`` (clipping by global norm, a GradScaler's unscale_) or the parameters outside a forward."""
-        if self.reducer.overlap is not None:
-            self.reducer.overlap.finish()
+        self.reducer.finish_in_flight()
+
+    def zero_optimizer(self, optimizer_class: type[torch.optim.Optimizer], stage: int = 2,
+                       **defaults: Any) -> ZeroOptimizer:
+        """ZeRO-2: shard the gradients and ``optimizer_class``'s state over the ranks (not in torch's DDP).
+
+        Each bucket is reduce-scattered instead of all-reduced: this rank keeps its shard of the average and steps
+        ``optimizer_class`` on its shard alone; ``opt.step()`` all-gathers the updated parameters per bucket, waited
+        for in the next forward where each module first needs them. Per rank, fp32 Adam: 4 + 12/N bytes a parameter
+        instead of 16. After a backward ``.grad`` is None (the average lives in the shards): clip with
+        ``opt.clip_grad_norm_``. Parameters are plain DDP's bit for bit at 2 ranks for element-wise optimizers.
+        Call it on every rank, before the first backward and once: docs/ddp.md#zero-2-sharded-gradients-and-
+        optimizer-state.
+
+        Args:
+            optimizer_class: an element-wise ``torch.optim.Optimizer`` class (SGD, Adam, AdamW, ...).
+            stage: 2 (1 is ``lockstep.ZeroRedundancyOptimizer``).
+            **defaults: the optimizer's arguments (``lr=...``), one parameter group.
+        """
+        self._check_zero(stage)
+        shards = ZeroShards(self.process_group, self.reducer.buckets[0].plan.device, observer_of(self.reducer))
+        shards.check_hook(self.reducer.comm_hook, self.reducer.fused)
+        check_optimizer_class(optimizer_class)
+        self.reducer.bind_zero(shards)
+        shards.handles = register_waits(self.module, self.reducer.params, shards.in_flight, shards.finish_params,
+                                        shards.finish)
+        return ZeroOptimizer(shards, optimizer_class, self.reducer.params, list(self.module.parameters()), defaults)
+
+    def _check_zero(self, stage: int) -> None:
+        """What ZeRO-2 refuses, each with a one-line reason naming the argument."""
+        if stage == 1:
+            raise ValueError("zero_optimizer: stage=1 is lockstep.ZeroRedundancyOptimizer(params, optimizer_class, "
+                             "...) (torch's API); this method is stage=2")
+        if stage != 2:
+            raise ValueError(f"zero_optimizer: stage must be 2, got {stage!r}")
+        reducer = self.reducer
+        if reducer.zero is not None or reducer.overlap is not None:
+            raise RuntimeError("zero_optimizer: an optimizer is bound already (zero_optimizer or "
+                               "overlap_optimizer_step: one per DistributedDataParallel)")
+        if reducer.grad_mode != COPY:
+            raise ValueError("zero_optimizer needs gradient_as_bucket_view=False (the default): the buckets are "
+                             "freed after their reduce-scatter, so .grad cannot live in them")
+        if reducer.tuner is not None:
+            raise ValueError('zero_optimizer: bucket_cap_mb="auto" re-lays the buckets, and ZeRO-2 keeps its '
+                             "layout (its shards are the buckets'); give a fixed bucket_cap_mb")
+        if reducer.has_sparse:
+            raise ValueError("zero_optimizer: sparse gradients (nn.Embedding(sparse=True)) cannot be "
+                             "reduce-scattered; use dense embeddings")
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -46,6 +46,8 @@ class Progress:
         self.since = time.monotonic()  # when the last event happened
         self.thread_id = threading.main_thread().ident
         self.skipped_backward: tuple[int, str] | None = None  # (step, where) of the first forward without backward
+        self.op = "all-reduce"  # what the waits are for: ZeRO-2's "reduce-scatter" / "all-gather" (``collective``)
+        self.before_wait = "backward"  # the phase a wait interrupted, restored at its end
 
     def set_phase(self, phase: str) -> None:
         self.phase, self.since = phase, time.monotonic()
@@ -53,7 +55,7 @@ class Progress:
     def snapshot(self) -> dict[str, Any]:
         return {"step_done": self.step_done, "phase": self.phase, "bucket": self.bucket, "seq": self.seq,
                 "numel": self.numel, "stalled_s": round(time.monotonic() - self.since, 3),
-                "skipped_backward": self.skipped_backward}
+                "skipped_backward": self.skipped_backward, "op": self.op}
 
 
 PROGRESS = Progress()
@@ -85,6 +87,7 @@ class ProgressObserver:
 
     def backward_start(self) -> None:
         self.progress.phase, self.progress.since = "backward", time.monotonic()
+        self.progress.op = "all-reduce"  # until ZeRO-2 names its reduce-scatters
 
     def bucket_ready(self, bucket_index: int) -> None:
         self.progress.since = time.monotonic()
@@ -97,10 +100,15 @@ class ProgressObserver:
 
     def wait_start(self, bucket_index: int, seq: int) -> None:
         p = self.progress
+        if p.phase != "wait":
+            p.before_wait = p.phase  # backward; forward for the next forward's waits (overlapped step, ZeRO-2)
         p.phase, p.bucket, p.seq, p.since = "wait", bucket_index, seq, time.monotonic()
 
     def wait_end(self, bucket_index: int, seq: int) -> None:
-        self.progress.phase, self.progress.since = "backward", time.monotonic()
+        self.progress.phase, self.progress.since = self.progress.before_wait, time.monotonic()
+
+    def collective(self, kind: str) -> None:
+        self.progress.op = kind
 
     def backward_end(self, step: int) -> None:
         p = self.progress

@@ -62,3 +62,5 @@ class ProfilerRanges:
 
     def backward_end(self, step: int) -> None:
         self.close_ranges()
+
+    def collective(self, kind: str) -> None: ...

@@ -23,8 +23,10 @@ def _step(rec: dict[str, Any]) -> int:
 def describe(rec: dict[str, Any]) -> str:
     """``all-reduce of bucket 3 (collective #41) of step 12``, ``data loading before step 12``..."""
     n, phase = _step(rec), rec["phase"]
-    if phase == "wait":
-        return f"all-reduce of bucket {rec['bucket']} (collective #{rec['seq']}) of step {n}"
+    if phase == "wait":  # ZeRO-2's all-gathers are of the last step's update, waited for in this step's forward
+        op = rec.get("op", "all-reduce")
+        step = f"the update of step {n - 1}" if op == "all-gather" else f"step {n}"
+        return f"{op} of bucket {rec['bucket']} (collective #{rec['seq']}) of {step}"
     if phase == "backward":
         launched = f", bucket {rec['bucket']} launched last" if rec["bucket"] >= 0 else ""
         return f"backward of step {n}{launched}"
@@ -42,7 +44,8 @@ def _doing(rec: dict[str, Any]) -> str:
     where = rec.get("where", "?")
     if rec.get("collective"):
         return f"in torch.distributed.{rec['collective']} at {where}"
-    what = {"data": "data loading", "loss": "the loss, before backward", "wait": "the end of backward",
+    what = {"data": "data loading", "loss": "the loss, before backward",
+            "wait": "the next forward" if rec.get("op") == "all-gather" else "the end of backward",
             "backward": "backward", "forward": "forward"}.get(rec["phase"], rec["phase"])
     return f"in {what} at {where}"
 

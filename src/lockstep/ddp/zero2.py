@@ -1,0 +1,531 @@
+"""ZeRO-2 inside the reducer: each bucket reduce-scattered, each rank stepping and keeping only its shard.
+
+``DistributedDataParallel.zero_optimizer(optimizer_class, stage=2, **defaults)`` binds a ``ZeroShards`` to the
+reducer and returns a ``ZeroOptimizer``. The one idea: a bucket's flat layout is also the layout of its shard.
+
+* At binding, each bucket's parameters move into one flat buffer of their own, padded to a multiple of the world
+  size (the parameters become views of it, as FSDP's flat parameters), and rank r's optimizer gets slice r of it
+  as one flat parameter per bucket. The gradient buckets get the same padding (``BucketPlan.padded_numel``).
+* In backward, gradients are copied into their buckets exactly as without ZeRO (the same multiply by 1/world
+  size), and a full bucket lets go of its parameters' ``.grad``. Each bucket is **reduce-scattered** instead of
+  all-reduced, in the same launch order: rank r receives slice r of the average, its shard's gradient, and the
+  bucket's memory is freed as soon as that is done (``Bucket.free_storage``), reaped during backward where the
+  collective finished already.
+* ``opt.step()`` steps one bucket's shard at a time and launches its **all-gather** into the flat parameter
+  buffer at once (in place: slice r is this rank's input), so each all-gather overlaps the steps after it and the
+  next forward; a module's forward pre-hook waits for the buckets holding its own parameters
+  (``overlap_step.register_waits``, the overlapped step's per-module waits).
+
+At 2 ranks a reduce-scatter's sum is the all-reduce's (one addition of two values), and an element-wise optimizer
+computes the same bits on a flat slice as per parameter, so the parameters are plain DDP's bit for bit; at 3 or
+more, gloo's reduce-scatter adds in another order than its all-reduce (within rounding). Where the backend has no
+``reduce_scatter_tensor`` / ``all_gather_into_tensor`` (an older torch's gloo), each bucket is all-reduced and the
+shard kept, and the parameters all-gathered as a list of slices: the same results, twice the reduce's bytes.
+Docs: docs/ddp.md#zero-2-sharded-gradients-and-optimizer-state.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep.collectives.clean import launch_clean
+from lockstep.ddp.fused_compress import FusedCompression, narrow_in_place, wire_view
+from lockstep.ddp.observe import Observer
+from lockstep.ddp.overlap_step import call_on
+from lockstep.ddp.reducer_state import Bucket, slot_view
+
+# torch >= 2.12 names them *_single (the *_tensor names warn, FutureWarning); older torch has the *_tensor ones.
+_REDUCE_SCATTER: Any = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+_ALL_GATHER: Any = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+FALLBACK_ENV = "LOCKSTEP_ZERO_FALLBACK"  # "1": the all-reduce / list all-gather fallback even where both exist
+
+
+def padded(numel: int, world_size: int) -> int:
+    """``numel`` rounded up to a multiple of ``world_size`` (equal shards)."""
+    return -(-numel // world_size) * world_size
+
+
+def probe_collectives(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether this backend has the flat reduce-scatter and all-gather (False: the fallback). One tiny collective
+    of each, at binding; a backend without them raises at the call, on every rank alike, before any exchange."""
+    if os.environ.get(FALLBACK_ENV) == "1" or _REDUCE_SCATTER is None or _ALL_GATHER is None:
+        return False
+    world_size = dist.get_world_size(group)
+    try:
+        out = torch.zeros(1, device=device)
+        _REDUCE_SCATTER(out, torch.zeros(world_size, device=device), group=group)
+        _ALL_GATHER(torch.zeros(world_size, device=device), out, group=group)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+class ZeroShards:
+    """The reducer's ZeRO-2 state: per bucket the flat parameter buffer, this rank's shard of it (a parameter
+    the optimizer steps), the shard's gradient and the collectives in flight. Holds no reference to the reducer
+    (the module's pre-hooks hold this object); ``observer`` reads the reducer's observer through a weak reference."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, observer: Callable[[], Observer | None]):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.flat_collectives = probe_collectives(group, device)
+        self.observer = observer
+        self.compress: FusedCompression | None = None  # an fp16/bf16 compress hook's arithmetic on the wire
+        self.buckets: list[Bucket] = []
+        self.param_flats: list[torch.Tensor] = []  # per bucket: every parameter's values, padded
+        self.shards: list[nn.Parameter] = []  # per bucket: slice ``rank`` of its param_flat (a view)
+        self.grads: list[torch.Tensor] = []  # per bucket: the shard's gradient storage (``.grad`` when it has one)
+        self.location: list[tuple[int, int]] = []  # per parameter index: (bucket, slot)
+        self._received: list[tuple[torch.Tensor, bool] | None] = []  # per bucket in flight: (output, accumulate)
+        self._reaped: list[bool] = []  # per bucket: its reduce-scatter was finished this backward
+        self.gathers: list[Any] = []  # per bucket: the all-gather in flight, or None
+        self.gather_seq = 0  # all-gathers issued, the same count on every rank
+        self.gather_seqs: list[int] = []  # per bucket: its all-gather's number (the hang report's collective #)
+        self.step_bucket: Callable[[nn.Parameter], None] | None = None  # the optimizer's step of one shard
+        self.unused: list[list[tuple[int, int]]] = []  # per bucket: shard ranges of parameters no rank used
+        self.optimizer_state: Callable[[nn.Parameter], dict[str, Any]] | None = None  # a shard's optimizer state
+        self.handles: list[Any] = []  # the module's pre-hooks that wait for the all-gathers (``register_waits``)
+
+    @property
+    def kinds(self) -> tuple[str, str]:
+        """The collectives that run: the flat pair, or the fallback (which one ran is part of the record)."""
+        if self.flat_collectives:
+            return "reduce_scatter_tensor", "all_gather_into_tensor"
+        return "all_reduce (fallback)", "all_gather (fallback)"
+
+    # ----------------------------------------------------------------- layout (once, at binding)
+    def take_layout(self, buckets: Sequence[Bucket], location: Sequence[tuple[int, int]]) -> None:
+        """The parameters of each bucket into one padded flat buffer (each becomes a view of its slot), and this
+        rank's slice of it as the bucket's shard parameter."""
+        if self.buckets:
+            raise RuntimeError("zero_optimizer: the bucket layout changed after binding (ZeRO-2 keeps its layout)")
+        self.buckets, self.location = list(buckets), list(location)
+        for bucket in buckets:
+            plan = bucket.plan
+            flat = torch.zeros(plan.padded_numel, dtype=plan.dtype, device=plan.device)
+            with torch.no_grad():
+                for p, offset in zip(bucket.params, plan.offsets):
+                    view = slot_view(flat, offset, p)
+                    view.copy_(p)
+                    p.data = view  # the parameter object stays (optimizers, hooks, names): its memory is the slot
+            size = plan.padded_numel // self.world_size
+            self.param_flats.append(flat)
+            self.shards.append(nn.Parameter(flat[self.rank * size:(self.rank + 1) * size]))
+            self.grads.append(torch.zeros(size, dtype=plan.dtype, device=plan.device))
+        self._received = [None] * len(buckets)
+        self._reaped = [False] * len(buckets)
+        self.gathers = [None] * len(buckets)
+        self.gather_seqs = [0] * len(buckets)
+        self.unused = [[] for _ in buckets]
+
+    # ----------------------------------------------------------------- backward: reduce-scatter, reap, free
+    def bucket_full(self, bucket: Bucket) -> None:
+        """Every gradient of the bucket is in its buffer: the parameters' own ``.grad`` go now, not at the end of
+        backward (ZeRO-2's memory: a model's worth of gradients never lives at once)."""
+        for p in bucket.params:
+            p.grad = None
+        bucket.grads = [None] * len(bucket.params)
+
+    def launch(self, bucket: Bucket) -> Any:
+        """Issue the bucket's reduce-scatter (its local gradients, scaled as without ZeRO); return its work."""
+        b = bucket.index
+        source = bucket.buffer[: bucket.plan.padded_numel]
+        shard = self.shards[b]
+        accumulate = shard.grad is not None  # a second synchronised backward before zero_grad: add, as .grad does
+        size = source.numel() // self.world_size
+        wire = source
+        if self.compress is not None:  # the fp16/bf16 hook's arithmetic: cast, divide in the wire dtype, sum
+            narrowed = wire_view(source, self.compress.dtype)
+            if narrowed is None:
+                narrowed = source.to(self.compress.dtype)
+            else:
+                narrow_in_place(source, narrowed)
+            wire = narrowed
+            wire.div_(self.compress.world_size)
+        out = torch.empty(size, dtype=wire.dtype, device=wire.device) if accumulate or wire is not source else None
+        target = self.grads[b] if out is None else out
+        self._received[b] = (target, accumulate)
+        self._reaped[b] = False
+        if self.flat_collectives:
+            return launch_clean(_REDUCE_SCATTER, target, wire, group=self.group, async_op=True)
+        return _FallbackReduce(launch_clean(dist.all_reduce, wire, group=self.group, async_op=True), wire,
+                               target, self.rank)
+
+    def reap(self, buckets: Sequence[Bucket], launched: int) -> None:
+        """During backward: finish the buckets (of the first ``launched`` in index order) whose reduce-scatter has
+        completed, so their memory goes while backward still runs. No wait, no collective."""
+        for bucket in buckets[:launched]:
+            work = bucket.work
+            if work is not None and not self._reaped[bucket.index] and work.is_completed():
+                self._finish_reduce(bucket)
+
+    def wait_buckets(self, buckets: Sequence[Bucket], observer: Observer | None) -> float:
+        """End of backward: wait for every bucket's reduce-scatter (the hang report names it); seconds waited."""
+        waited = 0.0
+        _name(observer, "reduce-scatter")
+        for bucket in buckets:
+            if self._reaped[bucket.index]:
+                continue
+            if observer is not None:
+                observer.wait_start(bucket.index, bucket.seq)
+            start = time.perf_counter()
+            bucket.work.wait()
+            waited += time.perf_counter() - start
+            if observer is not None:
+                observer.wait_end(bucket.index, bucket.seq)
+            self._finish_reduce(bucket)
+        return waited
+
+    def _finish_reduce(self, bucket: Bucket) -> None:
+        b = bucket.index
+        bucket.work.wait()  # completed already where reaped: returns at once
+        received = self._received[b]
+        assert received is not None
+        target, accumulate = received
+        self._received[b] = None
+        self._reaped[b] = True
+        grad = self.grads[b]
+        if accumulate:
+            grad.add_(target.to(grad.dtype) if target.dtype != grad.dtype else target)
+        elif target is not grad:
+            grad.copy_(target)  # the wire dtype back in the parameters' (the compress hook's cast back)
+        self.shards[b].grad = grad
+        bucket.work = None  # it holds the buffer: the memory goes with the storage below
+        bucket.free_storage()
+
+    def note_unused(self, globally_used: Sequence[bool] | None) -> None:
+        """find_unused_parameters, at the end of a backward: the parts of this rank's shards that belong to
+        parameters no rank used, which plain DDP's optimizer skips (their ``.grad`` stays None)."""
+        self.unused = [[] for _ in self.buckets]
+        if globally_used is None:
+            return
+        for b, bucket in enumerate(self.buckets):
+            size = self.shards[b].numel()
+            start = self.rank * size
+            for i, offset, p in zip(bucket.plan.param_indices, bucket.plan.offsets, bucket.params):
+                lo, hi = max(offset, start), min(offset + p.numel(), start + size)
+                if not globally_used[i] and lo < hi:
+                    self.unused[b].append((lo - start, hi - start))
+
+    # ----------------------------------------------------------------- the step and the all-gathers
+    def step_and_gather(self, step_bucket: Callable[[nn.Parameter], None]) -> None:
+        """``opt.step()``: each bucket's shard stepped (``step_bucket``) where it has a gradient, then its
+        all-gather issued at once, in index order on every rank."""
+        self.finish()  # a step with no forward since the last one: its parameters first
+        _name(self.observer(), "all-gather")
+        for b, shard in enumerate(self.shards):
+            if shard.grad is not None:
+                self._step_skipping(b, step_bucket)
+            self.gather_seq += 1
+            self.gather_seqs[b] = self.gather_seq
+            flat = self.param_flats[b]
+            if self.flat_collectives:
+                self.gathers[b] = launch_clean(_ALL_GATHER, flat, shard.detach(), group=self.group, async_op=True)
+            else:
+                slices = list(flat.chunk(self.world_size))
+                self.gathers[b] = launch_clean(dist.all_gather, slices, shard.detach(), group=self.group,
+                                               async_op=True)
+
+    def check_hook(self, hook: Any, fused: FusedCompression | None) -> None:
+        """ZeRO-2 runs a comm hook's arithmetic itself, which it can for the fp16/bf16 compress hooks only."""
+        if hook is not None and fused is None:
+            name = getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or repr(hook)
+            raise ValueError(f"zero_optimizer: comm hook {name!r} is not supported with ZeRO-2 (its buckets are "
+                             "reduce-scattered by the reducer); only the fp16/bf16 compress hooks are")
+
+    def shadow_step(self) -> None:
+        """A joined rank's stand-in for ``opt.step()`` after its shadow backward (``join``): its shards hold the
+        training ranks' average, and they all-gather its slices; stepped and gathered at once."""
+        assert self.step_bucket is not None
+        self.step_and_gather(self.step_bucket)
+        self.finish()
+
+    def _step_skipping(self, b: int, step_bucket: Callable[[nn.Parameter], None]) -> None:
+        """Step shard ``b``, leaving the parts no rank used as they were (values and per-element state), as plain
+        DDP's optimizer skips a parameter whose ``.grad`` is None. A shard's step count still advances."""
+        shard, ranges = self.shards[b], self.unused[b]
+        if not ranges:
+            step_bucket(shard)
+            return
+        if sum(hi - lo for lo, hi in ranges) == shard.numel():
+            return  # nothing in it was used: skipped whole, step count included
+        state = self.optimizer_state(shard) if self.optimizer_state is not None else {}
+        had_state = bool(state)
+        saved = [(lo, hi, shard.detach()[lo:hi].clone(),
+                  {k: v[lo:hi].clone() for k, v in state.items() if _per_element(v, shard)}) for lo, hi in ranges]
+        step_bucket(shard)
+        state = self.optimizer_state(shard) if self.optimizer_state is not None else {}
+        with torch.no_grad():
+            for lo, hi, values, kept in saved:
+                shard[lo:hi] = values
+                for k, v in state.items():
+                    if _per_element(v, shard):
+                        v[lo:hi] = kept[k] if had_state and k in kept else 0  # no state yet: as a fresh one
+
+    def in_flight(self) -> bool:
+        return any(work is not None for work in self.gathers)
+
+    def finish_params(self, indices: Sequence[int]) -> None:
+        """Wait for the all-gathers of the buckets holding these parameters (a module's forward pre-hook)."""
+        for b in sorted({self.location[i][0] for i in indices}):
+            self._finish_gather(b)
+
+    def finish(self) -> None:
+        """Wait for every all-gather still in flight: every parameter holds the last step's values."""
+        for b in range(len(self.gathers)):
+            self._finish_gather(b)
+
+    def _finish_gather(self, b: int) -> None:
+        work = self.gathers[b]
+        if work is None:
+            return
+        observer = self.observer()
+        if observer is not None:
+            _name(observer, "all-gather")
+            observer.wait_start(b, self.gather_seqs[b])
+        work.wait()
+        self.gathers[b] = None
+        if observer is not None:
+            observer.wait_end(b, self.gather_seqs[b])
+
+    # ----------------------------------------------------------------- gradients and norms
+    def zero_grad(self, set_to_none: bool) -> None:
+        for shard in self.shards:
+            if set_to_none:
+                shard.grad = None
+            elif shard.grad is not None:
+                shard.grad.zero_()
+
+    def grad_norm_parts(self, norm_type: float) -> torch.Tensor:
+        """This rank's part of the global gradient norm: the sum of |g|^p over its shards (max |g| for inf)."""
+        grads = [s.grad for s in self.shards if s.grad is not None and s.grad.numel()]
+        if not grads:
+            return torch.zeros((), dtype=torch.float32)
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float() for g in grads])
+        if math.isinf(norm_type):
+            return norms.max()
+        return norms.pow(norm_type).sum()
+
+
+class _FallbackReduce:
+    """The reduce-scatter where the backend has none: the whole bucket all-reduced, then this rank's slice kept."""
+
+    def __init__(self, work: Any, wire: torch.Tensor, target: torch.Tensor, rank: int):
+        self.work, self.wire, self.target, self.rank = work, wire, target, rank
+        self._copied = False
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+    def wait(self) -> bool:
+        self.work.wait()
+        if not self._copied:
+            self._copied = True
+            size = self.target.numel()
+            self.target.copy_(self.wire[self.rank * size:(self.rank + 1) * size])
+        return True
+
+
+def _per_element(value: Any, shard: torch.Tensor) -> bool:
+    """A state value with one entry per element of the shard (momentum, Adam's moments), not a count."""
+    return isinstance(value, torch.Tensor) and value.shape == shard.shape and value.dim() == 1
+
+
+def _name(observer: Observer | None, kind: str) -> None:
+    """Tell the observer which collective the next waits are (the hang report names it)."""
+    if observer is not None:
+        observer.collective(kind)
+
+
+def observer_of(reducer: Any) -> Callable[[], Observer | None]:
+    """The reducer's current observer, read through a weak reference (the shards must not keep the reducer)."""
+    ref = weakref.ref(reducer)
+
+    def current() -> Observer | None:
+        r = ref()
+        return None if r is None else r.observer
+
+    return current
+
+
+# Optimizers whose update of an element reads other elements (a norm, a factored second moment, a line search):
+# on a flat shard they would compute something else.
+_NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam", "ZeroRedundancyOptimizer")
+
+
+def check_optimizer_class(optimizer_class: Any) -> None:
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        got = optimizer_class.__name__ if isinstance(optimizer_class, type) else f"a {type(optimizer_class).__name__}"
+        raise TypeError("zero_optimizer: optimizer_class must be a torch.optim.Optimizer subclass (the class, not "
+                        f"an instance), got {got}")
+    if optimizer_class.__name__ in _NOT_ELEMENTWISE:
+        raise ValueError(f"zero_optimizer: {optimizer_class.__name__} does not update each element on its own, so it "
+                         "cannot step a flat shard; use an element-wise optimizer (SGD, Adam, AdamW, RMSprop, ...)")
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """What ``DistributedDataParallel.zero_optimizer`` returns: ``optimizer_class`` over this rank's shards.
+
+    An ordinary ``torch.optim.Optimizer`` to the loop and to LR schedulers (``param_groups`` are the inner
+    optimizer's, one group); ``step()`` steps each bucket's shard and launches its all-gather; ``zero_grad``
+    clears the shards' gradients and the parameters' own (left by ``no_sync`` micro-batches). ``state_dict()`` is
+    this rank's shard; ``consolidate_state_dict(to)`` is a plain torch optimizer's state dict of the whole model.
+    """
+
+    def __init__(self, shards: ZeroShards, optimizer_class: type[torch.optim.Optimizer],
+                 params: Sequence[nn.Parameter], module_params: Sequence[nn.Parameter], defaults: dict[str, Any]):
+        check_optimizer_class(optimizer_class)
+        self._shards = shards
+        self._inner = optimizer_class(list(shards.shards), **defaults)
+        self._params = list(params)  # the DDP's (the reducer's order)
+        index = {id(p): i for i, p in enumerate(module_params)}
+        self._module_index = [index[id(p)] for p in self._params]  # a plain optimizer's param ids
+        torch.optim.Optimizer.__init__(self, list(shards.shards), self._inner.defaults)  # hooks, the profiler's name
+        self._share_inner()  # one list of groups: a scheduler's writes reach the inner optimizer
+        shards.step_bucket = self._step_bucket
+        shards.optimizer_state = lambda shard: self._inner.state.get(shard, {})
+        self._built = True
+
+    @property
+    def collectives(self) -> tuple[str, str]:
+        """Which reduce and gather run: ("reduce_scatter_tensor", "all_gather_into_tensor"), or the fallback's."""
+        return self._shards.kinds
+
+    def _step_bucket(self, shard: nn.Parameter) -> None:
+        call_on(self._inner, lambda p: p is shard, self._inner.step)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step every shard that has a gradient and launch the all-gathers (waited for in the next forward)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._shards.step_and_gather(self._step_bucket)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._shards.zero_grad(set_to_none)
+        for p in self._params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_built", False):  # torch.optim.Optimizer.__init__'s own call
+            super().add_param_group(param_group)
+            return
+        raise NotImplementedError("zero_optimizer: one parameter group over the DDP's parameters (each bucket is one "
+                                  "flat shard); add_param_group is not supported")
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model's averaged gradient, held in shards: each rank's
+        part, one all-reduce (SUM of |g|^p, MAX for inf), the same clip coefficient on every rank. Returns the norm."""
+        norm_type = float(norm_type)
+        part = self._shards.grad_norm_parts(norm_type).reshape(1).clone()
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        dist.all_reduce(part, op=op, group=self._shards.group)
+        total = part[0] if math.isinf(norm_type) else part[0].pow(1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"zero_optimizer.clip_grad_norm_: the total norm of order {norm_type} is non-finite")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for shard in self._shards.shards:
+            if shard.grad is not None:
+                shard.grad.mul_(coef.to(shard.grad.dtype))
+        return total
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: the inner optimizer's state dict with what it was sharded over (``load_state_dict``
+        checks it)."""
+        return {"zero_stage": 2, "world_size": self._shards.world_size, "rank": self._shards.rank,
+                "shard_numels": [s.numel() for s in self._shards.shards], "optimizer": self._inner.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A ``state_dict()`` of this rank at the same world size and layout, or a plain torch optimizer's state
+        dict of the whole model (``consolidate_state_dict``'s, or one saved without ZeRO): sliced into shards."""
+        if "zero_stage" not in state_dict:
+            self._load_full(state_dict)
+            self._share_inner()
+            return
+        mine = [s.numel() for s in self._shards.shards]
+        if (state_dict["world_size"], state_dict["rank"], state_dict["shard_numels"]) != (
+                self._shards.world_size, self._shards.rank, mine):
+            raise ValueError(
+                f"zero_optimizer.load_state_dict: a shard of rank {state_dict['rank']} of {state_dict['world_size']} "
+                f"(shards {state_dict['shard_numels'][:4]}...) does not fit rank {self._shards.rank} of "
+                f"{self._shards.world_size} (shards {mine[:4]}...); load a consolidate_state_dict() instead")
+        self._inner.load_state_dict(state_dict["optimizer"])
+        self._share_inner()
+
+    def _share_inner(self) -> None:
+        """The inner optimizer's groups and state as this one's (its load_state_dict made new ones)."""
+        self.param_groups, self.state = self._inner.param_groups, self._inner.state
+
+    def consolidate_state_dict(self, to: int = 0) -> dict[str, Any] | None:
+        """Every rank calls it; rank ``to`` (in the DDP's group) gets the whole model's state as a plain
+        ``optimizer_class(model.parameters())`` would hold it (one all-gather per bucket and state tensor), the
+        others None. Loads into a plain torch optimizer, or into a ZeroOptimizer at any world size."""
+        shards = self._shards
+        state: dict[int, dict[str, Any]] = {}
+        for b, (bucket, shard) in enumerate(zip(shards.buckets, shards.shards)):
+            for key, value in sorted(self._inner.state.get(shard, {}).items()):
+                if isinstance(value, torch.Tensor) and value.shape == shard.shape and shard.dim() == 1:
+                    full = torch.empty(shards.param_flats[b].numel(), dtype=value.dtype, device=value.device)
+                    if shards.flat_collectives:
+                        _ALL_GATHER(full, value.contiguous(), group=shards.group)
+                    else:
+                        dist.all_gather(list(full.chunk(shards.world_size)), value.contiguous(), group=shards.group)
+                    per_param = [slot_view(full, o, p).clone() for o, p in zip(bucket.plan.offsets, bucket.params)]
+                else:  # a scalar (Adam's step) or a Python value: the same for every parameter of the shard
+                    per_param = [value.clone() if isinstance(value, torch.Tensor) else value for _ in bucket.params]
+                for i, v in zip(bucket.plan.param_indices, per_param):
+                    state.setdefault(self._module_index[i], {})[key] = v
+        if dist.get_rank(shards.group) != to:
+            return None
+        group = {k: v for k, v in self._inner.param_groups[0].items() if k != "params"}
+        group["params"] = sorted(self._module_index)
+        return {"state": dict(sorted(state.items())), "param_groups": [group]}
+
+    def _load_full(self, state_dict: dict[str, Any]) -> None:
+        """A whole model's plain state dict, each bucket's slice ``rank`` taken into its shard."""
+        shards = self._shards
+        groups = state_dict["param_groups"]
+        if len(groups) != 1:
+            raise ValueError(f"zero_optimizer.load_state_dict: {len(groups)} parameter groups; a ZeRO optimizer has 1")
+        full_state = state_dict["state"]
+        inner_state: dict[int, dict[str, Any]] = {}
+        for b, bucket in enumerate(shards.buckets):
+            ids = [self._module_index[i] for i in bucket.plan.param_indices]
+            keys = set().union(*(full_state.get(j, full_state.get(str(j), {})).keys() for j in ids))
+            for key in sorted(keys):
+                values = [full_state.get(j, full_state.get(str(j), {})).get(key) for j in ids]
+                first = values[0]
+                per_element = key != "step" and all(
+                    isinstance(v, torch.Tensor) and v.shape == p.shape for v, p in zip(values, bucket.params))
+                if per_element:
+                    assert isinstance(first, torch.Tensor)
+                    flat = torch.zeros(shards.param_flats[b].numel(), dtype=first.dtype)
+                    for o, p, v in zip(bucket.plan.offsets, bucket.params, values):
+                        slot_view(flat, o, p).copy_(v)
+                    size = flat.numel() // shards.world_size
+                    value: Any = flat[shards.rank * size:(shards.rank + 1) * size].clone()
+                else:
+                    value = first
+                inner_state.setdefault(b, {})[key] = value
+        group = dict(groups[0], params=list(range(len(shards.shards))))
+        self._inner.load_state_dict({"state": inner_state, "param_groups": [group]})
+

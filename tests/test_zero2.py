@@ -1,0 +1,450 @@
+"""ZeRO-2 inside lockstep's DDP: ``opt = ddp.zero_optimizer(optimizer_class, stage=2, **defaults)``.
+
+At 2 gloo ranks the parameters after 50 steps equal, bit for bit, lockstep's plain DDP with the same optimizer (SGD
+with momentum, Adam, AdamW; foreach on and off), with and without ``no_sync`` accumulation, through the flat
+collectives and through the fallback (all-reduce, list all-gather); also with torch's LR schedulers over the
+returned optimizer, ``zero_grad(set_to_none=False)``, ``static_graph``, ``find_unused_parameters`` (a layer no rank
+uses), the fp16 compress hook and ``join`` with uneven inputs. It really shards: each rank's optimizer state is its
+half, ``.grad`` is None after backward and the buckets' memory is freed. Its collectives are reduce-scatters in
+bucket order, the status all-reduce, then all-gathers in bucket order from ``opt.step()``, waited for in the next
+forward. ``clip_grad_norm_`` takes the global norm; a NaN raises on both ranks before the update; the sharded
+state dict resumes bit for bit and the consolidated one is a plain torch optimizer's (equal to plain DDP's own
+state dict). One spawned 2-rank group and one 3-rank group (within rounding there: the figure is asserted).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from torch import nn
+
+import lockstep
+from lockstep.ddp.observe import StepObserver
+
+STEPS = 50
+OPTIMIZERS: dict[str, tuple[type, dict]] = {
+    "sgd_momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}),
+    "adam": (torch.optim.Adam, {"lr": 1e-2}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(13, 33)
+        self.fc2 = nn.Linear(33, 17)
+        self.fc3 = nn.Linear(17, 5)  # 1,192 parameters in odd-sized tensors: shards split them mid-tensor
+        self.unused = nn.Linear(5, 5)  # used only where asked
+
+    def forward(self, x: torch.Tensor, use_all: bool = True) -> torch.Tensor:
+        h = self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+        return self.unused(h) if use_all else h
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def _train(rank: int, zero: bool, opt_name: str = "adamw", *, foreach: bool | None = None, accumulate: int = 1,
+           steps: int = STEPS, ddp_kwargs: dict | None = None, use_all: bool = True, schedule: str = "",
+           set_to_none: bool = True, hook: Any = None, clip: float | None = None) -> dict:
+    cls, kwargs = OPTIMIZERS[opt_name]
+    kwargs = dict(kwargs, foreach=foreach)
+    ddp = lockstep.DistributedDataParallel(_net(), bucket_cap_mb=0.001, **(ddp_kwargs or {}))  # several buckets
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
+    opt = ddp.zero_optimizer(cls, stage=2, **kwargs) if zero else cls(ddp.parameters(), **kwargs)
+    scheduler = None
+    if schedule == "lambda":
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    elif schedule == "step":
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    g = torch.Generator().manual_seed(100 + rank)
+    norms = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=set_to_none)
+        for micro in range(accumulate):
+            x = torch.randn(8, 13, generator=g)
+            if micro < accumulate - 1:
+                with ddp.no_sync():
+                    ddp(x, use_all).pow(2).mean().backward()
+            else:
+                ddp(x, use_all).pow(2).mean().backward()
+        if clip is not None:
+            norm = opt.clip_grad_norm_(clip) if zero else torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
+            norms.append(float(norm))
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+    ddp.finish_step()
+    return {"params": [p.detach().clone() for p in ddp.module.parameters()], "norms": norms, "ddp": ddp, "opt": opt}
+
+
+def _diff(a: dict, b: dict) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a["params"], b["params"]))
+
+
+def _exactness(rank: int) -> dict:
+    out = {}
+    for opt_name in OPTIMIZERS:
+        for foreach in (False, True):
+            for accumulate in (1, 3):
+                plain = _train(rank, False, opt_name, foreach=foreach, accumulate=accumulate)
+                zero = _train(rank, True, opt_name, foreach=foreach, accumulate=accumulate)
+                out[(opt_name, foreach, accumulate)] = _diff(plain, zero)
+    return out
+
+
+def _semantics(rank: int) -> dict:
+    """Each DDP option and loop habit, ZeRO-2 against plain DDP (max |difference| after the run; 0.0 = bit for bit)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    cases: dict[str, dict] = {
+        "lambda_lr": {"schedule": "lambda", "steps": 12},
+        "step_lr": {"schedule": "step", "steps": 12},
+        "set_to_none_false": {"set_to_none": False, "steps": 12, "opt_name": "sgd_momentum"},
+        "static_graph": {"ddp_kwargs": {"static_graph": True}, "steps": 12},
+        # A layer no rank uses: plain DDP leaves its .grad None and the optimizer skips it; ZeRO-2's shard
+        # elements get a zero gradient (SGD and Adam then leave them as they are)
+        "find_unused_sgd": {"ddp_kwargs": {"find_unused_parameters": True}, "use_all": False, "steps": 12,
+                            "opt_name": "sgd_momentum"},
+        "find_unused_adam": {"ddp_kwargs": {"find_unused_parameters": True}, "use_all": False, "steps": 12,
+                             "opt_name": "adam"},
+        "fp16_hook": {"hook": default_hooks.fp16_compress_hook, "steps": 12},
+        "fp16_hook_lockstep": {"hook": lockstep.comm_hooks.fp16_compress_hook, "steps": 12},
+    }
+    out = {}
+    for name, kwargs in cases.items():
+        out[name] = _diff(_train(rank, False, **kwargs), _train(rank, True, **kwargs))
+    plain, zero = _train(rank, False, clip=0.05, steps=12), _train(rank, True, clip=0.05, steps=12)
+    out["clip_params"] = _diff(plain, zero)
+    out["clip_norms"] = max(abs(a - b) / a for a, b in zip(plain["norms"], zero["norms"]))
+    os.environ["LOCKSTEP_ZERO_FALLBACK"] = "1"
+    try:
+        fallback = _train(rank, True, steps=20)
+    finally:
+        del os.environ["LOCKSTEP_ZERO_FALLBACK"]
+    out["fallback"] = _diff(_train(rank, False, steps=20), fallback)
+    out["fallback_collectives"] = fallback["opt"].collectives
+    out["flat_collectives"] = _train(rank, True, steps=1)["opt"].collectives
+    return out
+
+
+def _sharding(rank: int) -> dict:
+    """What a rank holds: its half of the optimizer state, no .grad, freed buckets; the update lands per bucket."""
+    ddp = lockstep.DistributedDataParallel(_net(), bucket_cap_mb=0.001)
+    opt = ddp.zero_optimizer(torch.optim.Adam, lr=1e-2)
+    x = torch.randn(8, 13, generator=torch.Generator().manual_seed(rank))
+    ddp(x).pow(2).mean().backward()
+    seen: dict[str, Any] = {
+        "grads_none": all(p.grad is None for p in ddp.parameters()),
+        "buckets_freed": all(b.buffer.untyped_storage().size() == 0 for b in ddp.reducer.buckets),
+        "shard_grads": sum(p.grad.numel() for g in opt.param_groups for p in g["params"] if p.grad is not None),
+    }
+    opt.step()
+    seen["state_numel"] = sum(v.numel() for s in opt.state.values() for k, v in s.items() if k != "step")
+    seen["model_numel"] = sum(p.numel() for p in ddp.parameters())
+    seen["gathers_in_flight"] = ddp.reducer.zero.in_flight()
+    ddp(x)
+    seen["gathers_after_forward"] = ddp.reducer.zero.in_flight()
+    return seen
+
+
+class _Kinds(StepObserver):
+    def __init__(self) -> None:
+        self.kinds: list[str] = []
+
+    def collective(self, kind: str) -> None:
+        self.kinds.append(kind)
+
+
+def _collectives(rank: int) -> dict:
+    """The kind, size and order of one step's collectives (recorded around torch.distributed's functions)."""
+    from test_schedule import Recorder
+
+    recorder = Recorder()
+    ddp = lockstep.DistributedDataParallel(_net(), bucket_cap_mb=0.001, forward_sync_buffers=False)
+    opt = ddp.zero_optimizer(torch.optim.SGD, lr=0.1)
+    kinds = _Kinds()
+    ddp.reducer.attach_observer(kinds)
+    x = torch.randn(8, 13, generator=torch.Generator().manual_seed(rank))
+    for step in range(2):
+        recorder.on = step == 1
+        opt.zero_grad()
+        ddp(x).pow(2).mean().backward()
+        opt.step()
+    recorder.on = False
+    ddp.finish_step()
+    shards = [s.numel() for s in ddp.reducer.zero.shards]
+    return {"calls": recorder.calls, "shards": shards, "kinds": kinds.kinds}
+
+
+def _nonfinite(rank: int) -> dict:
+    ddp = lockstep.DistributedDataParallel(_net(), bucket_cap_mb=0.001, detect_nonfinite=True)
+    opt = ddp.zero_optimizer(torch.optim.SGD, lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(4):
+        opt.zero_grad()
+        x = torch.randn(8, 13, generator=g)
+        if step == 3 and rank == 1:
+            x[0, 0] = float("nan")
+        ddp.finish_step()  # the last step's all-gathers: read the parameters only after them
+        before = [p.detach().clone() for p in ddp.parameters()]
+        try:
+            ddp(x).pow(2).mean().backward()
+        except lockstep.NonfiniteGradientError as error:
+            opt.step()  # the shards let go of what raised: a step after the error moves nothing
+            ddp.finish_step()
+            kept = all(torch.equal(a, p) for a, p in zip(before, ddp.parameters()))
+            return {"step": step, "error": str(error)[:600], "kept": kept}
+        opt.step()
+    return {"step": None}
+
+
+def _checkpoints(rank: int) -> dict:
+    """Sharded state dict: resume bit for bit. Consolidated: a plain torch optimizer's, equal to plain DDP's."""
+    out: dict[str, Any] = {}
+    straight = _train(rank, True, "adam", steps=20)
+    first = _train(rank, True, "adam", steps=10)
+    # deep copies, as a file would be: torch's load_state_dict shares Adam's step tensors, which resumed steps add to
+    saved_model = copy.deepcopy(first["ddp"].module.state_dict())
+    saved_opt = copy.deepcopy(first["opt"].state_dict())
+    consolidated = first["opt"].consolidate_state_dict(to=0)
+    out["consolidated_on_rank_1_is_none"] = consolidated is None if rank == 1 else None
+    plain = _train(rank, False, "adam", steps=10)
+    if rank == 0:
+        reference = plain["opt"].state_dict()
+        out["same_keys"] = consolidated.keys() == reference.keys() and sorted(consolidated["state"]) == sorted(
+            reference["state"])
+        out["state_diff"] = max((consolidated["state"][i][k] - v).abs().max().item()
+                                for i, s in reference["state"].items() for k, v in s.items())
+        fresh = torch.optim.Adam(_net().parameters(), lr=1e-2)
+        fresh.load_state_dict(consolidated)  # loads into a plain torch optimizer
+        out["plain_loads"] = True
+    # Resume from the sharded state: 10 more steps from step 10 equal 20 straight.
+    ddp = lockstep.DistributedDataParallel(_net(), bucket_cap_mb=0.001)
+    ddp.module.load_state_dict(saved_model)
+    opt = ddp.zero_optimizer(torch.optim.Adam, lr=1e-2)
+    opt.load_state_dict(copy.deepcopy(saved_opt))
+    # the same data as the straight run's steps 10-19
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(10):
+        torch.randn(8, 13, generator=g)
+    for _ in range(10):
+        opt.zero_grad()
+        ddp(torch.randn(8, 13, generator=g)).pow(2).mean().backward()
+        opt.step()
+    ddp.finish_step()
+    out["resumed_diff"] = max((a - p.detach()).abs().max().item()
+                              for a, p in zip(straight["params"], ddp.module.parameters()))
+    # And from the consolidated one (every rank loads the whole dict: broadcast here as a file would be read).
+    holder = [consolidated]
+    torch.distributed.broadcast_object_list(holder, src=0)
+    ddp2 = lockstep.DistributedDataParallel(_net(), bucket_cap_mb=0.001)
+    ddp2.module.load_state_dict(saved_model)
+    opt2 = ddp2.zero_optimizer(torch.optim.Adam, lr=1e-2)
+    opt2.load_state_dict(holder[0])
+    mine, theirs = opt2.state_dict()["optimizer"]["state"], saved_opt["optimizer"]["state"]
+    out["full_load_state_diff"] = max((mine[i][k] - v).abs().max().item() for i, s in theirs.items()
+                                      for k, v in s.items())
+    out["full_load_keys"] = sorted(mine) == sorted(theirs) and all(mine[i].keys() == s.keys()
+                                                                    for i, s in theirs.items())
+    return out
+
+
+def _join(rank: int) -> dict:
+    """Uneven inputs under join: rank 0 has 5 batches, rank 1 has 3; ZeRO-2 against plain DDP."""
+    results = {}
+    for zero in (False, True):
+        ddp = lockstep.DistributedDataParallel(_net(), bucket_cap_mb=0.001)
+        opt = ddp.zero_optimizer(torch.optim.SGD, lr=0.1) if zero else torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        with ddp.join():
+            for _ in range(5 if rank == 0 else 3):
+                opt.zero_grad()
+                ddp(torch.randn(8, 13, generator=g)).pow(2).mean().backward()
+                opt.step()
+        ddp.finish_step()
+        results[zero] = [p.detach().clone() for p in ddp.parameters()]
+    return {"diff": max((a - b).abs().max().item() for a, b in zip(results[False], results[True]))}
+
+
+def _errors(rank: int) -> dict:
+    out = {}
+
+    def attempt(name: str, make) -> None:
+        try:
+            make()
+        except (ValueError, TypeError, RuntimeError) as error:
+            out[name] = str(error)
+        else:
+            out[name] = "no error"
+
+    def ddp(**kw):
+        return lockstep.DistributedDataParallel(_net(), **kw)
+
+    attempt("stage1", lambda: ddp().zero_optimizer(torch.optim.SGD, stage=1, lr=0.1))
+    attempt("stage3", lambda: ddp().zero_optimizer(torch.optim.SGD, stage=3, lr=0.1))
+    attempt("bucket_view", lambda: ddp(gradient_as_bucket_view=True).zero_optimizer(torch.optim.SGD, lr=0.1))
+    attempt("lbfgs", lambda: ddp().zero_optimizer(torch.optim.LBFGS, lr=0.1))
+    attempt("instance", lambda: ddp().zero_optimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)))
+
+    def hook_first():
+        model = ddp()
+        model.register_comm_hook(None, lockstep.comm_hooks.allreduce_hook)
+        model.zero_optimizer(torch.optim.SGD, lr=0.1)
+
+    def hook_after():
+        model = ddp()
+        model.zero_optimizer(torch.optim.SGD, lr=0.1)
+        model.register_comm_hook(None, lockstep.comm_hooks.allreduce_hook)
+
+    attempt("hook_first", hook_first)
+    attempt("hook_after", hook_after)
+
+    def twice():
+        model = ddp()
+        model.zero_optimizer(torch.optim.SGD, lr=0.1)
+        model.zero_optimizer(torch.optim.SGD, lr=0.1)
+
+    attempt("twice", twice)
+    attempt("add_param_group", lambda: ddp().zero_optimizer(torch.optim.SGD, lr=0.1).add_param_group(
+        {"params": [nn.Parameter(torch.ones(1))]}))
+    return out
+
+
+def _case2(rank: int, world_size: int) -> dict:
+    return {"exactness": _exactness(rank), "semantics": _semantics(rank), "sharding": _sharding(rank),
+            "collectives": _collectives(rank), "nonfinite": _nonfinite(rank), "checkpoints": _checkpoints(rank),
+            "join": _join(rank), "errors": _errors(rank)}
+
+
+def _case3(rank: int, world_size: int) -> dict:
+    out = {}
+    for opt_name in OPTIMIZERS:
+        for accumulate in (1, 3):
+            plain = _train(rank, False, opt_name, accumulate=accumulate)
+            zero = _train(rank, True, opt_name, accumulate=accumulate)
+            out[(opt_name, accumulate)] = _diff(plain, zero)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_case2, world_size=2, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def results3():
+    return run_ranks(_case3, world_size=3, timeout_s=600)
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_bit_identical_to_plain_ddp_at_2_ranks(results, opt_name, foreach, accumulate):
+    for rank in (0, 1):
+        assert results[rank]["exactness"][(opt_name, foreach, accumulate)] == 0.0
+
+
+@pytest.mark.parametrize("case", ["lambda_lr", "step_lr", "set_to_none_false", "static_graph", "find_unused_sgd",
+                                  "find_unused_adam", "fp16_hook", "fp16_hook_lockstep", "fallback"])
+def test_ddp_semantics_bit_for_bit(results, case):
+    assert results[0]["semantics"][case] == 0.0
+    assert results[1]["semantics"][case] == 0.0
+
+
+def test_clip_grad_norm_is_the_global_norm(results):
+    # the norm of the same averaged gradients, summed over shards instead of per tensor: within float rounding
+    # (torch's takes each tensor's norm, then the norm of those); the parameters after 12 clipped steps too
+    for rank in (0, 1):
+        assert results[rank]["semantics"]["clip_norms"] < 1e-5
+        assert results[rank]["semantics"]["clip_params"] < 1e-6
+
+
+def test_the_fallback_says_what_ran(results):
+    sem = results[0]["semantics"]
+    assert sem["flat_collectives"] == ("reduce_scatter_tensor", "all_gather_into_tensor")
+    assert sem["fallback_collectives"] == ("all_reduce (fallback)", "all_gather (fallback)")
+
+
+def test_each_rank_holds_its_shard(results):
+    for rank in (0, 1):
+        s = results[rank]["sharding"]
+        assert s["grads_none"] and s["buckets_freed"]
+        # padded to even shards: at most one element more per bucket
+        assert s["model_numel"] / 2 <= s["shard_grads"] <= s["model_numel"] / 2 + 20
+        assert s["state_numel"] == 2 * s["shard_grads"]  # Adam: exp_avg and exp_avg_sq of the shard only
+        assert s["gathers_in_flight"] and not s["gathers_after_forward"]
+
+
+def test_collectives_kind_and_order(results):
+    for rank in (0, 1):
+        c = results[rank]["collectives"]
+        n = len(c["shards"])
+        assert n >= 2
+        kinds = [call[0] for call in c["calls"]]
+        reduce_scatter = [k for k in kinds if "reduce_scatter" in k]
+        gathers = [k for k in kinds if "all_gather" in k]
+        assert len(reduce_scatter) == n and len(gathers) == n, c["calls"]
+        # reduce-scatters in bucket order (into each shard), the status flag's all-reduce, then the gathers (of each
+        # whole padded bucket), in bucket order
+        assert [call[1] for call in c["calls"][:n]] == c["shards"]
+        assert c["calls"][n][0] == "all_reduce" and c["calls"][n][1] == 1
+        assert [call[1] for call in c["calls"][n + 1:]] == [2 * s for s in c["shards"]]
+        assert results[0]["collectives"]["calls"] == results[1]["collectives"]["calls"]
+        # what the hang report would name: the end of backward's waits, then the step's and the forward's
+        assert c["kinds"][:2] == ["reduce-scatter", "all-gather"]
+        assert set(c["kinds"]) == {"reduce-scatter", "all-gather"}
+
+
+def test_nonfinite_raises_on_both_ranks_before_the_update(results):
+    for rank in (0, 1):
+        r = results[rank]["nonfinite"]
+        assert r["step"] == 3 and "non-finite gradient on rank 1" in r["error"] and r["kept"], r
+        assert "'fc1.weight' (429 NaN" in r["error"], r  # named from rank 1's local gradients
+
+
+def test_checkpoints(results):
+    r0, r1 = results[0]["checkpoints"], results[1]["checkpoints"]
+    assert r1["consolidated_on_rank_1_is_none"]
+    assert r0["same_keys"] and r0["state_diff"] == 0.0 and r0["plain_loads"]
+    assert r0["resumed_diff"] == 0.0 and r1["resumed_diff"] == 0.0
+    assert r0["full_load_state_diff"] == 0.0 and r1["full_load_state_diff"] == 0.0
+    assert r0["full_load_keys"] and r1["full_load_keys"]
+
+
+def test_join_with_uneven_inputs(results):
+    assert results[0]["join"]["diff"] == 0.0 and results[1]["join"]["diff"] == 0.0
+
+
+def test_refusals_are_one_line_and_name_the_argument(results):
+    e = results[0]["errors"]
+    assert "lockstep.ZeroRedundancyOptimizer" in e["stage1"]
+    assert "stage must be 2" in e["stage3"]
+    assert "gradient_as_bucket_view=False" in e["bucket_view"]
+    assert "LBFGS" in e["lbfgs"]
+    assert "optimizer_class" in e["instance"]
+    assert "allreduce_hook" in e["hook_first"] and "allreduce_hook" in e["hook_after"]
+    assert "bound already" in e["twice"]
+    assert "add_param_group" in e["add_param_group"]
+    assert all("\n" not in message for message in e.values())
+
+
+# Beyond 2 ranks gloo's reduce-scatter adds in another order than its all-reduce: within rounding. Measured on
+# this model after 50 steps at 3 ranks (2026-11-26): at most 6.0e-08 (parameters of order 0.1-1).
+ROUNDING_3_RANKS = 1e-6
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_within_rounding_at_3_ranks(results3, opt_name, accumulate):
+    for rank in range(3):
+        assert results3[rank][(opt_name, accumulate)] <= ROUNDING_3_RANKS
