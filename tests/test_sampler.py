@@ -289,3 +289,20 @@ def test_resize_then_next_epoch_is_the_new_world_sizes_own_layout():
     ref = TorchSampler(data, 2, 1, seed=2)
     ref.set_epoch(1)
     assert list(t) == list(ref) and len(t) == len(ref)
+
+
+def test_resumed_loop_without_advance_saves_where_it_stands():
+    """A loop that never calls advance() (no prefetching workers) and resumed mid-epoch: state_dict() counts what
+    was yielded since, not the resumed position again (which made a second resume repeat the samples between)."""
+    sampler = DistributedSampler(list(range(40)), num_replicas=2, rank=0, shuffle=True, seed=1)
+    it = iter(sampler)
+    for _ in range(6):
+        next(it)
+    resumed = DistributedSampler(list(range(40)), num_replicas=2, rank=0, shuffle=True, seed=1)
+    resumed.load_state_dict(sampler.state_dict())
+    it = iter(resumed)
+    for _ in range(4):
+        next(it)
+    assert resumed.state_dict()["position"] == (6 + 4) * 2
+    resumed.advance(0)  # a loop that does call advance() is counted by it, from the resumed position
+    assert resumed.state_dict()["position"] == 6 * 2

@@ -105,6 +105,7 @@ class DistributedSampler(Sampler[int]):
         self._start = 0  # position the next __iter__ starts from (set by load_state_dict)
         self._yielded = 0  # indices handed out in this epoch, counted from position 0
         self._advanced: int | None = None  # what advance() reported for this epoch, if used
+        self._counting = False  # advance() was called since the epoch (or its resumed part) began
         self._phase = 0  # global position of this layout's position 0 (load_state_dict at another world size)
         self._resumed = False  # a loaded position waits for the next __iter__
 
@@ -150,6 +151,7 @@ class DistributedSampler(Sampler[int]):
         start, self._start, self._resumed = self._start, 0, False
         self._yielded = start
         self._advanced = None if start == 0 else start
+        self._counting = False
         # Position j of this rank is global position phase + rank + j * num_replicas of the list
         # padded by wrapping around (order[i % n]): exactly torch's padding, never built.
         first = self._phase + self.rank
@@ -181,7 +183,7 @@ class DistributedSampler(Sampler[int]):
         if epoch != self.epoch:
             self._start = 0
             self._yielded = 0
-            self._advanced = None
+            self._advanced, self._counting = None, False
             self._phase, self._resumed = 0, False
         self.epoch = epoch
 
@@ -201,7 +203,7 @@ class DistributedSampler(Sampler[int]):
                 f"DistributedSampler.advance: {total} consumed exceeds the {self.num_samples} "
                 f"indices rank {self.rank} has in an epoch"
             )
-        self._advanced = total
+        self._advanced, self._counting = total, True
 
     def state_dict(self, consumed: int | None = None) -> dict:
         """Plain ints and bools: epoch, seed, the global position, this rank's count and the layout to check.
@@ -212,7 +214,8 @@ class DistributedSampler(Sampler[int]):
         called this epoch, else the number of indices yielded.
         """
         if consumed is None:
-            consumed = self._advanced if self._advanced is not None else self._yielded
+            # a loop that never calls advance() (no prefetching workers) is where it yielded, a resumed one too
+            consumed = self._advanced if self._counting else self._yielded
         if isinstance(consumed, bool) or not isinstance(consumed, int) or not 0 <= consumed <= self.num_samples:
             raise ValueError(
                 f"DistributedSampler.state_dict: consumed={consumed} is outside [0, {self.num_samples}] "
@@ -278,4 +281,4 @@ class DistributedSampler(Sampler[int]):
         self.epoch = int(state["epoch"])
         self._phase, self._start, self._resumed = phase, start, True
         self._yielded = start
-        self._advanced = None
+        self._advanced, self._counting = None, False
