@@ -21,6 +21,9 @@ Ranks on gloo, ``--threads`` intra-op threads each. Contenders (``--contenders``
     lockstep_fp16_called  lockstep's DDP with chain(fp16_compress, allreduce_hook): lockstep_fp16's arithmetic,
                    not declared, so the hook is called instead of run by the reducer (``ddp/fused_compress``),
                    off by default: beside lockstep_fp16 it shows what the fused path saves
+    lockstep_zero2 lockstep's DDP with ``zero_optimizer(SGD, stage=2)``: buckets reduce-scattered, each rank stepping
+                   its shard, parameters all-gathered per bucket (``ddp/zero2``), off by default: beside lockstep_25
+                   (issue #36's goal: <= 1.05 x)
 
 Every iteration runs one training step of each contender, in a rotating order (none always
 goes first), each after a barrier; rank 0's wall time per step is recorded. Timed iterations
@@ -93,13 +96,14 @@ MODELS = {
     "transformer": (Transformer, lambda g: (torch.randint(0, 1000, (16, 32), generator=g), torch.randint(0, 10, (16,), generator=g))),
 }
 CONTENDERS = ("compute", "torch", "torch_fp16", "lockstep_25", "lockstep_auto", "lockstep_fp16", "naive", "lockstep_alias",
-              "lockstep_nonfinite", "lockstep_nodirect", "lockstep_fp16_called", "floor")
+              "lockstep_nonfinite", "lockstep_nodirect", "lockstep_fp16_called", "lockstep_zero2", "floor")
 DEFAULT_CONTENDERS = CONTENDERS[:6] + ("floor",)
 # (numerator, denominator) pairs reported; the issue's targets are auto and 25 MB vs torch, fp16 vs torch's fp16.
 RATIOS = (("lockstep_25", "torch"), ("lockstep_auto", "torch"), ("lockstep_fp16", "torch_fp16"), ("torch", "compute"),
           ("lockstep_alias", "torch"), ("lockstep_alias", "lockstep_25"), ("lockstep_nonfinite", "lockstep_25"),
           ("lockstep_nodirect", "torch"), ("lockstep_25", "lockstep_nodirect"), ("floor", "torch"), ("lockstep_auto", "floor"),
-          ("lockstep_25", "floor"), ("lockstep_fp16_called", "torch_fp16"), ("lockstep_fp16", "lockstep_fp16_called"))
+          ("lockstep_25", "floor"), ("lockstep_fp16_called", "torch_fp16"), ("lockstep_fp16", "lockstep_fp16_called"),
+          ("lockstep_zero2", "lockstep_25"), ("lockstep_zero2", "torch"))
 
 
 def _build(name: str, build, compile_backend: str = ""):
@@ -155,6 +159,10 @@ def _step(model, opt, x, y) -> None:
     if isinstance(model, _Floor):
         dist.all_reduce(model.flat)
     opt.step()
+    if getattr(getattr(model, "reducer", None), "zero", None) is not None:
+        # ZeRO-2's all-gathers, waited for within its own step: the next forward of this model comes only after the
+        # other contenders' steps here, which would hide them whole (in a real loop they overlap that forward)
+        model.finish_step()
 
 
 def _allreduce_alone(numel: int, reps: int) -> dict[str, float]:
@@ -205,7 +213,8 @@ def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
         for kind in args.models:
             build, batch = MODELS[kind]
             models = {name: _build(name, build, args.compile) for name in args.contenders}
-            optims = {name: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for name, m in models.items()}
+            optims = {name: m.zero_optimizer(torch.optim.SGD, stage=2, lr=1e-3, momentum=0.9) if name == "lockstep_zero2"
+                      else torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for name, m in models.items()}
             x, y = batch(torch.Generator().manual_seed(rank))
             auto = models.get("lockstep_auto")
             if auto is not None:  # its trials, alone; the schedule counts steps, so every rank runs as many
