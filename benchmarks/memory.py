@@ -10,6 +10,12 @@ is a fresh model, wrapped, trained 2 warm-up steps, then its peak is reset and 3
 A cell's figure is its peak minus the rank's memory just before the cell built its model (what the cell
 added: parameters, gradients, buckets, activations), the larger of the ranks'; the absolute peak is beside it.
 
+``--zero`` (issue #36): fp32 AdamW, a plain one or a ZeroRedundancyOptimizer (lockstep's / torch's, with and
+without ``parameters_as_bucket_view``) on each DDP, side by side; each figure minus the activations (measured: the
+bare model's forward and backward less its parameters and gradients), against lockstep's DDP with a plain AdamW.
+
+    python benchmarks/memory.py --zero --models mlp [--world-size 2]
+
 Cells: ``gradient_as_bucket_view`` False / True / None (lockstep only: .grad becomes the bucket slot; torch
 reads None as False) x ``zero_grad()`` (set_to_none, every torch optimizer's default) / ``zero_grad(
 set_to_none=False)`` x a variant: no comm hook; torch's ``allreduce_hook``; torch's ``fp16_compress_hook``
@@ -126,12 +132,16 @@ def _release_freed() -> None:
         torch.cuda.empty_cache()
 
 
-def measure_cell(impl: str, build, batch, view, set_to_none: bool, variant: str, device: torch.device, meter: Meter) -> dict:
+def measure_cell(impl: str, build, batch, view, set_to_none: bool, variant: str, device: torch.device, meter: Meter,
+                 make_optimizer=None) -> dict:
     _release_freed()
     before = meter.now()
     torch.manual_seed(0)
-    model = _wrap(impl, build().to(device), view, variant, device)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)  # no optimizer state: the figures are DDP's
+    model = _wrap(impl, build().to(device), view, variant, device) if impl != "none" else build().to(device)
+    if make_optimizer is None:  # no optimizer state: the figures are DDP's
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    else:
+        opt = make_optimizer(model.parameters())
     x, y = (t.to(device) for t in batch(torch.Generator().manual_seed(dist.get_rank())))
     for step in range(WARMUP_STEPS + MEASURED_STEPS):
         if step == WARMUP_STEPS:
@@ -177,6 +187,12 @@ def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
             results = {}
             for impl in ("torch", "lockstep"):  # untimed: each DDP's first cell pays one-time costs (lazy imports, gloo's buffers)
                 measure_cell(impl, build, batch, False, True, "plain", device, meter)
+            if args.zero:
+                grad_bytes = sum(p.numel() * p.element_size() for p in params)
+                report["models"][kind] = {"params": sum(p.numel() for p in params), "tensors": len(params),
+                                          "grad_bytes": grad_bytes,
+                                          "zero": zero_cells(build, batch, device, meter, world_size)}
+                continue
             for variant, impl, set_to_none, view in cells(args.variants):
                 cell = measure_cell(impl, build, batch, view, set_to_none, variant, device, meter)
                 gathered: list = [None] * world_size
@@ -193,6 +209,82 @@ def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
             queue.put(report)
     finally:
         dist.destroy_process_group()
+
+
+# ---- ZeRO-1 (issue #36): optimizer state sharded, fp32 AdamW, against each DDP with a plain AdamW.
+# name -> (DDP, optimizer: plain AdamW / lockstep's or torch's ZeroRedundancyOptimizer, parameters_as_bucket_view).
+ZERO_CELLS = {
+    "lockstep DDP + AdamW": ("lockstep", "plain", False),
+    "lockstep DDP + lockstep ZeRO-1": ("lockstep", "lockstep", False),
+    "lockstep DDP + lockstep ZeRO-1, bucket view": ("lockstep", "lockstep", True),
+    "torch DDP + torch ZeRO-1": ("torch", "torch", False),
+    "torch DDP + torch ZeRO-1, bucket view": ("torch", "torch", True),
+    "torch DDP + AdamW": ("torch", "plain", False),
+    "no DDP, no optimizer state (activations)": ("none", "sgd", False),
+}
+
+
+def _zero_optimizer(kind: str, view: bool):
+    def make(params):
+        if kind == "plain":
+            return torch.optim.AdamW(params, lr=1e-4)
+        if kind == "sgd":
+            return torch.optim.SGD(params, lr=1e-4)
+        if kind == "lockstep":
+            from lockstep import ZeroRedundancyOptimizer
+        else:
+            from torch.distributed.optim import ZeroRedundancyOptimizer  # type: ignore[no-redef]
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, parameters_as_bucket_view=view,
+                                       lr=1e-4)
+    return make
+
+
+def zero_cells(build, batch, device: torch.device, meter: Meter, world_size: int) -> dict:
+    results = {}
+    for name, (ddp, kind, view) in ZERO_CELLS.items():
+        cell = measure_cell(ddp, build, batch, False, True, "plain", device, meter,
+                            make_optimizer=_zero_optimizer(kind, view))
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, cell)
+        results[name] = gathered
+        if dist.get_rank() == 0:
+            print(f"zero: {name}: +{max(c['added_bytes'] for c in gathered) / 1e6:.0f} MB", file=sys.stderr, flush=True)
+    return results
+
+
+def zero_markdown(report: dict, args) -> str:
+    """One table per model: each cell's peak above the activations, as a ratio to lockstep's DDP + AdamW and as
+    bytes a parameter, against the goal (8 + 8/N)/16 and torch's ZeroRedundancyOptimizer on torch's DDP."""
+    n = args.world_size
+    goal = (8 + 8 / n) / 16
+    lines = [f"# ZeRO-1 memory, {n} ranks, {report['backend']} on {args.device}, torch {torch.__version__}, fp32 AdamW "
+             f"({datetime.datetime.now():%Y-%m-%d %H:%M})", "",
+             f"Peak per rank over steps {WARMUP_STEPS + 1}-{WARMUP_STEPS + MEASURED_STEPS} (the larger rank's), minus "
+             "the rank's memory before the cell built its model, minus the activations (the last row's figure less its "
+             "parameters and gradients); MB. Goal: lockstep's ZeRO-1 <= (8 + 8/N)/16 = "
+             f"{goal:.3f} of lockstep's DDP + AdamW, and below torch's ZeroRedundancyOptimizer on torch's DDP.", ""]
+    for kind, r in report["models"].items():
+        cells_ = r["zero"]
+        param_bytes = r["grad_bytes"]  # fp32: parameters and gradients are the same size
+        activations = _mb(cells_["no DDP, no optimizer state (activations)"]) - 2 * param_bytes / 1e6
+        base = _mb(cells_["lockstep DDP + AdamW"]) - activations
+        lines += [f"## {kind}: {r['params'] / 1e6:.1f}M parameters, {param_bytes / 1e6:.0f} MB in fp32; activations "
+                  f"{activations:.1f} MB", "",
+                  "| cell | MB above activations | / lockstep DDP + AdamW | bytes a parameter |", "|---|---|---|---|"]
+        for name in ZERO_CELLS:
+            if name.startswith("no DDP"):
+                continue
+            mb = _mb(cells_[name]) - activations
+            lines.append(f"| {name} | {mb:.0f} | {mb / base:.3f} | {mb * 1e6 / r['params']:.1f} |")
+        ours = min(_mb(cells_[c]) for c in ZERO_CELLS if c.startswith("lockstep DDP + lockstep ZeRO-1")) - activations
+        torch_zero = min(_mb(cells_[c]) for c in ZERO_CELLS if c.startswith("torch DDP + torch ZeRO-1")) - activations
+        default = _mb(cells_["lockstep DDP + lockstep ZeRO-1"]) - activations
+        lines += ["", "lockstep's ZeRO-1 (default, parameters_as_bucket_view=False): "
+                  f"{default / base:.3f} of lockstep's "
+                  f"DDP + AdamW (goal <= {goal:.3f}: {'met' if default / base <= goal else 'NOT met'}); best of "
+                  f"lockstep's cells {ours:.0f} MB against torch's best {torch_zero:.0f} MB "
+                  f"({'below' if ours < torch_zero else 'NOT below'}).", ""]
+    return "\n".join(lines)
 
 
 def _mb(cell: list[dict], key: str = "added_bytes") -> float:
@@ -250,6 +342,9 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="", help="default: nccl with a GPU per rank, else gloo")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--zero", action="store_true",
+                        help="ZeRO-1 instead: fp32 AdamW, plain or lockstep's / torch's ZeroRedundancyOptimizer, "
+                             "on each DDP")
     parser.add_argument("--title", default="", help="appended to the table's title (e.g. ', before the fix')")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="'' to write nothing")
     args = parser.parse_args(argv)
@@ -266,12 +361,13 @@ def main(argv=None) -> int:
     report = run_ranks(_worker, args.world_size, args)
     if report is None:
         return 1
-    text, _worse = markdown(report, args, args.title)
+    text = zero_markdown(report, args) if args.zero else markdown(report, args, args.title)[0]
     print(text)
     if args.out:
         from ddp_step import write_results
 
-        stem = f"memory_{datetime.datetime.now():%Y-%m-%d_%H%M%S}_n{args.world_size}_{args.device}"
+        kind = "memory_zero" if args.zero else "memory"
+        stem = f"{kind}_{datetime.datetime.now():%Y-%m-%d_%H%M%S}_n{args.world_size}_{args.device}"
         write_results(args.out, stem, text, {"args": {k: v for k, v in vars(args).items() if k != "out"},
                                              "torch": torch.__version__, "results": report})
     return 0
