@@ -280,3 +280,29 @@ def test_overlap_with_ddp_is_refused_in_one_line():
     with pytest.raises(ValueError, match="overlap_with_ddp=True") as info:
         LockstepZero(params, optimizer_class=torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
     assert "\n" not in str(info.value) and "overlap_with_ddp=False" in str(info.value)
+
+
+def test_memory_benchmark_zero_table_from_given_numbers():
+    """benchmarks/memory.py --zero's table: each cell less the measured activations, the ratio to lockstep's DDP +
+    AdamW, bytes a parameter, and whether the goal ((8 + 8/N)/16, below torch's ZeRO) is met."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        import memory
+    finally:
+        sys.path.remove(bench)
+    mb = {"lockstep DDP + AdamW": 840, "lockstep DDP + lockstep ZeRO-1": 602, "lockstep DDP + lockstep ZeRO-1, bucket view": 600,
+          "torch DDP + torch ZeRO-1": 860, "torch DDP + torch ZeRO-1, bucket view": 850, "torch DDP + AdamW": 1040,
+          "no DDP, no optimizer state (activations)": 402}
+    cells = {name: [{"added_bytes": v * 1e6}, {"added_bytes": (v - 1) * 1e6}] for name, v in mb.items()}
+    report = {"backend": "gloo", "models": {"mlp": {"params": 50_000_000, "grad_bytes": 200e6, "zero": cells}}}
+    text = memory.zero_markdown(report, argparse.Namespace(world_size=2, device="cpu"))
+    assert "(8 + 8/N)/16 = 0.750" in text and "activations 2.0 MB" in text
+    assert "| lockstep DDP + lockstep ZeRO-1 | 600 | 0.716 | 12.0 |" in text  # 602 - 2 MB of activations, / 838
+    assert "0.716 of lockstep's DDP + AdamW (goal <= 0.750: met)" in text and "598 MB against torch's best 848 MB (below)" in text
+    cells["lockstep DDP + lockstep ZeRO-1"] = [{"added_bytes": 700e6}]
+    assert "NOT met" in memory.zero_markdown(report, argparse.Namespace(world_size=2, device="cpu"))
