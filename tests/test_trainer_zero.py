@@ -4,7 +4,7 @@ The bar is the plain Trainer: with zero=1 the parameters after every run equal, 
 crash resumes from the sharded checkpoint (one optimizer part a rank) exactly; the same checkpoint resumes at world
 size 1 (rank 0 alone, ``group=``) exactly as a plain run resized the same way, and into a plain optimizer; the
 merged parts are the plain optimizer's state dict at that step (``consolidated_optimizer_state``: what plain torch
-loads). Old checkpoints' parts are pruned with them.
+loads). Old checkpoints' parts are pruned with them. zero=2 the same, and its parts load into zero=1 and plain.
 """
 
 from __future__ import annotations
@@ -82,11 +82,24 @@ def _scenarios(rank, world_size, root):
                                         weights_only=True)["optimizer"]
     dist.barrier()
     out["resumed"] = _params(_train(path("crash"), zero=1, resume=True))
+    # ZeRO-2: gradients and optimizer state in shards, the parameters all-gathered per bucket
+    out["zero2"] = _params(_train(path("zero2"), zero=2))
+    _train(path("crash2"), zero=2, crash=True)
+    dist.barrier()
+    if rank == 0:
+        for into in ("_w1", "_into_plain_w1", "_into_zero1"):
+            shutil.copytree(path("crash2"), path("crash2" + into))
+        out["consolidated2"] = consolidated_optimizer_state(os.path.join(path("crash2"), "ckpt-000000006.pt"))
+    dist.barrier()
+    out["resumed2"] = _params(_train(path("crash2"), zero=2, resume=True))
+    out["zero2_into_zero1"] = _params(_train(path("crash2_into_zero1"), zero=1, resume=True))
     alone = dist.new_group([0])  # every rank calls new_group; rank 0 resumes alone in it
     if rank == 0:
         out["w1_zero"] = _params(_train(path("crash_w1"), zero=1, resume=True, group=alone))
         out["w1_plain_ref"] = _params(_train(path("plain_crash_w1"), resume=True, group=alone))
         out["w1_into_plain"] = _params(_train(path("crash_into_plain_w1"), resume=True, group=alone))
+        out["w1_zero2"] = _params(_train(path("crash2_w1"), zero=2, resume=True, group=alone))
+        out["w1_zero2_into_plain"] = _params(_train(path("crash2_into_plain_w1"), resume=True, group=alone))
     dist.barrier()
     return out
 
@@ -143,3 +156,23 @@ def test_zero_must_be_a_stage(value):
         TrainerConfig(zero=value)
     with pytest.raises(ValueError, match="TrainerConfig.zero and TrainerConfig.overlap_step=True exclude"):
         TrainerConfig(zero=1, overlap_step=True)
+
+
+def test_zero2_trains_resumes_and_reshards_with_the_plain_optimizers_bits(results):
+    for r in results:
+        assert _same(r["zero2"], r["plain"])
+        assert _same(r["resumed2"], r["plain"])  # its own part at the same world size
+        assert _same(r["zero2_into_zero1"], r["plain"])  # every part merged, into the other stage
+    r = results[0]
+    assert _same(r["w1_zero2"], r["w1_plain_ref"])  # world 2 -> 1
+    assert _same(r["w1_zero2_into_plain"], r["w1_plain_ref"])
+
+
+def test_zero2_parts_merge_into_the_plain_optimizers_state_dict(results):
+    merged, plain = results[0]["consolidated2"], results[0]["plain_state"]
+    assert merged["state"].keys() == plain["state"].keys()
+    for index, state in plain["state"].items():
+        assert state.keys() == merged["state"][index].keys()
+        assert all(torch.equal(v, merged["state"][index][k]) for k, v in state.items()), index
+    assert [{k: v for k, v in g.items() if k != "params"} for g in merged["param_groups"]] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in plain["param_groups"]]

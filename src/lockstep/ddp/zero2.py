@@ -42,6 +42,7 @@ from lockstep.ddp.fused_compress import FusedCompression, narrow_in_place, wire_
 from lockstep.ddp.observe import Observer
 from lockstep.ddp.overlap_step import call_on
 from lockstep.ddp.reducer_state import Bucket, slot_view
+from lockstep.optim.state_parts import RANGE, SHAPE, STRIDE
 
 # torch >= 2.12 names them *_single (the *_tensor names warn, FutureWarning); older torch has the *_tensor ones.
 _REDUCE_SCATTER: Any = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
@@ -499,6 +500,53 @@ class ZeroOptimizer(torch.optim.Optimizer):
         group = {k: v for k, v in self._inner.param_groups[0].items() if k != "params"}
         group["params"] = sorted(self._module_index)
         return {"state": dict(sorted(state.items())), "param_groups": [group]}
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shard as a checkpoint part (``lockstep.optim.state_parts``): per parameter of the model, the
+        element range of it this rank holds and that range of each per-element state, in a plain optimizer's
+        numbering. No collective; every rank's parts merge into ``consolidate_state_dict``'s dict at any world size."""
+        shards = self._shards
+        state: dict[int, dict[str, Any]] = {}
+        for bucket, shard in zip(shards.buckets, shards.shards):
+            lo, hi = shards.rank * shard.numel(), (shards.rank + 1) * shard.numel()
+            inner = self._inner.state.get(shard, {})
+            for i, p, offset in zip(bucket.plan.param_indices, bucket.params, bucket.plan.offsets):
+                start, end = max(lo, offset), min(hi, offset + p.numel())
+                if start >= end or not inner:
+                    continue  # none of this parameter is in this rank's shard (or nothing is stepped yet)
+                entry: dict[str, Any] = {RANGE: (start - offset, end - offset), SHAPE: tuple(p.shape),
+                                         STRIDE: None if p.is_contiguous() else tuple(p.stride())}
+                for key, value in inner.items():
+                    entry[key] = (value[start - lo:end - lo].detach().cpu().clone() if _per_element(value, shard)
+                                  else value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value)
+                state[self._module_index[i]] = entry
+        group = {k: v for k, v in self._inner.param_groups[0].items() if k != "params"}
+        group["params"] = sorted(self._module_index)
+        return {"state": dict(sorted(state.items())), "param_groups": [group]}
+
+    def load_sharded_state_dict(self, part: dict[str, Any]) -> None:
+        """This rank's own part (``sharded_state_dict`` at the same world size and layout) back into its shards."""
+        shards = self._shards
+        inner_state: dict[int, dict[str, Any]] = {}
+        for b, (bucket, shard) in enumerate(zip(shards.buckets, shards.shards)):
+            lo = shards.rank * shard.numel()
+            for i, offset in zip(bucket.plan.param_indices, bucket.plan.offsets):
+                entry = part["state"].get(self._module_index[i])
+                if entry is None:
+                    continue
+                start, end = entry[RANGE][0] + offset, entry[RANGE][1] + offset
+                target = inner_state.setdefault(b, {})
+                for key, value in entry.items():
+                    if not isinstance(key, str) or key.startswith("lockstep_"):
+                        continue
+                    if isinstance(value, torch.Tensor) and value.dim() == 1:
+                        flat = target.setdefault(key, torch.zeros(shard.numel(), dtype=value.dtype))
+                        flat[start - lo:end - lo] = value
+                    else:
+                        target[key] = value
+        group = dict(part["param_groups"][0], params=list(range(len(shards.shards))))
+        self._inner.load_state_dict({"state": inner_state, "param_groups": [group]})
+        self._share_inner()
 
     def _load_full(self, state_dict: dict[str, Any]) -> None:
         """A whole model's plain state dict, each bucket's slice ``rank`` taken into its shard."""

@@ -2,11 +2,12 @@
 
 A part is a plain optimizer's ``state_dict`` (global parameter indices, the whole ``param_groups``) holding only
 what one rank keeps: ZeRO-1's whole parameters (``ZeroRedundancyOptimizer.sharded_state_dict``), or ZeRO-2's
-element ranges of parameters, whose entries then carry ``RANGE`` (start and stop in the flattened parameter) and
-``SHAPE``. ``merge_parts`` joins every rank's part of one step into the state dict a plain optimizer of the same
-class has: what ``torch.optim.X.load_state_dict`` takes, and what either sharded optimizer's ``load_state_dict``
-takes at any world size (each keeps its own shard of it). The Trainer's ZeRO checkpoints are these parts, one file
-a rank (``lockstep.train.zero``).
+element ranges of parameters (``ZeroOptimizer.sharded_state_dict``), whose entries then carry ``RANGE`` (start and
+stop in the flattened parameter), ``SHAPE`` and ``STRIDE`` (None: contiguous; else the ranges count in memory
+order). ``merge_parts`` joins every rank's part of one step into the state dict a plain optimizer of the same class
+has: what ``torch.optim.X.load_state_dict`` takes, and what either sharded optimizer's ``load_state_dict`` takes at
+any world size (each keeps its own shard of it). The Trainer's ZeRO checkpoints are these parts, one file a rank
+(``lockstep.train.zero``).
 
 Cost of a merge: one copy of the whole state in host memory (it is what a plain optimizer holds).
 """
@@ -20,6 +21,7 @@ import torch
 
 RANGE = "lockstep_range"
 SHAPE = "lockstep_shape"
+STRIDE = "lockstep_stride"  # a parameter laid out otherwise than contiguous (channels_last): ranges are in memory order
 
 
 def merge_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -59,10 +61,12 @@ def _join(index: int, entries: list[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError(f"merge_parts: parameter {index}'s pieces cover {stop} of its {math.prod(shape)} elements")
     merged: dict[str, Any] = {}
     for key, value in entries[0].items():
-        if key in (RANGE, SHAPE):
+        if key in (RANGE, SHAPE, STRIDE):
             continue
         if isinstance(value, torch.Tensor) and value.dim() == 1:  # a per-element state: the pieces in order
-            merged[key] = torch.cat([e[key] for e in entries]).reshape(shape)
+            joined = torch.cat([e[key] for e in entries])
+            stride = entries[0].get(STRIDE)
+            merged[key] = joined.reshape(shape) if stride is None else joined.as_strided(shape, tuple(stride))
         else:  # a scalar (Adam's step count) is the same in every piece
             merged[key] = value
     return merged

@@ -427,7 +427,12 @@ class Trainer:
         self._snapshot()
 
     def _clip(self) -> None:
-        if self.config.grad_clip_norm is not None:  # the gradient is already averaged: every rank clips alike
+        if self.config.grad_clip_norm is None:
+            return
+        sharded = getattr(self.optimizer, "clip_grad_norm_", None)  # ZeRO-2: the averaged gradient is in shards
+        if sharded is not None:  # the global norm: one all-reduce of the shards' parts
+            sharded(self.config.grad_clip_norm)
+        else:  # the gradient is already averaged: every rank clips alike
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip_norm)
 
     def _comm_wait_total_s(self) -> float | None:
