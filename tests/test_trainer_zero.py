@@ -35,7 +35,7 @@ def _data() -> TensorDataset:
     return TensorDataset(x, (x[:, 0] + 0.5 * x[:, 1] > 0).long() + (x[:, 2] > 1).long())
 
 
-def _train(directory, zero=None, crash=False, resume=False, group=None):
+def _train(directory, zero=None, crash=False, resume=False, group=None, on_step_end=None):
     torch.manual_seed(1 + 1000 * dist.get_rank())  # DDP's broadcast aligns the replicas
     model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 3))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
@@ -43,6 +43,8 @@ def _train(directory, zero=None, crash=False, resume=False, group=None):
     def crash_hook(trainer):
         if crash and trainer.step == CRASH_AT:
             raise Crash
+        if on_step_end is not None:
+            on_step_end(trainer)
 
     cfg = TrainerConfig(epochs=3, batch_size=8, grad_accum_steps=2, warmup_steps=2, seed=3, zero=zero,
                         checkpoint_dir=str(directory), save_every_steps=3, keep_last=2, progress=False,
@@ -176,3 +178,38 @@ def test_zero2_parts_merge_into_the_plain_optimizers_state_dict(results):
         assert all(torch.equal(v, merged["state"][index][k]) for k, v in state.items()), index
     assert [{k: v for k, v in g.items() if k != "params"} for g in merged["param_groups"]] == \
         [{k: v for k, v in g.items() if k != "params"} for g in plain["param_groups"]]
+
+
+def _killed_worker(directory, marker):
+    """One rank under torch's elastic agent (lockstep launch --max-restarts 1): rank 1 is SIGKILLed after step 7
+    of the first attempt, between two checkpoints; the restarted group resumes from its ZeRO-2 parts."""
+    import signal
+
+    import lockstep
+
+    torch.set_num_threads(1)  # as in run_ranks: the reference run's numerics
+    env = lockstep.init(backend="gloo")
+    first_attempt = not os.path.exists(marker)
+
+    def die(trainer):
+        if first_attempt and trainer.step == CRASH_AT and env.rank == 1:
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)  # no exception, no cleanup: the process is gone
+
+    try:
+        trainer = _train(directory, zero=2, resume=True, on_step_end=die)
+        return {"params": _params(trainer), "resumed_from": str(trainer.resumed_from), "first": first_attempt}
+    finally:
+        lockstep.shutdown()
+
+
+def test_a_zero2_run_killed_with_sigkill_resumes_bit_for_bit(results, tmp_path):
+    from lockstep.launch.launcher import launch_function
+
+    marker = str(tmp_path / "killed-once")
+    finals = launch_function(_killed_worker, args=(str(tmp_path / "k"), marker), nproc_per_node=2, max_restarts=1)
+    assert os.path.exists(marker)  # the kill happened
+    for rank in range(2):
+        assert not finals[rank]["first"]  # these results come from the restarted attempt
+        assert finals[rank]["resumed_from"].endswith("ckpt-000000006.pt")
+        assert _same(finals[rank]["params"], results[rank]["plain"]), f"rank {rank} diverged after the restart"
