@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from dist_utils import run_ranks
 from lockstep.perf.costmodel import LINKS, Link, allreduce_time_s, fit_link
-from lockstep.perf.plan import PlanConfig, cli_main, comm_time_s, make_plan, step_time_s
+from lockstep.perf.plan import PlanConfig, cli_main, comm_time_s, make_plan, min_world_size, step_time_s
 
 
 def test_textbook_7b_mixed_adam_needs_112_gb_and_does_not_fit_80():
@@ -186,16 +186,48 @@ def test_fits_is_never_claimed_without_saying_activations_are_not_counted(capsys
 
 
 def test_plan_says_how_to_get_zero_with_lockstep(capsys):
-    # The recommendation names the stage and the one line that gives it with lockstep (tests/test_zero.py
-    # proves that line: ZeroRedundancyOptimizer over lockstep's DDP equals it over torch's DDP).
+    # "Does not fit" becomes the first stage that fits at this N, its GB per rank, its wire cost and the lockstep
+    # call that gives it (tests/test_zero.py proves lockstep.ZeroRedundancyOptimizer bit for bit).
     assert cli_main(["--params", "7e9"]) == 0
     out = capsys.readouterr().out
     rec = out[out.index("recommendation:"):]
-    assert "ZeRO-1" in rec and "how: opt = torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters()" in rec
+    assert rec.startswith("recommendation: Does not fit: 112.0 GB per replica > 80 GB. Fits with ZeRO-1 (shard "
+                          "optimizer state) at N=8: 38.5 GB per rank, +50% bytes on the wire")
+    assert "how: opt = lockstep.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, " in rec
     assert "lockstep.DistributedDataParallel" in rec and "before activations, which are not counted" in rec
-    assert "ZeRO-1 with lockstep: opt = torch.distributed.optim.ZeroRedundancyOptimizer" in out
+    assert "torch.distributed.optim" not in out  # lockstep's own class now, not torch's
+    assert "  ZeRO-1 with lockstep: opt = lockstep.ZeroRedundancyOptimizer(" in out
+    assert ("  ZeRO-2 with lockstep: opt = model.zero_optimizer(torch.optim.Adam, stage=2, lr=...) with model = "
+            "lockstep.DistributedDataParallel(...) (DistributedDataParallel.zero_optimizer)") in out
     fsdp = make_plan(PlanConfig(params=70e9, world_size=8, device_memory_gb=80, link="ib-hdr")).recommendation
-    assert "fully_shard" in fsdp
+    assert "fully_shard" in fsdp and "ZeRO-2" not in fsdp  # its unsharded weights (140 GB) fit no device
+
+
+def test_plan_names_zero2_where_zero1_does_not_fit():
+    # 7e9 mixed Adam at N=8 on 30 GB: ZeRO-1 needs 14 + 14 + 84/8 = 38.5, ZeRO-2 14 + 98/8 = 26.25.
+    rec = make_plan(PlanConfig(params=7e9, world_size=8, device_memory_gb=30, optimizer="adamw",
+                               activation_gb=0)).recommendation
+    assert rec.startswith("Does not fit: 112.0 GB per replica > 30 GB. Fits with ZeRO-2 (shard gradients and "
+                          "optimizer state) at N=8: 26.2 GB per rank, the same bytes on the wire as DDP")
+    assert "how: opt = model.zero_optimizer(torch.optim.AdamW, stage=2, lr=...)" in rec
+    assert "before activations" not in rec
+
+
+def test_plan_says_at_which_n_zero2_fits_where_only_fsdp_does():
+    # On 20 GB only FSDP fits at N=8 (14 GB); ZeRO-2 keeps the 14 GB of weights and shards 98: N >= ceil(98/6) = 17.
+    plan = make_plan(PlanConfig(params=7e9, world_size=8, device_memory_gb=20, activation_gb=0))
+    assert "Fits with ZeRO-3 / FSDP (shard everything) at N=8: 14.0 GB per rank" in plan.recommendation
+    assert "\n  or ZeRO-2 with lockstep at N >= 17: 19.8 GB per rank (opt = model.zero_optimizer(" in plan.recommendation
+    assert min_world_size(plan, "zero2") == 17 and min_world_size(plan, "zero1") is None  # 28 GB kept > 20
+    # Not even FSDP at N=2 (320 GB over 2 x 80): ZeRO-2 would at N >= 7 (40 + 280/7 = 80 GB).
+    rec = make_plan(PlanConfig(params=20e9, world_size=2, device_memory_gb=80, activation_gb=0)).recommendation
+    assert rec.startswith("Does not fit even fully sharded at N=2: FSDP needs N >= 4 devices")
+    assert "or ZeRO-2 with lockstep at N >= 7: 80.0 GB per rank" in rec
+
+
+def test_plan_fits_without_sharding_names_no_zero():
+    rec = make_plan(PlanConfig(params=1e9, activation_gb=10)).recommendation
+    assert rec.startswith("Fits (26.0 of 80 GB)") and "ZeRO" not in rec
 
 
 # --- the model against this machine -------------------------------------------------

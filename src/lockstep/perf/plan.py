@@ -258,20 +258,52 @@ def make_plan(config: PlanConfig) -> Plan:
     return plan
 
 
-# How to get each sharding stage with lockstep: printed beside a recommendation that names the stage.
-# ZeRO-1 is torch's ZeroRedundancyOptimizer over lockstep's DDP (each rank steps its shard of the optimizer
-# state and broadcasts its parameters; parameters equal to torch's DDP + the same optimizer:
-# tests/test_zero.py). Sharded gradients or weights need torch's FSDP in place of lockstep's DDP.
-HOW = {
-    "zero1": "opt = torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters(), "
-             "optimizer_class=torch.optim.AdamW, lr=...) with model = lockstep.DistributedDataParallel(...)",
-    "zero2": "lockstep's DDP does not shard gradients: torch's FSDP, torch.distributed.fsdp.fully_shard(model, "
-             "reshard_after_forward=False), in place of lockstep.DistributedDataParallel",
-    "zero3_fsdp": "torch's FSDP, torch.distributed.fsdp.fully_shard(model), "
-                  "in place of lockstep.DistributedDataParallel",
-}
+# How to get each sharding stage with lockstep: printed beside a recommendation that names the stage. ZeRO-1 is
+# lockstep.ZeroRedundancyOptimizer (torch's API; tests/test_zero.py: bit for bit with torch's class and with a plain
+# optimizer under lockstep's DDP), ZeRO-2 DistributedDataParallel.zero_optimizer (gradients reduce-scattered in the
+# reducer); sharded weights need torch's FSDP in place of lockstep's DDP. docs/zero.md says when to use which.
+OPTIMIZER_CLASSES = {"adam": "torch.optim.Adam", "adamw": "torch.optim.AdamW", "sgd": "torch.optim.SGD",
+                     "sgd-nomomentum": "torch.optim.SGD"}
+
+
+def how(stage: str, optimizer: str = "adamw") -> str:
+    """The lockstep call (or torch's) that gives ``stage``, with the plan's optimizer class in it."""
+    cls = OPTIMIZER_CLASSES[optimizer]
+    return {
+        "zero1": f"opt = lockstep.ZeroRedundancyOptimizer(model.parameters(), optimizer_class={cls}, lr=...) "
+                 "with model = lockstep.DistributedDataParallel(...)",
+        "zero2": f"opt = model.zero_optimizer({cls}, stage=2, lr=...) with model = "
+                 "lockstep.DistributedDataParallel(...) (DistributedDataParallel.zero_optimizer)",
+        "zero3_fsdp": "torch's FSDP, torch.distributed.fsdp.fully_shard(model), "
+                      "in place of lockstep.DistributedDataParallel",
+    }[stage]
+
+
+HOW = {stage: how(stage) for stage in ("zero1", "zero2", "zero3_fsdp")}
 STAGE_NAMES = {"zero1": "ZeRO-1 (shard optimizer state)", "zero2": "ZeRO-2 (shard gradients and optimizer state)",
                "zero3_fsdp": "ZeRO-3 / FSDP (shard everything)"}
+# What each stage sends a step, in the gradients' bytes (ring: each factor times (N-1)/N): DDP all-reduces them (2);
+# ZeRO-1 all-reduces them and all-gathers the updated parameters (3, with parameters as large as the gradients);
+# ZeRO-2 reduce-scatters them and all-gathers the parameters (2); FSDP all-gathers the parameters for the forward
+# and again for the backward, and reduce-scatters the gradients (3).
+WIRE = {"zero1": "+50% bytes on the wire (the parameters' all-gather after the step)",
+        "zero2": "the same bytes on the wire as DDP (reduce-scatter + all-gather instead of all-reduce)",
+        "zero3_fsdp": "+50% bytes on the wire (the parameters gathered for forward and backward)"}
+
+
+def min_world_size(plan: Plan, stage: str) -> int | None:
+    """The fewest ranks at which ``stage`` fits a device, or None where the part it does not shard is too big."""
+    kept, sharded = _kept_and_sharded(plan.memory_gb, stage)
+    free = plan.config.device_memory_gb - kept - plan.memory_gb["activations"]
+    return max(1, math.ceil(sharded / free)) if free > 0 else None
+
+
+def _kept_and_sharded(mem: dict[str, float], stage: str) -> tuple[float, float]:
+    """(GB every rank keeps whole, GB divided over the ranks) with ``stage``; activations apart."""
+    states = mem["master_weights"] + mem["optimizer_state"]
+    return {"zero1": (mem["weights"] + mem["gradients"], states),
+            "zero2": (mem["weights"], mem["gradients"] + states),
+            "zero3_fsdp": (0.0, mem["weights"] + mem["gradients"] + states)}[stage]
 
 
 def _fits_text(plan: Plan) -> str:
@@ -284,21 +316,8 @@ def _fits_text(plan: Plan) -> str:
 
 
 def recommend(plan: Plan) -> str:
-    c, mem = plan.config, plan.memory_gb
     if not plan.fits:
-        for stage, need in plan.sharded_memory_gb.items():
-            if need <= c.device_memory_gb:
-                before = "" if c.activation_gb is not None else \
-                    "\n  (that is before activations, which are not counted: pass --activation-gb)"
-                return (f"Does not fit: {mem['total']:.1f} GB per replica > {c.device_memory_gb:g} GB. "
-                        f"Use {STAGE_NAMES[stage]}: {need:.1f} GB per rank at N={c.world_size}.{before}"
-                        f"\n  how: {HOW[stage]}")
-        whole = mem["total"] - mem["activations"]
-        free = c.device_memory_gb - mem["activations"]
-        need_n = math.ceil(whole / free) if free > 0 else None
-        more = f"FSDP needs N >= {need_n} devices" if need_n else "the activations alone exceed a device"
-        return (f"Does not fit even fully sharded at N={c.world_size}: {more} ({HOW['zero3_fsdp']}); or add "
-                f"tensor/pipeline parallelism or activation checkpointing.")
+        return _sharding_advice(plan)
     fits = _fits_text(plan)
     if plan.step_ms is None:
         return f"{fits}: plain DDP. Pass --compute-ms to check scaling."
@@ -314,6 +333,35 @@ def recommend(plan: Plan) -> str:
                     f"micro-steps (DDP no_sync) for >= 90%, or use a faster link / compressed gradients.{pays}")
     return (f"{fits}, but communication dominates (efficiency {eff:.0%}): use a faster link or fewer replicas."
             f"{pays}")
+
+
+def _sharding_advice(plan: Plan) -> str:
+    """"Does not fit" turned into the first ZeRO stage that fits at this N, its GB per rank and the call that gives
+    it; where only FSDP fits (or nothing), also the N at which lockstep's ZeRO-2 would."""
+    c, mem = plan.config, plan.memory_gb
+    head = f"Does not fit: {mem['total']:.1f} GB per replica > {c.device_memory_gb:g} GB."
+    before = "" if c.activation_gb is not None else \
+        "\n  (that is before activations, which are not counted: pass --activation-gb)"
+    zero2_at = min_world_size(plan, "zero2")
+    later = (f"\n  or ZeRO-2 with lockstep at N >= {zero2_at}: "
+             f"{_sharded_at(plan, 'zero2', zero2_at):.1f} GB per rank ({how('zero2', c.optimizer)})"
+             if zero2_at is not None and zero2_at > c.world_size else "")
+    for stage, need in plan.sharded_memory_gb.items():
+        if need <= c.device_memory_gb:
+            return (f"{head} Fits with {STAGE_NAMES[stage]} at N={c.world_size}: {need:.1f} GB per rank, "
+                    f"{WIRE[stage]}.{before}\n  how: {how(stage, c.optimizer)}{later if stage == 'zero3_fsdp' else ''}")
+    whole = mem["total"] - mem["activations"]
+    free = c.device_memory_gb - mem["activations"]
+    need_n = math.ceil(whole / free) if free > 0 else None
+    more = f"FSDP needs N >= {need_n} devices" if need_n else "the activations alone exceed a device"
+    return (f"Does not fit even fully sharded at N={c.world_size}: {more} ({HOW['zero3_fsdp']}); or add "
+            f"tensor/pipeline parallelism or activation checkpointing.{later}")
+
+
+def _sharded_at(plan: Plan, stage: str, world_size: int) -> float:
+    """GB per rank with ``stage`` at ``world_size`` ranks (the config's own N is ``sharded_memory_gb``)."""
+    kept, sharded = _kept_and_sharded(plan.memory_gb, stage)
+    return kept + sharded / world_size + plan.memory_gb["activations"]
 
 
 def _what_pays(step_ms: StepTimes) -> str:
@@ -345,8 +393,9 @@ def format_plan(plan: Plan) -> str:
         out.append("  activations are not counted: unknown (pass --activation-gb; torch.cuda.max_memory_allocated() "
                    "after one step, less the rest, measures them)")
     out.append("  sharded, per rank: " + ", ".join(f"{k} {v:.2f}" for k, v in plan.sharded_memory_gb.items()))
-    out.append(f"  ZeRO-1 with lockstep: {HOW['zero1']}")
-    out.append(f"  ZeRO-2/3: {HOW['zero3_fsdp']}")
+    out.append(f"  ZeRO-1 with lockstep: {how('zero1', c.optimizer)}")
+    out.append(f"  ZeRO-2 with lockstep: {how('zero2', c.optimizer)}")
+    out.append(f"  ZeRO-3: {HOW['zero3_fsdp']}")
     out.append(f"\ngradient all-reduce per step at N={c.world_size}: ring {plan.comm_ms['ring']:.2f} ms, "
                f"tree {plan.comm_ms['tree']:.2f} ms ({c.bucket_cap_mb:g} MiB buckets)")
     if plan.step_ms:
