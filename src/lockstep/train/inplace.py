@@ -103,6 +103,7 @@ class InPlaceGroup:
         self.host, self.port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         self.store = self._client()
         self.sockets = group_sockets()
+        self._bound_first_group()
         self.lock = threading.Lock()  # held while the group's sockets are shut or the group destroyed
         self.alarm_at: float | None = None
         self.seen: dict[int, tuple[int, float]] = {}  # launch rank -> (its last heartbeat, when it changed)
@@ -114,6 +115,19 @@ class InPlaceGroup:
     def _client(self) -> dist.TCPStore:
         timeout = datetime.timedelta(seconds=DECIDE_TIMEOUT_S)
         return dist.TCPStore(self.host, self.port, None, False, timeout, wait_for_workers=False)
+
+    def _bound_first_group(self) -> None:
+        """The group ``init()`` made waits 30 min by default: bound its operations as the next groups' are."""
+        try:
+            backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+            backend.set_timeout(datetime.timedelta(seconds=self.timeout_s))
+        except (AttributeError, RuntimeError):
+            pass  # another backend, or a torch without it: the socket shutdown still ends a lost peer's waits
+
+    def adopt_sockets(self, fds: set[int]) -> None:
+        """Sockets of groups made since (DDP's hierarchical all-reduce makes subgroups): shut with the group's."""
+        with self.lock:
+            self.sockets |= fds
 
     @property
     def rank(self) -> int:

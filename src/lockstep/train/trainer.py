@@ -27,6 +27,7 @@ from lockstep.ddp.wrapper import DistributedDataParallel
 from lockstep.diagnostics.nonfinite import NonfiniteGradientError
 from lockstep.diagnostics.progress import set_phase
 from lockstep.diagnostics.watchdog import FROM_ENV
+from lockstep.process_group import socket_fds
 from lockstep.sampler import DistributedSampler
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.config import TrainerConfig
@@ -112,6 +113,7 @@ class Trainer:
         model.to(self.device)
         self.precision = Precision(cfg.autocast_dtype, self.device, scaler)  # autocast, and fp16's GradScaler
         device_ids = [self.device.index] if self.device.type == "cuda" else None
+        sockets_before = socket_fds()  # DDP's subgroups (the hierarchical all-reduce): in-place recovery shuts them
         self.ddp = DistributedDataParallel(
             model, device_ids=device_ids, process_group=group, check_replicas_every=cfg.check_replicas_every,
             detect_nonfinite=cfg.detect_nonfinite and self.precision.scaler is None, trace_dir=cfg.trace_dir,
@@ -129,6 +131,8 @@ class Trainer:
         # In-place recovery (lockstep launch --nnodes MIN:MAX, docs/preemptible.md): the default group only, and the
         # plain step: the overlapped one would apply the update before the step's commit.
         self._inplace = InPlaceGroup() if group is None and inplace_wanted() else None
+        if self._inplace is not None:
+            self._inplace.adopt_sockets(socket_fds() - sockets_before)
         self._committed: dict | None = None  # the state the last committed step left (``_snapshot``)
         self._regrouped: Regrouped | None = None  # a re-formation to report after the first step at the new size
         # Before any scheduler wraps optimizer.step (a scheduler made later wraps the deferred step: torch's order).
