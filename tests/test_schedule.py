@@ -11,6 +11,7 @@ in every mode the end of backward has.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -106,8 +107,9 @@ MODES: dict[str, dict] = {
     "sparse_find_unused": {"sparse": True, "find_unused_parameters": True, "use_all": False},
     # ZeRO-2 (``zero2``): reduce-scatters, the flag's all-reduce, and the step's all-gathers (a joined rank steps
     # its shards in its shadow round)
-    "zero2": {"zero": True},
+    "zero2": {"zero": True},  # on gloo: the all-reduce pair (``zero2.choose_collectives``)
     "zero2_fp16": {"zero": True, "hook": "fp16"},
+    "zero2_flat": {"zero": "flat"},  # reduce_scatter_tensor and all_gather_into_tensor
 }
 
 
@@ -118,11 +120,14 @@ def _sequences(rank: int, recorder: Recorder, mode: dict, steps_both: int) -> li
     mode = dict(mode)
     hook, use_all, sparse = mode.pop("hook", None), mode.pop("use_all", True), mode.pop("sparse", False)
     zero = mode.pop("zero", False)
+    if zero == "flat":
+        os.environ["LOCKSTEP_ZERO_COLLECTIVES"] = "flat"
     torch.manual_seed(0)
     model = lockstep.DistributedDataParallel(_Net(sparse), bucket_cap_mb=0.001, **mode)  # several buckets
     if hook is not None:
         model.register_comm_hook(None, {"allreduce": allreduce_hook, "fp16": fp16_compress_hook}[hook])
     opt = model.zero_optimizer(torch.optim.SGD, lr=0.1) if zero else torch.optim.SGD(model.parameters(), lr=0.1)
+    os.environ.pop("LOCKSTEP_ZERO_COLLECTIVES", None)  # read at binding
     generator = torch.Generator().manual_seed(rank)
     recorder.calls, recorder.on = [], False
     with model.join():
@@ -157,7 +162,7 @@ def test_joined_rank_issues_the_training_ranks_collectives(results, mode):
     training, joined = results[0][mode], results[1][mode]
     reduces = [c for c in training if c[0] in ("all_reduce", "reduce_scatter_tensor")]
     assert len(reduces) >= 6, training  # the join round, the buckets, the status: the sequence is not empty
-    if mode.startswith("zero2"):  # the step's all-gathers, one per bucket, after the bucket's reduce-scatters
+    if mode == "zero2_flat":  # the step's all-gathers, one per bucket, after the bucket's reduce-scatters
         assert sum(c[0] == "all_gather_into_tensor" for c in training) == sum(
             c[0] == "reduce_scatter_tensor" for c in training) >= 2, training
     assert training == joined, "\n".join(

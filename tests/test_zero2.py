@@ -126,14 +126,14 @@ def _semantics(rank: int) -> dict:
     plain, zero = _train(rank, False, clip=0.05, steps=12), _train(rank, True, clip=0.05, steps=12)
     out["clip_params"] = _diff(plain, zero)
     out["clip_norms"] = max(abs(a - b) / a for a, b in zip(plain["norms"], zero["norms"]))
-    os.environ["LOCKSTEP_ZERO_FALLBACK"] = "1"
+    os.environ["LOCKSTEP_ZERO_COLLECTIVES"] = "flat"  # gloo's reduce_scatter_tensor / all_gather_into_tensor
     try:
-        fallback = _train(rank, True, steps=20)
+        flat = _train(rank, True, steps=20)
     finally:
-        del os.environ["LOCKSTEP_ZERO_FALLBACK"]
-    out["fallback"] = _diff(_train(rank, False, steps=20), fallback)
-    out["fallback_collectives"] = fallback["opt"].collectives
-    out["flat_collectives"] = _train(rank, True, steps=1)["opt"].collectives
+        del os.environ["LOCKSTEP_ZERO_COLLECTIVES"]
+    out["flat"] = _diff(_train(rank, False, steps=20), flat)
+    out["flat_collectives"] = flat["opt"].collectives
+    out["default_collectives"] = _train(rank, True, steps=1)["opt"].collectives
     return out
 
 
@@ -166,9 +166,14 @@ class _Kinds(StepObserver):
 
 
 def _collectives(rank: int) -> dict:
+    return {"all_reduce": _collectives_of(rank, ""), "flat": _collectives_of(rank, "flat")}
+
+
+def _collectives_of(rank: int, env: str) -> dict:
     """The kind, size and order of one step's collectives (recorded around torch.distributed's functions)."""
     from test_schedule import Recorder
 
+    os.environ["LOCKSTEP_ZERO_COLLECTIVES"] = env
     recorder = Recorder()
     ddp = lockstep.DistributedDataParallel(_net(), bucket_cap_mb=0.001, forward_sync_buffers=False)
     opt = ddp.zero_optimizer(torch.optim.SGD, lr=0.1)
@@ -182,6 +187,7 @@ def _collectives(rank: int) -> dict:
         opt.step()
     recorder.on = False
     ddp.finish_step()
+    del os.environ["LOCKSTEP_ZERO_COLLECTIVES"]
     shards = [s.numel() for s in ddp.reducer.zero.shards]
     return {"calls": recorder.calls, "shards": shards, "kinds": kinds.kinds}
 
@@ -355,7 +361,7 @@ def test_bit_identical_to_plain_ddp_at_2_ranks(results, opt_name, foreach, accum
 
 
 @pytest.mark.parametrize("case", ["lambda_lr", "step_lr", "set_to_none_false", "static_graph", "find_unused_sgd",
-                                  "find_unused_adam", "fp16_hook", "fp16_hook_lockstep", "fallback"])
+                                  "find_unused_adam", "fp16_hook", "fp16_hook_lockstep", "flat"])
 def test_ddp_semantics_bit_for_bit(results, case):
     assert results[0]["semantics"][case] == 0.0
     assert results[1]["semantics"][case] == 0.0
@@ -369,10 +375,11 @@ def test_clip_grad_norm_is_the_global_norm(results):
         assert results[rank]["semantics"]["clip_params"] < 1e-6
 
 
-def test_the_fallback_says_what_ran(results):
+def test_the_optimizer_says_which_collectives_ran(results):
     sem = results[0]["semantics"]
     assert sem["flat_collectives"] == ("reduce_scatter_tensor", "all_gather_into_tensor")
-    assert sem["fallback_collectives"] == ("all_reduce (fallback)", "all_gather (fallback)")
+    # gloo's default: the all-reduce pair (zero2.choose_collectives: cheaper than gloo's flat pair)
+    assert sem["default_collectives"] == ("all_reduce, slice kept", "all_reduce, -0.0 elsewhere")
 
 
 def test_each_rank_holds_its_shard(results):
@@ -385,21 +392,22 @@ def test_each_rank_holds_its_shard(results):
         assert s["gathers_in_flight"] and not s["gathers_after_forward"]
 
 
-def test_collectives_kind_and_order(results):
+@pytest.mark.parametrize("kind", ["all_reduce", "flat"])
+def test_collectives_kind_and_order(results, kind):
     for rank in (0, 1):
-        c = results[rank]["collectives"]
+        c = results[rank]["collectives"][kind]
         n = len(c["shards"])
         assert n >= 2
-        kinds = [call[0] for call in c["calls"]]
-        reduce_scatter = [k for k in kinds if "reduce_scatter" in k]
-        gathers = [k for k in kinds if "all_gather" in k]
-        assert len(reduce_scatter) == n and len(gathers) == n, c["calls"]
-        # reduce-scatters in bucket order (into each shard), the status flag's all-reduce, then the gathers (of each
-        # whole padded bucket), in bucket order
-        assert [call[1] for call in c["calls"][:n]] == c["shards"]
-        assert c["calls"][n][0] == "all_reduce" and c["calls"][n][1] == 1
-        assert [call[1] for call in c["calls"][n + 1:]] == [2 * s for s in c["shards"]]
-        assert results[0]["collectives"]["calls"] == results[1]["collectives"]["calls"]
+        padded = [2 * s for s in c["shards"]]
+        # the reduce-scatters in bucket order (flat: into each shard; else an all-reduce of each padded bucket),
+        # the status flag's all-reduce, then the all-gathers (of each whole padded bucket), in bucket order
+        if kind == "flat":
+            expected = ([("reduce_scatter_tensor", s) for s in c["shards"]] + [("all_reduce", 1)]
+                        + [("all_gather_into_tensor", p) for p in padded])
+        else:
+            expected = [("all_reduce", p) for p in padded] + [("all_reduce", 1)] + [("all_reduce", p) for p in padded]
+        assert [call[:2] for call in c["calls"]] == expected, c["calls"]
+        assert results[0]["collectives"][kind]["calls"] == results[1]["collectives"][kind]["calls"]
         # what the hang report would name: the end of backward's waits, then the step's and the forward's
         assert c["kinds"][:2] == ["reduce-scatter", "all-gather"]
         assert set(c["kinds"]) == {"reduce-scatter", "all-gather"}

@@ -340,6 +340,8 @@ class Reducer:
         if self.events is not None:
             self.events.append(("ready", index))
         copy_in(step, self.params, self.names, index, bucket, slot, grad, hooked)
+        if step.plan.zero is not None:  # its .grad is in the bucket now: ZeRO-2 keeps only the bucket's copy
+            step.plan.zero.copied(self.params[index], bucket, slot)
         step.pending[b] -= 1
         if step.pending[b] == 0:
             self.bucket_full(step, b)
@@ -347,12 +349,11 @@ class Reducer:
     def bucket_full(self, step: Backward, b: int) -> None:
         if self.observer is not None:
             self.observer.bucket_ready(b)
-        zero = step.plan.zero
-        if zero is not None:
-            zero.bucket_full(self.buckets[b])  # the parameters' .grad go: the bucket holds them
         step.order.mark_ready(b)
+        zero = step.plan.zero
         if zero is not None:  # reduce-scatters done already: their buckets' memory goes while backward runs
             zero.reap(self.buckets, step.order.next_index)
+            zero.bound_in_flight(self.buckets, step.order.next_index)
 
     # ------------------------------------------------------------- launch (in index order: ``launch_order``)
     def _launch(self, bucket: Bucket) -> None:

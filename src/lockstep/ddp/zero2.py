@@ -16,12 +16,19 @@ reducer and returns a ``ZeroOptimizer``. The one idea: a bucket's flat layout is
   next forward; a module's forward pre-hook waits for the buckets holding its own parameters
   (``overlap_step.register_waits``, the overlapped step's per-module waits).
 
+Which collectives carry them (``choose_collectives``): on NCCL and other backends ``reduce_scatter_tensor`` and
+``all_gather_into_tensor``. On gloo (torch 2.13, CPU) those two cost 1.5-7 x an all-reduce of the same buffer and
+allocate 0.6-2 x its size besides (a 33 MB bucket on loopback: reduce-scatter 57-331 ms and +20-51 MB, all-gather
+69-331 ms and +32-64 MB, all-reduce 40-141 ms and +2 MB; a 200 MB buffer: 881-1321 ms against 166-204), so there the
+reduce-scatter is an all-reduce of the bucket in place with this rank's slice kept, and the all-gather an all-reduce
+of the flat parameters in place with every slice but this rank's set to -0.0 (x + -0.0 is x, bit for bit, -0.0 and
+NaN included): twice the bytes on the wire, no extra memory, and faster there. The same where a backend lacks the
+flat pair (an older torch's gloo). ``LOCKSTEP_ZERO_COLLECTIVES=flat|all_reduce`` chooses; ``opt.collectives`` says.
+
 At 2 ranks a reduce-scatter's sum is the all-reduce's (one addition of two values), and an element-wise optimizer
 computes the same bits on a flat slice as per parameter, so the parameters are plain DDP's bit for bit; at 3 or
-more, gloo's reduce-scatter adds in another order than its all-reduce (within rounding). Where the backend has no
-``reduce_scatter_tensor`` / ``all_gather_into_tensor`` (an older torch's gloo), each bucket is all-reduced and the
-shard kept, and the parameters all-gathered as a list of slices: the same results, twice the reduce's bytes.
-Docs: docs/ddp.md#zero-2-sharded-gradients-and-optimizer-state.
+more the sums may round differently (the padded buckets split into the ring's chunks elsewhere). Docs:
+docs/ddp.md#zero-2-sharded-gradients-and-optimizer-state.
 """
 
 from __future__ import annotations
@@ -47,7 +54,10 @@ from lockstep.optim.state_parts import RANGE, SHAPE, STRIDE
 # torch >= 2.12 names them *_single (the *_tensor names warn, FutureWarning); older torch has the *_tensor ones.
 _REDUCE_SCATTER: Any = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
 _ALL_GATHER: Any = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
-FALLBACK_ENV = "LOCKSTEP_ZERO_FALLBACK"  # "1": the all-reduce / list all-gather fallback even where both exist
+COLLECTIVES_ENV = "LOCKSTEP_ZERO_COLLECTIVES"  # "flat" or "all_reduce"; unset: all_reduce on gloo, else flat
+# Buckets whose reduce-scatter may be in flight at once (their memory is held until it is done): a backward faster
+# than the wire otherwise holds every bucket at its end, a model's worth of gradients ZeRO-2 means not to hold.
+MAX_IN_FLIGHT = 2
 
 
 def padded(numel: int, world_size: int) -> int:
@@ -55,10 +65,16 @@ def padded(numel: int, world_size: int) -> int:
     return -(-numel // world_size) * world_size
 
 
-def probe_collectives(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether this backend has the flat reduce-scatter and all-gather (False: the fallback). One tiny collective
-    of each, at binding; a backend without them raises at the call, on every rank alike, before any exchange."""
-    if os.environ.get(FALLBACK_ENV) == "1" or _REDUCE_SCATTER is None or _ALL_GATHER is None:
+def choose_collectives(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """True: the flat reduce-scatter and all-gather; False: the all-reduce pair (the module docstring says why gloo
+    takes it). Where the flat pair is wanted, one tiny collective of each at binding: a backend without them
+    raises at the call, on every rank alike, before any exchange."""
+    wanted = os.environ.get(COLLECTIVES_ENV, "")
+    if wanted not in ("", "flat", "all_reduce"):
+        raise ValueError(f"{COLLECTIVES_ENV}={wanted!r}: choose flat or all_reduce")
+    if wanted == "all_reduce" or (not wanted and dist.get_backend(group) == "gloo"):
+        return False
+    if _REDUCE_SCATTER is None or _ALL_GATHER is None:
         return False
     world_size = dist.get_world_size(group)
     try:
@@ -79,7 +95,7 @@ class ZeroShards:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.flat_collectives = probe_collectives(group, device)
+        self.flat_collectives = choose_collectives(group, device)
         self.observer = observer
         self.compress: FusedCompression | None = None  # an fp16/bf16 compress hook's arithmetic on the wire
         self.buckets: list[Bucket] = []
@@ -99,10 +115,10 @@ class ZeroShards:
 
     @property
     def kinds(self) -> tuple[str, str]:
-        """The collectives that run: the flat pair, or the fallback (which one ran is part of the record)."""
+        """The collectives that run (``choose_collectives``): the flat pair, or the all-reduce pair."""
         if self.flat_collectives:
             return "reduce_scatter_tensor", "all_gather_into_tensor"
-        return "all_reduce (fallback)", "all_gather (fallback)"
+        return "all_reduce, slice kept", "all_reduce, -0.0 elsewhere"
 
     # ----------------------------------------------------------------- layout (once, at binding)
     def take_layout(self, buckets: Sequence[Bucket], location: Sequence[tuple[int, int]]) -> None:
@@ -130,12 +146,18 @@ class ZeroShards:
         self.unused = [[] for _ in buckets]
 
     # ----------------------------------------------------------------- backward: reduce-scatter, reap, free
-    def bucket_full(self, bucket: Bucket) -> None:
-        """Every gradient of the bucket is in its buffer: the parameters' own ``.grad`` go now, not at the end of
-        backward (ZeRO-2's memory: a model's worth of gradients never lives at once)."""
-        for p in bucket.params:
-            p.grad = None
-        bucket.grads = [None] * len(bucket.params)
+    def copied(self, param: nn.Parameter, bucket: Bucket, slot: int) -> None:
+        """The parameter's gradient is in its bucket: its ``.grad`` goes now, not at the end of backward (ZeRO-2's
+        memory: a model's worth of gradients never lives at once). The NaN check reads the bucket's copy."""
+        param.grad = None
+        bucket.grads[slot] = None
+
+    def bound_in_flight(self, buckets: Sequence[Bucket], launched: int) -> None:
+        """At most ``MAX_IN_FLIGHT`` buckets held by their reduce-scatter: wait for the oldest ones beyond that
+        (waits only, in index order: no collective, so every rank's sequence stays the same)."""
+        pending = [b for b in buckets[:launched] if b.work is not None and not self._reaped[b.index]]
+        for bucket in pending[: max(0, len(pending) - MAX_IN_FLIGHT)]:
+            self._finish_reduce(bucket)
 
     def launch(self, bucket: Bucket) -> Any:
         """Issue the bucket's reduce-scatter (its local gradients, scaled as without ZeRO); return its work."""
@@ -159,8 +181,8 @@ class ZeroShards:
         self._reaped[b] = False
         if self.flat_collectives:
             return launch_clean(_REDUCE_SCATTER, target, wire, group=self.group, async_op=True)
-        return _FallbackReduce(launch_clean(dist.all_reduce, wire, group=self.group, async_op=True), wire,
-                               target, self.rank)
+        return _SliceOfAllReduce(launch_clean(dist.all_reduce, wire, group=self.group, async_op=True), wire,
+                                 target, self.rank)
 
     def reap(self, buckets: Sequence[Bucket], launched: int) -> None:
         """During backward: finish the buckets (of the first ``launched`` in index order) whose reduce-scatter has
@@ -232,10 +254,11 @@ class ZeroShards:
             flat = self.param_flats[b]
             if self.flat_collectives:
                 self.gathers[b] = launch_clean(_ALL_GATHER, flat, shard.detach(), group=self.group, async_op=True)
-            else:
-                slices = list(flat.chunk(self.world_size))
-                self.gathers[b] = launch_clean(dist.all_gather, slices, shard.detach(), group=self.group,
-                                               async_op=True)
+            else:  # every other rank's slice -0.0, the identity of +: the sum is each slice's owner's value
+                size = shard.numel()
+                flat[: self.rank * size].fill_(-0.0)
+                flat[(self.rank + 1) * size:].fill_(-0.0)
+                self.gathers[b] = launch_clean(dist.all_reduce, flat, group=self.group, async_op=True)
 
     def check_hook(self, hook: Any, fused: FusedCompression | None) -> None:
         """ZeRO-2 runs a comm hook's arithmetic itself, which it can for the fp16/bf16 compress hooks only."""
@@ -318,8 +341,8 @@ class ZeroShards:
         return norms.pow(norm_type).sum()
 
 
-class _FallbackReduce:
-    """The reduce-scatter where the backend has none: the whole bucket all-reduced, then this rank's slice kept."""
+class _SliceOfAllReduce:
+    """The reduce-scatter as an all-reduce (``choose_collectives``): the whole bucket, then this rank's slice kept."""
 
     def __init__(self, work: Any, wire: torch.Tensor, target: torch.Tensor, rank: int):
         self.work, self.wire, self.target, self.rank = work, wire, target, rank
