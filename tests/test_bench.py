@@ -88,13 +88,14 @@ def test_ddp_step_benchmark_runs_and_reports_every_contender(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "ddp_step.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--models", "cnn", "--contenders", "compute,floor,torch,lockstep_25,lockstep_zero2",
+        [sys.executable, str(script), "--models", "cnn", "--contenders", "compute,floor,torch,lockstep_25,lockstep_zero2,lockstep_zero2_pair",
          "--blocks", "1", "--block-steps", "2", "--warmup", "1", "--allreduce-reps", "1", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
     (json_path,) = tmp_path.glob("ddp_step_*_n2_t1.json")
     result = json.loads(json_path.read_text())["results"]["cnn"]
-    assert set(result["median_ms"]) == {"compute", "floor", "torch", "lockstep_25", "lockstep_zero2"}
+    assert set(result["median_ms"]) == {"compute", "floor", "torch", "lockstep_25", "lockstep_zero2",
+                                        "lockstep_zero2_pair"}
     assert all(v > 0 for v in result["median_ms"].values())
     assert {"lockstep_25/torch", "floor/torch", "lockstep_25/floor", "torch/compute",
             "lockstep_zero2/lockstep_25"} <= set(result["ratios"])

@@ -400,12 +400,14 @@ def test_collectives_kind_and_order(results, kind):
         assert n >= 2
         padded = [2 * s for s in c["shards"]]
         # the reduce-scatters in bucket order (flat: into each shard; else an all-reduce of each padded bucket),
-        # the status flag's all-reduce, then the all-gathers (of each whole padded bucket), in bucket order
+        # the status flag's all-reduce, then the all-gathers (of each whole padded bucket), from the last bucket (the
+        # first layers, which the next forward needs first) back
         if kind == "flat":
             expected = ([("reduce_scatter_tensor", s) for s in c["shards"]] + [("all_reduce", 1)]
-                        + [("all_gather_into_tensor", p) for p in padded])
+                        + [("all_gather_into_tensor", p) for p in reversed(padded)])
         else:
-            expected = [("all_reduce", p) for p in padded] + [("all_reduce", 1)] + [("all_reduce", p) for p in padded]
+            expected = ([("all_reduce", p) for p in padded] + [("all_reduce", 1)]
+                        + [("all_reduce", p) for p in reversed(padded)])
         assert [call[:2] for call in c["calls"]] == expected, c["calls"]
         assert results[0]["collectives"][kind]["calls"] == results[1]["collectives"][kind]["calls"]
         # what the hang report would name: the end of backward's waits, then the step's and the forward's

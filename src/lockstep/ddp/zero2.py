@@ -11,9 +11,9 @@ reducer and returns a ``ZeroOptimizer``. The one idea: a bucket's flat layout is
   all-reduced, in the same launch order: rank r receives slice r of the average, its shard's gradient, and the
   bucket's memory is freed as soon as that is done (``Bucket.free_storage``), reaped during backward where the
   collective finished already.
-* ``opt.step()`` steps one bucket's shard at a time and launches its **all-gather** into the flat parameter
-  buffer at once (in place: slice r is this rank's input), so each all-gather overlaps the steps after it and the
-  next forward; a module's forward pre-hook waits for the buckets holding its own parameters
+* ``opt.step()`` steps one bucket's shard at a time, the first layers' first, and launches its **all-gather** into
+  the flat parameter buffer at once (in place: slice r is this rank's input), so each all-gather overlaps the steps
+  after it and the next forward; a module's forward pre-hook waits for the buckets holding its own parameters
   (``overlap_step.register_waits``, the overlapped step's per-module waits).
 
 Which collectives carry them (``choose_collectives``): on NCCL and other backends ``reduce_scatter_tensor`` and
@@ -243,10 +243,12 @@ class ZeroShards:
     # ----------------------------------------------------------------- the step and the all-gathers
     def step_and_gather(self, step_bucket: Callable[[nn.Parameter], None]) -> None:
         """``opt.step()``: each bucket's shard stepped (``step_bucket``) where it has a gradient, then its
-        all-gather issued at once, in index order on every rank."""
+        all-gather issued at once, from the last bucket back on every rank: the buckets are in backward's order, so
+        the last holds the first layers, which the next forward waits for first."""
         self.finish()  # a step with no forward since the last one: its parameters first
         _name(self.observer(), "all-gather")
-        for b, shard in enumerate(self.shards):
+        for b in reversed(range(len(self.shards))):
+            shard = self.shards[b]
             if shard.grad is not None:
                 self._step_skipping(b, step_bucket)
             self.gather_seq += 1
