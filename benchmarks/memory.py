@@ -141,7 +141,7 @@ def measure_cell(impl: str, build, batch, view, set_to_none: bool, variant: str,
     if make_optimizer is None:  # no optimizer state: the figures are DDP's
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     else:
-        opt = make_optimizer(model.parameters())
+        opt = make_optimizer(model if getattr(make_optimizer, "wants_model", False) else model.parameters())
     x, y = (t.to(device) for t in batch(torch.Generator().manual_seed(dist.get_rank())))
     for step in range(WARMUP_STEPS + MEASURED_STEPS):
         if step == WARMUP_STEPS:
@@ -220,11 +220,18 @@ ZERO_CELLS = {
     "torch DDP + torch ZeRO-1": ("torch", "torch", False),
     "torch DDP + torch ZeRO-1, bucket view": ("torch", "torch", True),
     "torch DDP + AdamW": ("torch", "plain", False),
+    "lockstep DDP + ZeRO-2 (zero_optimizer)": ("lockstep", "zero2", False),  # goal (4 + 12/N)/16 (ddp/zero2)
     "no DDP, no optimizer state (activations)": ("none", "sgd", False),
 }
 
 
 def _zero_optimizer(kind: str, view: bool):
+    if kind == "zero2":  # ZeRO-2 is bound to the DDP: it takes the model
+        def bind(model):
+            return model.zero_optimizer(torch.optim.AdamW, stage=2, lr=1e-4)
+        bind.wants_model = True  # type: ignore[attr-defined]
+        return bind
+
     def make(params):
         if kind == "plain":
             return torch.optim.AdamW(params, lr=1e-4)
@@ -272,7 +279,7 @@ def zero_markdown(report: dict, args) -> str:
                   f"{activations:.1f} MB", "",
                   "| cell | MB above activations | / lockstep DDP + AdamW | bytes a parameter |", "|---|---|---|---|"]
         for name in ZERO_CELLS:
-            if name.startswith("no DDP"):
+            if name.startswith("no DDP") or name not in cells_:
                 continue
             mb = _mb(cells_[name]) - activations
             lines.append(f"| {name} | {mb:.0f} | {mb / base:.3f} | {mb * 1e6 / r['params']:.1f} |")
@@ -284,6 +291,11 @@ def zero_markdown(report: dict, args) -> str:
                   f"DDP + AdamW (goal <= {goal:.3f}: {'met' if default / base <= goal else 'NOT met'}); best of "
                   f"lockstep's cells {ours:.0f} MB against torch's best {torch_zero:.0f} MB "
                   f"({'below' if ours < torch_zero else 'NOT below'}).", ""]
+        zero2 = "lockstep DDP + ZeRO-2 (zero_optimizer)"
+        if zero2 in cells_:
+            ratio, goal2 = (_mb(cells_[zero2]) - activations) / base, (4 + 12 / n) / 16
+            lines += [f"ZeRO-2: {ratio:.3f} of lockstep's DDP + AdamW (goal <= (4 + 12/N)/16 = {goal2:.3f}: "
+                      f"{'met' if ratio <= goal2 else 'NOT met'}).", ""]
     return "\n".join(lines)
 
 
