@@ -233,6 +233,7 @@ LEFT_LINE = (r"lockstep launch: node 1 \(10\.201\.0\.2\) left at step (\d+): wor
 
 
 def _inplace_argv(node_rank: int, nproc: int, port: int, directory: str, *extra: str, nnodes: str = "1:2") -> list[str]:
+    # --max-restarts 0: a failure restarts nothing (a membership change does not count, as in torchrun)
     return [sys.executable, "-m", "lockstep", "launch", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
             "--node-rank", str(node_rank), "--master-addr", netns.ADDRS[0], "--master-port", str(port),
             "--max-restarts", "0", INPLACE, directory, *extra]
@@ -488,3 +489,36 @@ def test_in_place_recovery_in_a_plain_loop(tmp_path):
     _ranks_on_loopback(LOOP, 2, quiet)
     got, want = (torch.load(os.path.join(d, "final.pt"), weights_only=True) for d in (alarmed, quiet))
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@needs_netns
+@heavy
+def test_in_place_shrink_then_grow_back_by_restart(tmp_path):
+    """After an in-place shrink, node 1 starts again: growing back takes the restart path (the survivors checkpoint
+    on the agent's SIGTERM and every worker resumes at 4); the job finishes, each epoch's samples once."""
+    directory = str(tmp_path)
+    port = 29600 + random.randrange(300)
+    with netns.two_nodes() as (a, b):
+        node_a = Launch(a.command(_inplace_argv(0, 2, port, directory, "--pause-at", str(K), "--hold-at-world", "2")),
+                        clean_env())
+        node_b = Launch(b.command(_inplace_argv(1, 2, port, directory, "--pause-at", str(K))), clean_env())
+        launches = [node_a, node_b]
+        try:
+            _wait_file(os.path.join(directory, "paused"), 240, launches)
+            _kill_node(node_b)
+            node_a.wait_for(LEFT_LINE, INPLACE_BOUND_S + 30)
+            os.remove(os.path.join(directory, "paused"))
+            started = time.time()
+            node_b = Launch(b.command(_inplace_argv(1, 2, port, directory)), clean_env())
+            launches.append(node_b)
+            node_a.wait_for(r"node 1 \(10\.201\.0\.2\) joined: world size 2 -> 4; resumed from step \d+", 180)
+            grow_s = next(t for t, _, w, _ in _rows(directory) if w == 4 and t > started) - started
+            print(f"grow back (restart path): {grow_s:.1f} s from node 1's agent start to a step at world size 4")
+            assert node_b.finish(240) == 0, node_b.text()[-4000:]
+            assert node_a.finish(240) == 0, node_a.text()[-4000:]
+        finally:
+            for launch in launches:
+                if launch.proc.poll() is None:
+                    _kill_node(launch)
+    _samples_once(directory, complete=True)
+    assert _final(directory)["world_size"] == 4

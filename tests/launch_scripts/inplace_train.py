@@ -5,6 +5,8 @@ Arguments: OUT_DIR [--max-steps N] [--pause-at STEP] [--pause-rank R] [--step-sl
 writes OUT_DIR/paused and sleeps, so a test can kill node 1 while the others wait in step STEP + 1.
 ``--alarms N``: rank 0 raises the in-place alarm after every step until the group re-formed N times: every rank
 drops its collectives and the group re-forms at the same size (the leak check's 10 recoveries in one process).
+``--hold-at-world W``: the first step finished at world size W is held (up to 120 s) until the agent stops the
+workers (SIGTERM: a node joined; the Trainer checkpoints that step), so a test can grow the job back.
 Every rank appends "time step world_size pid" to OUT_DIR/progress-<pid>.txt after each step, and the
 step, world size, generation, threads, sockets, descriptors and RSS (MiB) to OUT_DIR/resources-<pid>.txt
 after each generation's first step.
@@ -54,6 +56,7 @@ def main():
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--alarms", type=int, default=0)
     p.add_argument("--epochs", type=int, default=EPOCHS)
+    p.add_argument("--hold-at-world", type=int, default=None)
     args = p.parse_args()
     env = lockstep.init()
     launch_rank, pid = env.rank, os.getpid()
@@ -65,7 +68,7 @@ def main():
                             checkpoint_dir=args.directory, save_every_steps=None, keep_last=100, progress=False,
                             resume=True, max_steps=args.max_steps,
                             sample_log_path=os.path.join(args.directory, f"samples-{pid}.jsonl"))
-        sizes = []
+        sizes, held = [], []
 
         def on_step_end(trainer):
             with open(os.path.join(args.directory, f"progress-{pid}.txt"), "a") as f:
@@ -80,6 +83,11 @@ def main():
             if args.pause_at == trainer.step and launch_rank == args.pause_rank:
                 open(os.path.join(args.directory, "paused"), "w").close()
                 time.sleep(3600)  # until the test kills this node
+            if args.hold_at_world == trainer.world_size and not held:
+                held.append(trainer.step)
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline and not (trainer._watch is not None and trainer._watch.requested):
+                    time.sleep(0.2)  # until the agent stops the workers (SIGTERM: a node joined)
             time.sleep(args.step_sleep)
 
         trainer = Trainer(model, optimizer, nn.functional.cross_entropy, data(), None, cfg, on_step_end=on_step_end)

@@ -200,8 +200,6 @@ class Trainer:
         self._fit = next_fit()  # names this fit's departure keys in the store (departures.py)
         if cfg.resume:
             self.load_latest()
-        if self._inplace is not None:
-            self._inplace.start()  # stopped at the end of the last fit
         run_id = self.run_id
         assert run_id is not None  # set on every rank in __init__ (open_writer_files), replaced by a resume
         if cfg.checkpoint_dir:  # a new run stops here if the folder holds another run's checkpoints
@@ -229,15 +227,7 @@ class Trainer:
                 watch.install()
             if cfg.sample_log_path:
                 self._open_sample_log(cfg.sample_log_path)
-            while self.epoch < cfg.epochs and not self._stopped() and not self.preempted:
-                try:
-                    if not self._train_epoch():
-                        break  # stopped mid-epoch by max_steps or preemption: no epoch summary
-                    self._end_epoch()
-                except Exception as e:
-                    if self._inplace is None:
-                        raise
-                    self._recover(e)  # a peer lost: the survivors go on from the last committed step
+            self._run_epochs()
             if watch is not None:
                 watch.drain()
             # the position, not the step: a save at an epoch's last step precedes its evaluation, and a checkpoint
@@ -263,6 +253,20 @@ class Trainer:
             leave_marker(dist.get_rank(), self.step, str(self.last_checkpoint))
             raise Preempted(self.step, str(self.last_checkpoint))
         return self.summary()
+
+    def _run_epochs(self) -> None:
+        """The epochs left; with in-place recovery a lost peer's survivors go on from the last committed step."""
+        if self._inplace is not None:
+            self._inplace.start()  # stopped at the end of the last fit
+        while self.epoch < self.config.epochs and not self._stopped() and not self.preempted:
+            try:
+                if not self._train_epoch():
+                    break  # stopped mid-epoch by max_steps or preemption: no epoch summary
+                self._end_epoch()
+            except Exception as e:
+                if self._inplace is None:
+                    raise
+                self._recover(e)
 
     def _report_resume(self) -> bool:
         """Rank 0 says where the run resumed, or that nothing is left to train; False in the latter case (every
