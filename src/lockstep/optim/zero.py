@@ -1,16 +1,19 @@
 """ZeRO stage 1: each rank keeps the optimizer state of a shard of the parameters, steps that shard, and the
-updated parameters are all-gathered. torch's ``ZeroRedundancyOptimizer`` API, written for lockstep.
+updated parameters are sent to every rank. torch's ``ZeroRedundancyOptimizer`` API, written for lockstep.
 
 The one idea: the parameters are partitioned across ranks exactly as torch partitions them (per parameter group,
 largest first, each to the rank with the fewest elements so far), so a rank's shard, its local optimizer and the
 consolidated ``state_dict`` are the ones torch's class gives, and a checkpoint moves between the two. What differs
-is how the updated parameters travel: torch broadcasts each rank's parameters (one broadcast per parameter, or one
-per rank with ``parameters_as_bucket_view``); here every rank's shard is laid out end to end (rank-major), and slices of
-``GATHER_CAP_BYTES`` across the ranks are all-gathered one after another (the same bits, in fewer collectives).
+is how the updated parameters travel: torch broadcasts every parameter from its owner (or, with
+``parameters_as_bucket_view``, one flat bucket a rank); here a parameter of ``DIRECT_BYTES`` or more is broadcast in
+place, and the smaller ones of a rank go together, up to ``COALESCE_BYTES`` a broadcast (the same bits, in fewer
+collectives for a model of many small tensors). Broadcasts, not all-gathers: on gloo an all-gather of the same bytes
+took 3x as long on loopback (it stages through a buffer of the whole output and copies out; a broadcast sends from
+and receives into the tensor itself), and it needs that buffer.
 
-Memory, fp32 with Adam at N ranks: parameters 4 + gradients 4 + optimizer state 8/N bytes a parameter, plus one
-all-gather's buffers in flight (``GATHER_CAP_BYTES``: gloo's, and ours to copy through where
-``parameters_as_bucket_view=False``; with ``True`` the parameters are views of the gathered storage).
+Memory, fp32 with Adam at N ranks: parameters 4 + gradients 4 + optimizer state 8/N bytes a parameter, plus at most
+``COALESCE_BYTES`` of small parameters in flight where ``parameters_as_bucket_view=False`` (with ``True`` they are
+views of one flat buffer a device, broadcast a rank's part at a time, in place).
 ``overlap_with_ddp=True`` is refused: torch supports it on NCCL only, through a comm hook of its own DDP
 (``ddp_zero_hook``); docs/zero.md says what to use instead.
 """
@@ -28,11 +31,11 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-# One all-gather moves at most this many bytes across the ranks (each rank's slot is this over the world size; a
-# parameter may span two all-gathers). Every all-gather needs a buffer of its size in gloo (and, with
-# parameters_as_bucket_view=False, one of ours to copy through), so this is what the parameter exchange adds to a
-# step's peak memory: kept below one large parameter's optimizer-step temporaries, it adds nothing (docs/zero.md).
-GATHER_CAP_BYTES = 16 * 2**20
+# A parameter this large is broadcast alone, from and into its own storage; smaller ones of the same rank are copied
+# into one buffer of at most COALESCE_BYTES a broadcast (a collective costs ~50-100 us on gloo whatever its size, and
+# a transformer has hundreds of small tensors). What is in flight in buffers stays under COALESCE_BYTES x 2.
+DIRECT_BYTES = 1 * 2**20
+COALESCE_BYTES = 4 * 2**20
 
 
 def partition_parameters(param_groups: list[dict[str, Any]], world_size: int) -> list[list[list[torch.Tensor]]]:
@@ -62,59 +65,70 @@ def partition_parameters(param_groups: list[dict[str, Any]], world_size: int) ->
 
 @dataclass
 class _Segment:
-    """One device's trainable parameters, rank-major: rank r's ``shards[r]`` end to end (each at ``starts[r][i]``),
-    every rank's run padded to ``numel``; all-gathered ``slot`` elements a rank at a time."""
+    """One device's trainable parameters: rank r's ``shards[r]`` and how they travel, ``runs[r]`` (each a list of
+    parameters broadcast together; alone where large). With bucket views ``storage`` holds every rank's shard end to
+    end (rank r's at ``r * numel``) and the parameters view it: one broadcast a rank."""
 
     shards: list[list[torch.Tensor]]
-    starts: list[list[int]]
+    runs: list[list[list[torch.Tensor]]]
     numel: int
-    slot: int
-    storage: torch.Tensor | None = None  # world x numel; kept, and the parameters view it, with bucket views
+    storage: torch.Tensor | None = None
+
+
+def _runs(shard: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """A rank's shard as broadcasts: each large contiguous parameter alone, then the others in order, grouped up to
+    COALESCE_BYTES (a model's biases and norms between its weights go together). Computed from shapes and layouts
+    alone, so alike on every rank."""
+    runs: list[list[torch.Tensor]] = []
+    small: list[list[torch.Tensor]] = []
+    size = COALESCE_BYTES  # no open group
+    for p in shard:
+        nbytes = p.numel() * p.element_size()
+        if nbytes >= DIRECT_BYTES and p.data.is_contiguous():
+            runs.append([p])
+            continue
+        if size + nbytes > COALESCE_BYTES:
+            small.append([])
+            size = 0
+        small[-1].append(p)
+        size += nbytes
+    return runs + small
 
 
 def build_segment(shards: list[list[torch.Tensor]], world_size: int, as_bucket_view: bool) -> _Segment | None:
-    """The layout of one device's trainable parameters, ``shards[rank]`` in shard order; the same on every rank.
-    With bucket views the parameters become views of the segment's storage (their values copied in), which the
-    all-gathers fill in place."""
+    """How one device's trainable parameters, ``shards[rank]`` in shard order, travel; the same on every rank.
+    With bucket views the parameters become views of the segment's storage (their values copied in)."""
     every = [p for shard in shards for p in shard]
     if not every:
         return None
-    starts = [[sum(p.numel() for p in shard[:i]) for i in range(len(shard))] for shard in shards]
     numel = max(sum(p.numel() for p in shard) for shard in shards)
-    slot = max(1, GATHER_CAP_BYTES // world_size // every[0].element_size())
-    segment = _Segment(shards, starts, numel, min(slot, numel))
+    segment = _Segment(shards, [_runs(shard) for shard in shards], numel)
     if as_bucket_view:
         segment.storage = torch.zeros(world_size * numel, dtype=every[0].dtype, device=every[0].device)
-        for rank, (shard, offsets) in enumerate(zip(shards, starts)):
-            for p, start in zip(shard, offsets):
-                view = segment.storage[rank * numel + start:rank * numel + start + p.numel()].view_as(p)
+        for rank, shard in enumerate(shards):
+            offset = rank * numel
+            for p in shard:
+                view = segment.storage[offset:offset + p.numel()].view_as(p)
                 view.copy_(p.data)
                 p.data = view
+                offset += p.numel()
     return segment
 
 
-def copy_range(params: list[torch.Tensor], starts: list[int], lo: int, hi: int, slot: torch.Tensor,
-               into_params: bool) -> None:
-    """Elements ``[lo, hi)`` of a rank's run of ``params`` (each at its start) from or into ``slot``."""
-    for p, start in zip(params, starts):
-        a, b = max(lo, start), min(hi, start + p.numel())
-        if start >= hi:
-            break
-        if a >= b:
-            continue
-        part = slot[a - lo:b - lo]
-        if not into_params:
-            part.copy_(p.data.reshape(-1)[a - start:b - start])  # reshape: a copy only for a non-contiguous one
-        elif p.data.is_contiguous():
-            p.data.view(-1)[a - start:b - start].copy_(part)
-        else:  # channels_last and the like: through a contiguous copy of the whole parameter
-            whole = p.data.contiguous()
-            whole.view(-1)[a - start:b - start].copy_(part)
-            p.data.copy_(whole)
+def _pack(run: list[torch.Tensor], buffer: torch.Tensor, into_params: bool) -> None:
+    """A run's parameters from or into ``buffer``, end to end (a non-contiguous parameter too)."""
+    offset = 0
+    for p in run:
+        view = buffer[offset:offset + p.numel()].view(p.shape)
+        if into_params:
+            p.data.copy_(view)
+        else:
+            view.copy_(p.data)
+        offset += p.numel()
 
 
 class _ZeroJoinHook(JoinHook):
-    """A joined rank still takes part in each step's all-gathers: it steps its shard with the gradients it has
+    """A joined rank still takes part in each step's broadcasts: it steps its shard with the gradients it has
     (a ``Joinable`` registered before this one sets them, as torch's join test does) and gathers."""
 
     def __init__(self, zero: ZeroRedundancyOptimizer):
@@ -129,13 +143,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     A drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer``: the same arguments, the same partition and
     local optimizer (``optim``), the same ``state_dict`` (after ``consolidate_state_dict(to)`` on every rank), and
-    the parameters torch's class gives, bit for bit; the updated parameters travel as all-gathers of flat chunks.
+    the parameters torch's class gives, bit for bit; the updated parameters travel in fewer broadcasts.
 
     Args:
         params: an iterable of tensors or of parameter-group dicts, all of the same dense type.
         optimizer_class: the local optimizer's class (``torch.optim.AdamW``...).
         process_group: the group to shard across (default: the default group).
-        parameters_as_bucket_view: the parameters become views of the flat chunks the all-gather fills (no copy
+        parameters_as_bucket_view: the parameters become views of one flat buffer a device, broadcast in place (no copy
             in or out); with ``False`` (the default) each parameter keeps its own storage.
         overlap_with_ddp: must be ``False``; ``True`` raises (torch's overlap runs on NCCL only, through its own
             DDP's comm hook).
@@ -170,7 +184,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._all_state_dicts: list[dict[str, Any]] = []
         self._initialized = True
 
-    # ---- the partition and the chunks
+    # ---- the partition and the segments
     def _list_params(self) -> None:
         # ``_all_params`` as torch's class names it: torch's own join test reads it from a join hook
         self._all_params: list[torch.Tensor] = list(chain.from_iterable(g["params"] for g in self.param_groups))
@@ -195,31 +209,45 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 self._segments.append(built)
 
     def _gather_params(self) -> None:
-        """Every rank's updated shard to every rank: all-gathers of ``slot`` elements a rank, one at a time (each
-        needs a buffer of its size), in the same order everywhere (the segments are computed alike on every rank)."""
-        world, rank = self.world_size, self.rank
+        """Every rank's updated shard to every rank, by broadcasts from its owner, in the same order everywhere (the
+        segments are computed alike on every rank); all in flight at once, as torch's, but the buffers of small
+        parameters: those wait once COALESCE_BYTES are out, and are copied into the parameters after."""
+        pending: list[Any] = []
+        buffered: list[tuple[Any, list[torch.Tensor], torch.Tensor]] = []
+        in_flight = 0
         for segment in self._segments:
-            for lo in range(0, segment.numel, segment.slot):
-                hi = min(lo + segment.slot, segment.numel)
-                if segment.storage is not None:  # bucket views: straight into the parameters' storage
-                    slots = [segment.storage[r * segment.numel + lo:r * segment.numel + hi] for r in range(world)]
-                else:  # a buffer: this rank's elements in, the others' out after the wait
-                    like = _first(segment)
-                    slots = list(torch.empty(world * (hi - lo), dtype=like.dtype, device=like.device).split(hi - lo))
-                    copy_range(segment.shards[rank], segment.starts[rank], lo, hi, slots[rank], into_params=False)
-                dist.all_gather(slots, slots[rank], group=self.process_group)
-                if segment.storage is None:
-                    for r in range(world):
-                        if r != rank:
-                            copy_range(segment.shards[r], segment.starts[r], lo, hi, slots[r], into_params=True)
+            for rank in range(self.world_size):
+                src = dist.get_global_rank(self.process_group, rank)
+                if segment.storage is not None:  # bucket views: a rank's whole shard, in place
+                    size = sum(p.numel() for p in segment.shards[rank])
+                    if size:
+                        part = segment.storage[rank * segment.numel:rank * segment.numel + size]
+                        pending.append(dist.broadcast(part, src, group=self.process_group, async_op=True))
+                    continue
+                for run in segment.runs[rank]:
+                    if _direct(run):  # from and into the parameter itself
+                        pending.append(dist.broadcast(run[0].data, src, group=self.process_group, async_op=True))
+                        continue
+                    buffer = torch.empty(sum(p.numel() for p in run), dtype=run[0].dtype, device=run[0].device)
+                    if rank == self.rank:
+                        _pack(run, buffer, into_params=False)
+                    work = dist.broadcast(buffer, src, group=self.process_group, async_op=True)
+                    buffered.append((work, run if rank != self.rank else [], buffer))
+                    in_flight += buffer.numel() * buffer.element_size()
+                    if in_flight >= COALESCE_BYTES:  # bound the buffers' memory: land what is out
+                        _land(buffered)
+                        in_flight = 0
+        _land(buffered)
+        for work in pending:
+            work.wait()
 
     # ---- the optimizer interface
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        """Steps this rank's shard (``closure`` and ``kwargs`` go to the local optimizer), then all-gathers the
+        """Steps this rank's shard (``closure`` and ``kwargs`` go to the local optimizer), then broadcasts the
         updated parameters. Every rank must call it."""
         Join.notify_join_context(self)
         trainable = self._trainable_mask()
-        if trainable != self._trainable:  # a parameter was frozen or unfrozen: the chunks carry trainable ones only
+        if trainable != self._trainable:  # a parameter was frozen or unfrozen: the segments carry trainable ones only
             self._trainable = trainable
             self._build_layouts()
         _sync_param_groups(self.param_groups, self.optim.param_groups)  # an LR scheduler writes the outer groups
@@ -355,5 +383,15 @@ def _to_cpu(value: Any) -> Any:
     return copy.copy(value)
 
 
-def _first(segment: _Segment) -> torch.Tensor:
-    return next(p for shard in segment.shards for p in shard)
+def _direct(run: list[torch.Tensor]) -> bool:
+    """A run of one large contiguous parameter: broadcast from and into the parameter itself."""
+    p = run[0]
+    return len(run) == 1 and p.numel() * p.element_size() >= DIRECT_BYTES and p.data.is_contiguous()
+
+
+def _land(buffered: list[tuple[Any, list[torch.Tensor], torch.Tensor]]) -> None:
+    """Waits for the buffered broadcasts and copies each into its parameters (none on the rank that sent it)."""
+    for work, run, buffer in buffered:
+        work.wait()
+        _pack(run, buffer, into_params=True)
+    buffered.clear()
