@@ -522,3 +522,34 @@ def test_in_place_shrink_then_grow_back_by_restart(tmp_path):
                     _kill_node(launch)
     _samples_once(directory, complete=True)
     assert _final(directory)["world_size"] == 4
+
+
+REPEATING_ERROR = """
+import os, torch.distributed as dist
+from lockstep.process_group import free_port
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 1, True)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+from lockstep.train.inplace import InPlaceGroup
+group = InPlaceGroup()
+error = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+for attempt in range(5):
+    try:
+        outcome = group.rejoin(error)
+        print("re-formed", outcome.generation, outcome.world_size, outcome.committed)
+    except RuntimeError as e:
+        print(e)
+        break
+group.stop()
+dist.destroy_process_group()
+"""
+
+
+def test_an_error_that_repeats_after_every_re_formation_is_raised():
+    """A gloo error that is a bug (it comes back at the same step) must not re-form the group for ever."""
+    done = subprocess.run([sys.executable, "-c", REPEATING_ERROR], env=clean_env(), cwd=HERE, capture_output=True,
+                          text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    assert lines[:3] == ["re-formed 1 1 0", "re-formed 2 1 0", "re-formed 3 1 0"], done.stdout + done.stderr
+    assert lines[3] == ("lockstep: in-place recovery: re-formed 3 times at step 0 without a step done; the error is "
+                        "not a lost peer")

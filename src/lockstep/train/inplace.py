@@ -42,6 +42,7 @@ BEAT_S = 0.2  # each rank's heartbeat in the store
 SILENT_S = 1.5  # a member that did not rejoin and whose heartbeat stood still this long is gone
 ALARM_SILENT_S = 15.0  # a member silent this long raises the alarm by itself (a cut link: no socket closes)
 DECIDE_TIMEOUT_S = 60.0
+MAX_REJOINS_WITHOUT_PROGRESS = 3  # an error that comes back after every re-formation is no lost peer: raise it
 
 
 class PeerLost(RuntimeError):
@@ -108,6 +109,7 @@ class InPlaceGroup:
         self.alarm_at: float | None = None
         self.seen: dict[int, tuple[int, float]] = {}  # launch rank -> (its last heartbeat, when it changed)
         self.min_world = int(os.environ.get(MIN_WORLD_ENV) or 1)
+        self._rejoins: tuple[int, int] = (-1, 0)  # (committed step, re-formations at it)
         self.stopped = threading.Event()
         self.watcher: threading.Thread | None = None
         self.start()
@@ -207,6 +209,11 @@ class InPlaceGroup:
         """After a failed collective: agree with the survivors on members and step, and form the next group."""
         if not self.is_peer_loss(error):
             raise error
+        step, count = self._rejoins
+        self._rejoins = (self.committed, count + 1 if step == self.committed else 1)
+        if self._rejoins[1] > MAX_REJOINS_WITHOUT_PROGRESS:
+            raise RuntimeError(f"lockstep: in-place recovery: re-formed {MAX_REJOINS_WITHOUT_PROGRESS} times at step "
+                               f"{self.committed} without a step done; the error is not a lost peer") from error
         self.raise_alarm()
         self._shut_group(self.generation)  # our pending operations end now, not at the gloo timeout
         mine = {"committed": self.committed, "ready": self.ready}
