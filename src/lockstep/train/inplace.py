@@ -290,8 +290,12 @@ class InPlaceGroup:
 
 
 def wanted() -> bool:
-    """In-place recovery is on for this process (``lockstep launch --nnodes MIN:MAX``, or LOCKSTEP_INPLACE=1)."""
-    return os.environ.get(ENV) == "1" and dist.is_initialized() and dist.get_world_size() > 1
+    """In-place recovery is on for this process (``lockstep launch --nnodes MIN:MAX``, or LOCKSTEP_INPLACE=1).
+
+    gloo only: what ends a lost peer's waits here (shutting the group's TCP sockets) is gloo's; NCCL runs keep
+    the restart path (an NCCL communicator would need its own abort, untested here)."""
+    return (os.environ.get(ENV) == "1" and dist.is_initialized() and dist.get_world_size() > 1
+            and dist.get_backend() == "gloo")
 
 
 class InPlaceRecovery:
