@@ -283,10 +283,10 @@ HOW = {stage: how(stage) for stage in ("zero1", "zero2", "zero3_fsdp")}
 STAGE_NAMES = {"zero1": "ZeRO-1 (shard optimizer state)", "zero2": "ZeRO-2 (shard gradients and optimizer state)",
                "zero3_fsdp": "ZeRO-3 / FSDP (shard everything)"}
 # What each stage sends a step, in the gradients' bytes (ring: each factor times (N-1)/N): DDP all-reduces them (2);
-# ZeRO-1 all-reduces them and all-gathers the updated parameters (3, with parameters as large as the gradients);
+# ZeRO-1 all-reduces them and sends the updated parameters to every rank (3, parameters as large as gradients);
 # ZeRO-2 reduce-scatters them and all-gathers the parameters (2); FSDP all-gathers the parameters for the forward
 # and again for the backward, and reduce-scatters the gradients (3).
-WIRE = {"zero1": "+50% bytes on the wire (the parameters' all-gather after the step)",
+WIRE = {"zero1": "+50% bytes on the wire (the updated parameters, sent from their owners after the step)",
         "zero2": "the same bytes on the wire as DDP (reduce-scatter + all-gather instead of all-reduce)",
         "zero3_fsdp": "+50% bytes on the wire (the parameters gathered for forward and backward)"}
 
