@@ -1,8 +1,10 @@
-"""Spawn a real group of ranks on gloo and collect what each returns.
+"""Start a real group of ranks on gloo and collect what each returns.
 
-Starting a rank costs ~5 s (importing torch), so tests run many cases inside one
-group: a module-scoped fixture calls ``run_ranks`` once and the test functions
-assert on the returned per-rank results.
+Each rank is its own process, forked from a forkserver that imported torch once (the first ``run_ranks`` of a
+pytest process starts it): a rank starts in ~0.1 s, where a freshly spawned one imports torch again (~2 CPU-s,
+5-15 s of wall time on a loaded 2-core machine). ``LOCKSTEP_TEST_START=spawn`` spawns fresh interpreters instead.
+Tests still run many cases inside one group (a module-scoped fixture calls ``run_ranks`` once and the test
+functions assert on the returned per-rank results): a group's rendezvous and a model's set-up cost too.
 """
 
 from __future__ import annotations
@@ -18,10 +20,20 @@ from typing import Any, Callable, Sequence
 
 from lockstep.process_group import free_port
 
+START_METHOD = os.environ.get("LOCKSTEP_TEST_START", "forkserver")
+if START_METHOD not in ("forkserver", "spawn"):
+    raise ValueError(f"LOCKSTEP_TEST_START must be forkserver or spawn, got {START_METHOD!r}")
+if START_METHOD == "forkserver":
+    # Imported once in the server, before any rank: no thread, no process group, no CUDA context exists there yet.
+    mp.set_forkserver_preload(["torch", "torch.distributed", "lockstep.ddp"])
 
 
-
-def _child(fn, rank, world_size, port, args, result_queue, backend, timeout_s, init, env):
+def _child(fn, rank, world_size, port, args, result_queue, backend, timeout_s, init, env, parent):
+    # A forked rank has the forkserver's environment and folder: take the caller's, as a spawned rank would.
+    environ, cwd = parent
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -68,19 +80,20 @@ def run_ranks(
     env: dict | None = None,
     pg_timeout_s: float = 60.0,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new ranks (processes; see the module docstring).
 
     Returns the per-rank results in rank order. Raises AssertionError with every
     failing rank's traceback, or TimeoutError naming the ranks that never
     reported within ``timeout_s`` (the ranks are killed: a test never hangs).
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(START_METHOD)
     result_queue = ctx.Queue()
     port = free_port()
+    parent = (dict(os.environ), os.getcwd())
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, rank, world_size, port, tuple(args), result_queue, backend, pg_timeout_s, init, env),
+            args=(fn, rank, world_size, port, tuple(args), result_queue, backend, pg_timeout_s, init, env, parent),
             daemon=False,
         )
         for rank in range(world_size)

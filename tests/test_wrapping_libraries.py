@@ -43,6 +43,22 @@ def _run(cmd: list[str], env: dict[str, str], timeout: int = 400) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
+_REFERENCES: dict[tuple, Path] = {}
+
+
+def _torch_reference(tmp_path_factory, cmd: list[str], env: dict[str, str], out: str) -> Path:
+    """torch's DDP run of ``cmd`` with ``env``, once per session: cases that differ only in how lockstep's class is
+    switched on (accelerate's use_as_torch_ddp() and LOCKSTEP_AS_TORCH_DDP=1, Lightning's two strategies) compare
+    against the same run, which saves a launch. Returns its folder: ``OUT`` is ``out`` there, ``CKPT_DIR``
+    ``torch/``."""
+    key = (*cmd, *sorted(env.items()))
+    if key not in _REFERENCES:
+        folder = tmp_path_factory.mktemp("torch_reference")
+        _run(cmd, {**env, "IMPL": "torch", "OUT": str(folder / out), "CKPT_DIR": str(folder / "torch")})
+        _REFERENCES[key] = folder
+    return _REFERENCES[key]
+
+
 def _assert_identical(a: Path, b: Path, may_fail: tuple[str, ...] = ()) -> dict:
     """Torch's run ``a`` and lockstep's ``b``: the same final state, bit for bit; returns lockstep's report."""
     sa, sb = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
@@ -88,35 +104,36 @@ def _loads_without_lockstep(directory: Path) -> None:
     pytest.param(False, "no", "aot_eager", marks=_COMPILED),
 ],
                          ids=["use_as_torch_ddp", "env_var", "fp16_comm_hook", "dynamo_backend"])
-def test_accelerate_bit_identical(tmp_path, env_hook, comm_hook, dynamo):
+def test_accelerate_bit_identical(tmp_path, tmp_path_factory, env_hook, comm_hook, dynamo):
     pytest.importorskip("accelerate")
     launch = [PY, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
               "--mixed_precision", "no", "--dynamo_backend", dynamo, "accelerate_run.py"]
     # --dynamo_backend: accelerate compiles the wrapped model, torch.compile(DDP(m)) (lockstep.ddp.compiled). The
     # script's 0.002 MB buckets are below dynamo's 1 MiB first bucket, where torch's DDP fails in dynamo: 25 MB.
     cap = {"BUCKET_CAP_MB": "25"} if dynamo != "no" else {}
-    for impl in ("torch", "lockstep"):
-        extra = {"LOCKSTEP_AS_TORCH_DDP": "1"} if env_hook and impl == "lockstep" else {}
-        # JOIN=1: uneven inputs under Join, BatchNorm buffers included in the comparison. COMM_HOOK=fp16:
-        # accelerate registers torch's fp16_compress_hook, which lockstep's reducer runs itself (ddp/fused_compress).
-        _run(launch, {"IMPL": impl, "JOIN": "1", "COMM_HOOK": comm_hook, "OUT": str(tmp_path / f"{impl}.pt"),
-                      "CKPT_DIR": str(tmp_path / impl), **cap, **extra})
+    # JOIN=1: uneven inputs under Join, BatchNorm buffers included in the comparison. COMM_HOOK=fp16:
+    # accelerate registers torch's fp16_compress_hook, which lockstep's reducer runs itself (ddp/fused_compress).
+    common = {"JOIN": "1", "COMM_HOOK": comm_hook, **cap}
+    reference = _torch_reference(tmp_path_factory, launch, common, "torch.pt")  # one for both switches
+    extra = {"LOCKSTEP_AS_TORCH_DDP": "1"} if env_hook else {}
+    _run(launch, {**common, "IMPL": "lockstep", "OUT": str(tmp_path / "lockstep.pt"),
+                  "CKPT_DIR": str(tmp_path / "lockstep"), **extra})
     # Under accelerate's dynamo the resumed run does not reproduce the first, with torch's DDP as with lockstep's
     # (accelerate's save_state/load_state with a compiled model): that check must then agree, not hold.
-    report = _assert_identical(tmp_path / "torch.pt", tmp_path / "lockstep.pt", may_fail=("resumed_equal",) if dynamo != "no" else ())
+    report = _assert_identical(reference / "torch.pt", tmp_path / "lockstep.pt", may_fail=("resumed_equal",) if dynamo != "no" else ())
     assert report["hook_path"] == ("fused" if comm_hook == "fp16" else "none"), report
     _loads_without_lockstep(tmp_path / "lockstep")
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=full_only("~45 s, Lightning's stock strategy")),
                                       "lockstep_ddp"])
-def test_lightning_bit_identical(tmp_path, strategy):
+def test_lightning_bit_identical(tmp_path, tmp_path_factory, strategy):
     pytest.importorskip("lightning")
-    for impl in ("torch", "lockstep"):
-        s = "ddp" if impl == "torch" else strategy
-        _run([PY, "lightning_run.py"], {"IMPL": impl, "STRATEGY": s, "OUT": str(tmp_path / impl), "CKPT_DIR": str(tmp_path / impl)})
+    reference = _torch_reference(tmp_path_factory, [PY, "lightning_run.py"], {"STRATEGY": "ddp"}, "torch")
+    _run([PY, "lightning_run.py"], {"IMPL": "lockstep", "STRATEGY": strategy, "OUT": str(tmp_path / "lockstep"),
+                                    "CKPT_DIR": str(tmp_path / "lockstep")})
     for rank in (0, 1):
-        _assert_identical(tmp_path / f"torch.rank{rank}.pt", tmp_path / f"lockstep.rank{rank}.pt")
+        _assert_identical(reference / f"torch.rank{rank}.pt", tmp_path / f"lockstep.rank{rank}.pt")
     _loads_without_lockstep(tmp_path / "lockstep")
 
 
