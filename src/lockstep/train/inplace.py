@@ -153,7 +153,7 @@ class InPlaceGroup:
                 if client.check([self._key("alarm", generation)]):
                     self._shut_group(generation)
                 elif any(now - t > ALARM_SILENT_S for r, (_, t) in self.seen.items() if r in self.members):
-                    self.raise_alarm()  # a member froze or its link was cut: nothing else would end our waits
+                    self.raise_alarm(client)  # a member froze or its link was cut: nothing else would end our waits
             except Exception:  # the store is slow or gone: the gloo timeout still bounds the step
                 continue
 
@@ -163,9 +163,9 @@ class InPlaceGroup:
                 _shut(self.sockets, self.port)
                 self.sockets = set()
 
-    def raise_alarm(self) -> None:
+    def raise_alarm(self, client: dist.Store | None = None) -> None:
         """Tell every rank of this generation to drop its collectives and rejoin (first caller's time kept)."""
-        self.store.compare_set(self._key("alarm"), "", f"{time.time():.3f}")
+        (client or self.store).compare_set(self._key("alarm"), "", f"{time.time():.3f}")
 
     def start(self) -> None:
         """Heartbeat and watch (again, after ``stop``: a Trainer's second ``fit``)."""
