@@ -189,6 +189,13 @@ def _checkpoints(rank):
 
 def _lockstep_zero_cases(rank):
     out = {"exact": _exactness(rank), "checkpoints": _checkpoints(rank), "slices": _slices(rank)}
+    for view in (False, True):  # over torch's DDP too, as a drop-in for torch's class
+        ours, _, _ = _run(rank, lambda ps: LockstepZero(ps, optimizer_class=torch.optim.AdamW, lr=1e-3,
+                                                        parameters_as_bucket_view=view), steps=10, model=TorchDDP(_model()))
+        theirs, _, _ = _run(rank, lambda ps: ZeroRedundancyOptimizer(ps, optimizer_class=torch.optim.AdamW, lr=1e-3,
+                                                                     parameters_as_bucket_view=view), steps=10,
+                            model=TorchDDP(_model()))
+        out[("over_torch_ddp", view)] = _same(ours, theirs)
     for view in (False, True):
         counts = []
         for cls in (LockstepZero, ZeroRedundancyOptimizer):
@@ -309,3 +316,9 @@ def test_memory_benchmark_zero_table_from_given_numbers():
     assert "0.716 of lockstep's DDP + AdamW (goal <= 0.750: met)" in text and "598 MB against torch's best 848 MB (below)" in text
     cells["lockstep DDP + lockstep ZeRO-1"] = [{"added_bytes": 700e6}]
     assert "NOT met" in memory.zero_markdown(report, argparse.Namespace(world_size=2, device="cpu"))
+
+
+def test_lockstep_zero_over_torch_ddp_equals_torch_zero(all_results):
+    for rank, r in enumerate(all_results):
+        for view in (False, True):
+            assert r["lockstep_zero"][("over_torch_ddp", view)], f"rank {rank}, parameters_as_bucket_view={view}"
