@@ -83,6 +83,9 @@ def runs(tmp_path_factory):
             "restart_once": ["--nproc-per-node", "2", "--max-restarts", "1", script("flaky.py"), str(tmp / "once"), "1"],
             "exhausted": ["--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(tmp / "exhausted_logs"),
                           script("flaky.py"), str(tmp / "twice"), "2"],
+            # six attempts one after another (~30 s): beside the others instead of after them
+            "five_failures": ["--nproc-per-node", "2", "--max-restarts", "5", script("flaky.py"), str(tmp / "failures"),
+                              "5"],
         }
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
             # --log-rank goes through the `lockstep` console script, the rest through `python -m lockstep`
@@ -188,7 +191,7 @@ def test_restarts_exhausted_reports_rank_exit_code_and_restarts(runs):
 def test_taken_port_fails_fast_naming_the_rendezvous_flags(runs):
     proc, elapsed_s = runs["taken_port"]
     port = runs["port"]
-    assert proc.returncode == 1 and elapsed_s < 60  # ~2 s alone; six launches run side by side here
+    assert proc.returncode == 1 and elapsed_s < 60  # ~2 s alone; seven launches run side by side here
     assert f"rendezvous at 127.0.0.1:{port} (--master-addr/--master-port) failed" in proc.stderr
     # torch's wording varies: "Address already in use" (errno text, 2.4) or "address already in use" (2.14)
     assert "address already in use" in proc.stderr.lower() and "Traceback" not in proc.stderr
@@ -222,12 +225,10 @@ def test_max_restarts_1_recovers_from_one_failure(runs):
             in proc.stderr), proc.stderr
 
 
-def test_five_failures_in_a_row_give_five_working_restarts(tmp_path):
+def test_five_failures_in_a_row_give_five_working_restarts(runs):
     """The PyTorch #135712 regression: every restarted group must form and all-reduce again."""
-    counter = tmp_path / "failures"
-    proc, elapsed_s = run_launch(
-        ["--nproc-per-node", "2", "--max-restarts", "5", script("flaky.py"), str(counter), "5"], timeout_s=150
-    )
+    counter = runs["tmp"] / "failures"
+    proc, elapsed_s = runs["five_failures"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert counter.read_text() == "5"
     # every attempt 0..5 formed a 2-rank gloo group whose all-reduce gave 1 + 2
