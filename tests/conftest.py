@@ -29,13 +29,14 @@ TIMING = {
     "test_hang.py", "test_faults.py", "test_multinode.py", "test_elastic_launch.py", "test_launch.py",
     "test_launch_reports.py", "test_trainer_features.py", "test_collectives.py", "test_plan.py",
 }
-# The other units that take longest, longest first (seconds of --durations=0 on a loaded 2-core machine,
-# 2026-11-26: 201, 140, 134, 121, 115, 81, 68, 60, 59, 47, 41, 36; the timing group 323); the other files follow
-# in collection order, then the timing group.
+# The other units that take longest, longest first (seconds of -n0 runs of one file, 2026-11-26, the machine's load
+# 1-13 from other jobs, after run_ranks forked its ranks from a preloaded forkserver: ~130, 104, 60, 52, 51, 44, 40,
+# 38, 37, 34, 31, 30, 30; under xdist beside another file each takes ~1.5-2 x that); the other files follow in
+# collection order, then the timing group.
 SLOWEST_FIRST = [
-    "test_wrapping_libraries.py", "test_exits.py", "test_demo.py", "test_examples.py", "test_torch_ddp_suite.py",
-    "test_docs.py", "test_ddp_parity.py", "test_compile.py", "test_comm_hooks.py", "test_elastic_trainer.py",
-    "test_diagnostics_checks.py", "test_bench.py",
+    "test_wrapping_libraries.py", "test_exits.py", "test_bench.py", "test_docs.py", "test_compile.py",
+    "test_torch_ddp_suite.py", "test_memory.py", "test_demo.py", "test_comm_hooks.py", "test_ddp_parity.py",
+    "test_examples.py", "test_launch_network.py", "test_trainer.py",
 ]
 
 
