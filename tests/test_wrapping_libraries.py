@@ -1,10 +1,11 @@
 """Accelerate / Lightning / Fabric with lockstep's DDP swapped in train bit-identically to torch's DDP (2 CPU ranks).
 
 Each case runs the same script twice (IMPL=torch, IMPL=lockstep) under the library's own launcher and
-compares every rank's final state_dict with torch.equal. Skipped when the library is not installed.
-Cost on 2 cores: ~70 s (accelerate), ~100 s (lightning, 4 fits x 2), ~30 s (fabric), ~70 s (Transformers' Trainer,
-2 cases); the compiled cases
-~100 s more (LOCKSTEP_COMPILED_LIBRARIES=1).
+compares every rank's final state_dict with torch.equal; cases whose torch run is the same (accelerate's two ways of
+switching lockstep on, Lightning's two strategies) share it. Skipped when the library is not installed.
+Cost of the default level on 2 cores with nothing else running: ~130 s (accelerate 3 launches ~20 s, Lightning
+4 fits x 2 ~30 s, Fabric ~40 s, Transformers' Trainer ~35 s); LOCKSTEP_FULL's cases ~85 s more under load, the compiled
+cases ~100 s more (LOCKSTEP_COMPILED_LIBRARIES=1).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def test_accelerate_bit_identical(tmp_path, tmp_path_factory, env_hook, comm_hoo
     _loads_without_lockstep(tmp_path / "lockstep")
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=full_only("~45 s, Lightning's stock strategy")),
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=full_only("~25 s, Lightning's stock strategy")),
                                       "lockstep_ddp"])
 def test_lightning_bit_identical(tmp_path, tmp_path_factory, strategy):
     pytest.importorskip("lightning")
