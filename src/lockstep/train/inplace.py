@@ -69,7 +69,8 @@ class Regrouped:
 
 def _shut(fds: set[int], keep_port: int) -> None:
     """Shut down the connected sockets among ``fds`` (not a listener: gloo aborts the process on a failed
-    accept; not the store connection on ``keep_port``): a gloo wait on them fails at once."""
+    accept; not the store's connections on ``keep_port``, a client's or, where this process serves the store,
+    the server's): a gloo wait on them fails at once."""
     for fd in fds:
         try:
             sock = socket.socket(fileno=os.dup(fd))
@@ -77,7 +78,8 @@ def _shut(fds: set[int], keep_port: int) -> None:
             continue
         try:
             if sock.family in (socket.AF_INET, socket.AF_INET6) and not sock.getsockopt(
-                    socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and sock.getpeername()[1] != keep_port:
+                    socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and keep_port not in (
+                    sock.getpeername()[1], sock.getsockname()[1]):
                 sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass  # not connected, or gone meanwhile
