@@ -428,8 +428,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--device-memory-gb", type=float, default=80.0)
     p.add_argument("--link", default=None, choices=sorted(LINKS), help="a link's nominal numbers (default nvlink)")
     p.add_argument("--link-from", metavar="FILE",
-                   help="the link a `lockstep bench allreduce` result (its .json) measured, e.g. run across the "
-                        "nodes with `lockstep launch ... -m lockstep bench allreduce`")
+                   help="the link a 'lockstep bench allreduce' result (its .json) measured, e.g. run across the "
+                        "nodes with 'lockstep launch ... -m lockstep bench allreduce'")
     p.add_argument("--alpha-us", type=float, help="override the link's latency, microseconds")
     p.add_argument("--bandwidth-gb-s", type=float, help="override the link's bandwidth, GB/s")
     p.add_argument("--compute-ms", type=float, help="forward+backward time of one step on one device")

@@ -276,7 +276,7 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--link", default=None, choices=sorted(LINKS),
                    help="the plan's link (default loopback on CPU, nvlink on GPU)")
     p.add_argument("--link-from", metavar="FILE",
-                   help="the plan's link as a `lockstep bench allreduce` result (its .json) measured it")
+                   help="the plan's link as a 'lockstep bench allreduce' result (its .json) measured it")
     p.add_argument("--oversubscribe", action="store_true", help="run world sizes beyond the cores / GPUs anyway")
     p.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP)
     p.add_argument("--timeout-s", type=float, default=900.0)
