@@ -19,6 +19,8 @@ every iteration times one step of each entry in a rotating order, each after a b
                        as torchrun sets them)
     lockstep_flat      lockstep's DDP with hierarchical_all_reduce=False: the flat ring over every rank
     lockstep_overlap   lockstep's DDP with model.overlap_optimizer_step(opt) (skipped, saying so, where it is missing)
+    lockstep_zero2     lockstep's DDP with model.zero_optimizer(SGD, stage=2): gloo's default pair (two all-reduces);
+                       lockstep_zero2_flat with reduce_scatter / all_gather (DDP's bytes); timed as lockstep_overlap
 
 A DDP step can start sending only after its forward, so its limit is max(compute, forward + all-reduce)
 (the *DDP limit*); a step that also overlapped the next forward with the wire could reach max(compute,
@@ -67,7 +69,11 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 MEASURES = ("forward", "compute", "allreduce")
 CONTENDERS = ("floor", "torch", "torch_fp16", "torch_powersgd", "lockstep", "lockstep_flat", "lockstep_auto",
-              "lockstep_fp16", "lockstep_powersgd", "lockstep_overlap")
+              "lockstep_fp16", "lockstep_powersgd", "lockstep_overlap", "lockstep_zero2", "lockstep_zero2_flat")
+# ZeRO-2 (issue #36): its parameters' all-gathers are waited for in the next forward, so it is timed as the
+# overlapped step is (steady-state steps back to back); _flat forces gloo's reduce_scatter / all_gather pair (the
+# bytes DDP sends), the default on gloo being two all-reduces (ddp/zero2.py says why)
+ZERO2 = ("lockstep_zero2", "lockstep_zero2_flat")
 POWERSGD_START = 2  # start_powerSGD_iter: torch's needs > 1 with error feedback; warm-up adds these steps
 OVERLAP_PROBE_STEPS = 2  # overlap_optimizer_step measures the link over its first two rounds
 ONE_BUCKET_MB = 1 << 20  # a cap no model here reaches
@@ -160,7 +166,7 @@ def plan_ms(name: str, measured_ms: dict[str, float], nbytes: float, world_size:
     from lockstep.perf.costmodel import Link, bytes_factor
     from lockstep.perf.plan import PlanConfig, overlapped_step_time_s, step_time_s
 
-    if name.endswith("_powersgd"):
+    if name.endswith("_powersgd") or name in ZERO2:  # the plan has no model of these
         return None
     comm_s = measured_ms["allreduce"] / 1e3 * (0.5 if name.endswith("_fp16") else 1.0)
     bandwidth_gb_s = nbytes * bytes_factor(world_size, "ring") / (measured_ms["allreduce"] / 1e3) / 1e9
@@ -249,6 +255,9 @@ def _build(name: str, build: Callable[[], nn.Module], hook_wrap=None):
         elif name == "lockstep_powersgd":
             state = hooks.PowerSGDState(None, 1, start_powerSGD_iter=POWERSGD_START)
             model.register_comm_hook(state, hooks.powersgd_hook)
+    if name in ZERO2:
+        os.environ["LOCKSTEP_ZERO_COLLECTIVES"] = "flat" if name.endswith("_flat") else "all_reduce"
+        return model, model.zero_optimizer(torch.optim.SGD, stage=2, lr=0.01)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     if name == "lockstep_overlap":
         model.overlap_optimizer_step(opt)
@@ -265,7 +274,7 @@ def _runner(name: str, model, opt, x, y, flat: torch.Tensor) -> Callable[[], flo
 
     if name in ("forward", "allreduce"):
         return forward if name == "forward" else allreduce
-    if name == "lockstep_overlap":
+    if name == "lockstep_overlap" or name in ZERO2:
         return lambda: _overlapped_steps(model, opt, x, y)
     return lambda: _step(model, opt, x, y)
 
