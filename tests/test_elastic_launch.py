@@ -398,7 +398,9 @@ def test_in_place_ten_recoveries_in_one_process_leak_nothing_and_change_nothing(
     alarmed, quiet = str(tmp_path / "alarmed"), str(tmp_path / "quiet")
     os.makedirs(alarmed)
     os.makedirs(quiet)
-    _two_ranks_on_loopback(alarmed, "--alarms", "10", "--epochs", "4")
+    # each step waits out more than the watcher's poll (BEAT_S, 0.2 s), so every alarm re-forms the group at the
+    # next step: on a quiet machine steps of a few ms let 3 alarms span the whole run
+    _two_ranks_on_loopback(alarmed, "--alarms", "10", "--epochs", "4", "--step-sleep", "0.5")
     _two_ranks_on_loopback(quiet, "--epochs", "4")
     for name in (n for n in os.listdir(alarmed) if n.startswith("resources-")):
         with open(os.path.join(alarmed, name)) as f:
