@@ -321,6 +321,15 @@ def _errors(rank: int) -> dict:
         model.zero_optimizer(torch.optim.SGD, lr=0.1)
 
     attempt("twice", twice)
+
+    def moved_after_binding():  # every rank casts, so every rank raises at the same point, before any all-gather
+        model = ddp()
+        opt = model.zero_optimizer(torch.optim.SGD, lr=0.1)
+        model(torch.randn(8, 13)).pow(2).mean().backward()
+        model.module.double()  # the parameters get new storage: the step would no longer reach them
+        opt.step()
+
+    attempt("moved", moved_after_binding)
     attempt("add_param_group", lambda: ddp().zero_optimizer(torch.optim.SGD, lr=0.1).add_param_group(
         {"params": [nn.Parameter(torch.ones(1))]}))
     return out
@@ -445,6 +454,8 @@ def test_refusals_are_one_line_and_name_the_argument(results):
     assert "allreduce_hook" in e["hook_first"] and "allreduce_hook" in e["hook_after"]
     assert "bound already" in e["twice"]
     assert "add_param_group" in e["add_param_group"]
+    # the first parameter of the first bucket (the reverse of the model's order)
+    assert e["moved"].startswith("zero_optimizer: parameter 'unused.bias' no longer lives in its ZeRO-2 bucket"), e
     assert all("\n" not in message for message in e.values())
 
 

@@ -200,7 +200,7 @@ class Reducer:
         shards.compress = self.fused
         self.rebuild_pending, self._observed_order, self.buckets_rebuilt = False, None, True
         self._build(self._param_order)
-        shards.take_layout(self.buckets, self._location)
+        shards.take_layout(self.buckets, self._location, self.names)
 
     def limit_caps(self, cap_bytes: int) -> None:
         """Cap every bucket, and the rebuilt first one, at ``cap_bytes`` (applies at the next layout build)."""

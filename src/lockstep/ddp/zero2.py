@@ -103,6 +103,7 @@ class ZeroShards:
         self.shards: list[nn.Parameter] = []  # per bucket: slice ``rank`` of its param_flat (a view)
         self.grads: list[torch.Tensor] = []  # per bucket: the shard's gradient storage (``.grad`` when it has one)
         self.location: list[tuple[int, int]] = []  # per parameter index: (bucket, slot)
+        self.names: list[str] = []  # per parameter index: its name (the reducer's), for errors
         self._received: list[tuple[torch.Tensor, bool] | None] = []  # per bucket in flight: (output, accumulate)
         self._reaped: list[bool] = []  # per bucket: its reduce-scatter was finished this backward
         self.gathers: list[Any] = []  # per bucket: the all-gather in flight, or None
@@ -121,12 +122,13 @@ class ZeroShards:
         return "all_reduce, slice kept", "all_reduce, -0.0 elsewhere"
 
     # ----------------------------------------------------------------- layout (once, at binding)
-    def take_layout(self, buckets: Sequence[Bucket], location: Sequence[tuple[int, int]]) -> None:
+    def take_layout(self, buckets: Sequence[Bucket], location: Sequence[tuple[int, int]],
+                    names: Sequence[str] = ()) -> None:
         """The parameters of each bucket into one padded flat buffer (each becomes a view of its slot), and this
-        rank's slice of it as the bucket's shard parameter."""
+        rank's slice of it as the bucket's shard parameter. ``names``: the parameters' (the reducer's order)."""
         if self.buckets:
             raise RuntimeError("zero_optimizer: the bucket layout changed after binding (ZeRO-2 keeps its layout)")
-        self.buckets, self.location = list(buckets), list(location)
+        self.buckets, self.location, self.names = list(buckets), list(location), list(names)
         for bucket in buckets:
             plan = bucket.plan
             flat = torch.zeros(plan.padded_numel, dtype=plan.dtype, device=plan.device)
@@ -246,6 +248,7 @@ class ZeroShards:
         all-gather issued at once, from the last bucket back on every rank: the buckets are in backward's order, so
         the last holds the first layers, which the next forward waits for first."""
         self.finish()  # a step with no forward since the last one: its parameters first
+        self.check_views()
         _name(self.observer(), "all-gather")
         for b in reversed(range(len(self.shards))):
             shard = self.shards[b]
@@ -275,6 +278,20 @@ class ZeroShards:
         assert self.step_bucket is not None
         self.step_and_gather(self.step_bucket)
         self.finish()
+
+    def check_views(self) -> None:
+        """Every parameter still lives in its bucket's flat buffer, where the all-gather writes; one pointer
+        comparison a parameter per step. ``module.to(...)``, ``.half()`` or a ``p.data = ...`` after binding gives a
+        parameter new storage, which the step would silently stop updating: a one-line error naming it instead."""
+        for bucket, flat in zip(self.buckets, self.param_flats):
+            base = flat.untyped_storage().data_ptr()
+            for i, p in zip(bucket.plan.param_indices, bucket.params):
+                if p.untyped_storage().data_ptr() != base:
+                    name = self.names[i] if i < len(self.names) else f"#{i}"
+                    raise RuntimeError(
+                        f"zero_optimizer: parameter {name!r} no longer lives in its ZeRO-2 bucket (moved or cast, "
+                        "e.g. module.to() or .half(), after zero_optimizer); move or cast the model before "
+                        "wrapping it and calling zero_optimizer")
 
     def _step_skipping(self, b: int, step_bucket: Callable[[nn.Parameter], None]) -> None:
         """Step shard ``b``, leaving the parts no rank used as they were (values and per-element state), as plain
