@@ -138,6 +138,11 @@ def run_launched(rank: int, world_size: int, cfg: dict) -> list[dict]:
         rows = measure(rank, world_size, cfg, one_clock=local_world == world_size)
     finally:
         dist.destroy_process_group()
+    return with_bandwidths(rows, world_size)
+
+
+def with_bandwidths(rows: list[dict], world_size: int) -> list[dict]:
+    """Each row's algorithm and bus bandwidth (NCCL-tests' definitions), from its median time."""
     for row in rows:
         row["algbw_gb_s"] = row["nbytes"] / row["median_s"] / 1e9
         row["busbw_gb_s"] = bus_bandwidth_gb_s(row["nbytes"], world_size, row["median_s"])
@@ -160,10 +165,7 @@ def run(sizes, algorithms=ALGORITHMS, world_size=2, iters=20, min_iters=3, budge
     cfg = dict(sizes=list(sizes), algorithms=list(algorithms), iters=iters, min_iters=min_iters,
                budget_s=budget_s, dtype=dtype, timeout_s=timeout_s)
     payload = spawn_and_collect(_worker, world_size, port, cfg, timeout_s, "bench")
-    for row in payload:
-        row["algbw_gb_s"] = row["nbytes"] / row["median_s"] / 1e9
-        row["busbw_gb_s"] = bus_bandwidth_gb_s(row["nbytes"], world_size, row["median_s"])
-    return payload
+    return with_bandwidths(payload, world_size)
 
 
 def summarise(rows, world_size: int) -> dict:
