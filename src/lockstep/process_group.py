@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import logging
 import os
 import socket
 import stat
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -203,14 +206,17 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, env: dict | None
         if launch.launcher != "single":
             interface_note = _gloo_interface(launch.master_addr)
         before = socket_fds()
-        dist.init_process_group(
-            backend=backend,
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if backend == "nccl" else None,
-            store=_loopback_store(launch, timeout_s),
-        )
+        if os.environ.get(INPLACE_JOIN_ENV):  # a node that came back joins the running group (no new world)
+            _join_in_place(backend, json.loads(os.environ[INPLACE_JOIN_ENV]), launch.local_rank)
+        else:
+            dist.init_process_group(
+                backend=backend,
+                rank=launch.rank,
+                world_size=launch.world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                device_id=device if backend == "nccl" else None,
+                store=_loopback_store(launch, timeout_s),
+            )
         _GROUP_SOCKETS[:] = sorted(socket_fds() - before)
     else:
         backend = dist.get_backend()
@@ -218,6 +224,65 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, env: dict | None
     if interface_note:
         logging.getLogger("lockstep.process_group").info(interface_note)
     return DistEnv(dist.get_rank(), launch.local_rank, dist.get_world_size(), device, backend)
+
+
+# -- joining a running in-place group (train/inplace.py; the keys are here, the lower of the two modules) ----------
+INPLACE_PREFIX = "lockstep/inplace"  # in the workers' store (MASTER_ADDR:MASTER_PORT)
+INPLACE_JOIN_ENV = "LOCKSTEP_INPLACE_JOIN"  # set by lockstep launch's rendezvous for a node that joins a running job
+INPLACE_TIMEOUT_ENV = "LOCKSTEP_INPLACE_TIMEOUT_S"  # gloo's per-operation timeout in an in-place run
+JOIN_WAIT_S = 600.0  # how long a newcomer waits to be admitted (the others admit at their next step boundary)
+_ADMISSION: list[dict] = []  # what the survivors admitted this process as (read once by train/inplace.py)
+
+
+def _join_in_place(backend: str, spec: dict, local_rank: int) -> None:
+    """Announce this process in the running job's store, wait until its ranks admit it at a step boundary, and
+    make the default group with them (their generation's store prefix). Its id (the launch rank of a newcomer) is
+    ``spec["base"]`` plus its place among the newcomers; it beats a heart while it waits, so that the others
+    admit only processes that are alive."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
+                          datetime.timedelta(seconds=60), wait_for_workers=False)
+    seq = store.add(f"{INPLACE_PREFIX}/join/count", 1)
+    me = int(spec["base"]) + seq - 1
+    record = {"id": me, "node": spec["node"], "local_rank": local_rank,
+              "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", "1")), "t0": spec["t0"]}
+    store.set(f"{INPLACE_PREFIX}/join/{seq}", json.dumps(record))
+    beating = threading.Event()  # cleared by take_admission: the in-place group's watcher beats from then on
+    beating.set()
+    threading.Thread(target=_beat, args=(store, f"{INPLACE_PREFIX}/beat/{me}", beating), daemon=True,
+                     name="lockstep-join-beat").start()
+    admit, deadline = f"{INPLACE_PREFIX}/admit/{me}", time.monotonic() + JOIN_WAIT_S
+    while not store.check([admit]):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"lockstep: joining the running job at {os.environ['MASTER_ADDR']}:"
+                               f"{os.environ['MASTER_PORT']}: not admitted within {JOIN_WAIT_S:.0f} s")
+        time.sleep(0.1)
+    admission = {**json.loads(store.get(admit)), "id": me}
+    members = admission["members"]
+    timeout_s = float(os.environ.get(INPLACE_TIMEOUT_ENV) or 60)
+    pg_store = dist.PrefixStore(f"{INPLACE_PREFIX}/{admission['generation']}/pg", store)
+    dist.init_process_group(backend, store=pg_store, rank=members.index(me), world_size=len(members),
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(members.index(me)), str(len(members))
+    _ADMISSION[:] = [{**admission, "beating": beating}]
+
+
+def _beat(store: dist.Store, key: str, beating: threading.Event) -> None:
+    while beating.is_set():
+        try:
+            store.add(key, 1)
+        except Exception:  # the store is slow or gone: the others' timeouts decide
+            pass
+        time.sleep(0.2)
+
+
+def take_admission() -> dict | None:
+    """How this process joined a running in-place group (``_join_in_place``), once; None where it did not. The
+    heartbeat it kept stops: the caller's (train/inplace.py's watcher) takes over."""
+    if not _ADMISSION:
+        return None
+    admission = _ADMISSION.pop()
+    admission.pop("beating").clear()
+    return admission
 
 
 # The sockets the default group's creation opened (gloo's connections, the store's client): in-place recovery

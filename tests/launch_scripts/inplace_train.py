@@ -6,7 +6,8 @@ writes OUT_DIR/paused and sleeps, so a test can kill node 1 while the others wai
 ``--alarms N``: rank 0 raises the in-place alarm after every step until the group re-formed N times: every rank
 drops its collectives and the group re-forms at the same size (the leak check's 10 recoveries in one process).
 ``--hold-at-world W``: the first step finished at world size W is held (up to 120 s) until the agent stops the
-workers (SIGTERM: a node joined; the Trainer checkpoints that step), so a test can grow the job back.
+workers (SIGTERM: a node joined; the Trainer checkpoints that step) or a node waits to join in place (the next
+step's commit admits it), so a test can grow the job back.
 Every rank appends "time step world_size pid" to OUT_DIR/progress-<pid>.txt after each step, and the
 step, world size, generation, threads, sockets, descriptors and RSS (MiB) to OUT_DIR/resources-<pid>.txt
 after each generation's first step.
@@ -87,6 +88,8 @@ def main():
                 held.append(trainer.step)
                 deadline = time.monotonic() + 120
                 while time.monotonic() < deadline and not (trainer._watch is not None and trainer._watch.requested):
+                    if trainer._inplace is not None and trainer._inplace.joins.ready:
+                        break  # a node waits to join in place: the next commit admits it
                     time.sleep(0.2)  # until the agent stops the workers (SIGTERM: a node joined)
             time.sleep(args.step_sleep)
 

@@ -26,6 +26,7 @@ RESUME_KEY = "lockstep/resumed"  # in the workers' store of the round (MASTER_AD
 INPLACE_ENV = "LOCKSTEP_INPLACE"  # "1": the workers recover in place (train/inplace.py reads the same name)
 INPLACE_MIN_WORLD_ENV = "LOCKSTEP_INPLACE_MIN_WORLD"  # --nnodes MIN x --nproc-per-node (the same name there)
 INPLACE_REPORT_KEY = "lockstep/inplace/report"  # + "/<generation>": the workers' record of a re-formation (the same)
+INPLACE_ACCEPTS_JOINS_KEY = "lockstep/inplace/accepts_joins"  # the workers admit newcomers in place (the same)
 DEFAULT_LAST_CALL_S = 5.0  # how long a round waits for more nodes once MIN joined (torchrun's default: 30)
 
 
@@ -93,28 +94,46 @@ class ResumeReport(threading.Thread):
 
 
 def describe_in_place(record: dict, nodes: list[dict], nproc: int) -> tuple[str, list[dict]]:
-    """'node 1 (10.201.0.2) left at step 812: world 4 -> 2 in 1.8 s, 0 steps lost', and the nodes that left.
+    """'node 1 (10.201.0.2) left at step 812: world 4 -> 2 in 1.8 s, 0 steps lost', and the nodes that left;
+    for a grow, 'node 1 (10.201.0.2) joined at step 815: world 2 -> 4 in 6.2 s from its launch, the others
+    paused 0.4 s', and the nodes that joined.
 
-    ``record`` is what the workers' new rank 0 wrote (train/inplace.py): the launch ranks that left, the
-    sizes, the step the survivors went on from, the seconds from the first alarm to their first step at the
-    new size. Launch rank r ran on the round's node r // nproc (nodes numbered by --node-rank)."""
-    gone = sorted({r // nproc for r in record["left"]})
-    left = [nodes[i] for i in gone if i < len(nodes)]
-    names = ", ".join(f"node {n['node_rank']} ({n['addr']})" for n in left) or f"ranks {record['left']}"
-    partial = [i for i in gone if sum(r // nproc == i for r in record["left"]) != nproc]
-    if partial:  # only some of a node's workers: say so, by launch rank
-        names += f" (ranks {record['left']})"
-    return (f"{names} left at step {record['step']}: world {record['old_world']} -> {record['world']} in "
-            f"{record['seconds']:.1f} s, {record['lost']} steps lost"), left
+    ``record`` is what the workers' new rank 0 wrote (train/inplace.py): the launch ranks that left (or the
+    ids that joined), the sizes, the step the group went on from, the seconds from the first alarm (from the
+    newcomers' launcher start) to the first step at the new size. Launch rank r ran on the round's node
+    r // nproc (nodes numbered by --node-rank); a newcomer's node is in the record's ``where``."""
+    where = record.get("where", {})
+    ranks = record.get("joined") or record["left"]
+
+    def node_of(r: int) -> dict | None:
+        return where.get(str(r)) or (nodes[r // nproc] if r // nproc < len(nodes) else None)
+
+    named: dict[int, dict] = {}
+    for r in ranks:
+        if (n := node_of(r)) is not None:
+            named.setdefault(n["node_rank"], n)
+    found = [named[k] for k in sorted(named)]
+    names = ", ".join(f"node {n['node_rank']} ({n['addr']})" for n in found) or f"ranks {ranks}"
+    on = [(node_of(r) or {}).get("node_rank") for r in ranks]
+    if any(on.count(n["node_rank"]) != nproc for n in found):  # only some of a node's workers
+        names += f" (ranks {ranks})"
+    sizes = f"world {record['old_world']} -> {record['world']}"
+    if record.get("joined"):
+        return (f"{names} joined at step {record['step']}: {sizes} in {record['seconds']:.1f} s from its launch, "
+                f"the others paused {record['paused']:.1f} s"), found
+    return (f"{names} left at step {record['step']}: {sizes} in {record['seconds']:.1f} s, "
+            f"{record['lost']} steps lost"), found
 
 
 class InPlaceReport(threading.Thread):
     """Prints a line for each in-place re-formation the workers record in their store, and hands the nodes that
-    left to ``on_left`` (the rendezvous handler forgets them). Polled every 0.2 s on a client of its own."""
+    left to ``on_left`` (the rendezvous handler forgets them), those that joined to ``on_joined``. Polled every
+    0.2 s on a client of its own."""
 
-    def __init__(self, host: str, port: int, nodes: list[dict], nproc: int, on_left):
+    def __init__(self, host: str, port: int, nodes: list[dict], nproc: int, on_left, on_joined=None):
         super().__init__(name="lockstep-inplace-report", daemon=True)
         self.host, self.port, self.nodes, self.nproc, self.on_left = host, port, nodes, nproc, on_left
+        self.on_joined = on_joined
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -127,9 +146,14 @@ class InPlaceReport(threading.Thread):
                 key = f"{INPLACE_REPORT_KEY}/{generation}"
                 if not store.check([key]):
                     continue
-                line, left = describe_in_place(json.loads(store.get(key)), self.nodes, self.nproc)
+                record = json.loads(store.get(key))
+                line, named = describe_in_place(record, self.nodes, self.nproc)
                 print(f"lockstep launch: {line}", file=sys.stderr, flush=True)
-                self.on_left(left)
+                if record.get("joined"):
+                    if self.on_joined is not None:
+                        self.on_joined(named)
+                else:
+                    self.on_left(named)
                 generation += 1
         except Exception:  # the round ended (its store gone)
             pass

@@ -16,6 +16,14 @@ This handler runs torch's rendezvous unchanged and then, in the round's store:
   when another node (or the store on node 0) stays silent for ``--node-timeout`` seconds,
   this node's workers are stopped, the loss is reported naming the node, and the agent
   restarts the group (``--max-restarts``) or fails: never gloo's 30-minute timeout.
+
+With ``--recovery in-place`` node 0 also records the running round (its workers' store, its nodes) in the
+rendezvous store. A node that starts while such a round runs, and whose workers admit newcomers (a Trainer),
+skips torch's rendezvous: its agent gets a round of its own (rank 0 of 1, so torch's rank assignment and exit
+barrier need nobody else), its workers the running job's store and ``LOCKSTEP_INPLACE_JOIN``, and they join the
+running group at a step boundary (train/inplace.py). The running agents never see a node waiting, so they
+restart nothing. Otherwise (no such round, a script's own loop) the node takes torch's way: the running agents
+see it waiting and restart their workers at the larger size.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from lockstep.launch import elastic
 from lockstep.launch.liveness import READ_TIMEOUT_S, Liveness, Poller, answers, connect, worker_pids
 from lockstep.network import route_source_addr, serve_store
+from lockstep.process_group import INPLACE_JOIN_ENV
 
 BACKEND = "lockstep"
 _handlers: dict[str, LockstepRendezvous] = {}  # run_id -> the handler of this process's agent (for the report)
@@ -94,10 +103,20 @@ class LockstepRendezvous(RendezvousHandler):
         self._worker_store: dist.TCPStore | None = None
         self._watchdog: Liveness | None = None
         self._poller: Poller | None = None
+        self._running: dict | None = None  # node 0, in place: the running round's workers' store and first new id
+        self.joined_in_place = False  # this node's workers joined a running in-place round (``_join_running``)
+        self._started_at = _process_start_time()  # the launcher's start: a join line counts from it
 
     # ------------------------------------------------------------------ the round
     def next_rendezvous(self) -> RendezvousInfo:
         self._stop_watchdog()
+        in_place = self.in_place and not self.single
+        if in_place and self.node_rank == 0:
+            self._store.delete_key(self._round_key())  # the round's workers are gone: nobody may join them now
+        if in_place and self.node_rank != 0 and self._last_nodes is None and not self.joined_in_place:
+            joined = self._join_running()
+            if joined is not None:
+                return joined
         if self.lost_reason is not None and self.node_rank != 0:
             self._wait_for_store()
         self._check_layout()
@@ -134,11 +153,50 @@ class LockstepRendezvous(RendezvousHandler):
             self._report = elastic.ResumeReport(change, master, int(meta["port"]))
             self._report.start()
         self._round = (store, world_size)
-        if self.in_place and not self.single:  # one line per node the workers lost and left behind in place
+        if in_place:  # one line per node the workers lost and left behind, or admitted, in place
             self._in_place_report = elastic.InPlaceReport(master, int(meta["port"]), nodes, self.nproc,
-                                                          self._left_in_place)
+                                                          self._left_in_place, self._joined_in_place)
             self._in_place_report.start()
+            if self.node_rank == 0:  # a node that starts now joins these workers (``_join_running``)
+                self._running = {"port": int(meta["port"]), "base": world_size * self.nproc}
+                self._publish_round()
         return RendezvousInfo(store, self.group_rank, world_size, RendezvousStoreInfo(master, int(meta["port"])))
+
+    # ------------------------------------------------------------------ joining a running in-place round
+    def _round_key(self) -> str:
+        return f"lockstep/{self._params.run_id}/inplace_round"
+
+    def _publish_round(self) -> None:
+        """Node 0: the running round's workers' store, the first id a newcomer may take, the nodes there now."""
+        assert self._running is not None
+        self._store.set(self._round_key(), json.dumps({**self._running, "nodes": self._last_nodes or []}))
+
+    def _join_running(self) -> RendezvousInfo | None:
+        """A round runs in place and its workers admit newcomers: join it without torch's rendezvous (which would
+        make the running agents restart their workers). None: take torch's way."""
+        if not self._store.check([self._round_key()]):
+            return None
+        running = json.loads(self._store.get(self._round_key()))
+        there = {n["node_rank"]: n for n in running["nodes"]}
+        if self.node_rank in there:
+            raise NodesDisagree(f"--node-rank {self.node_rank} is training in this job already "
+                                f"({there[self.node_rank]['addr']}); give this node another --node-rank")
+        try:
+            workers = connect(self.master_addr, running["port"], 10)
+            if not workers.check([elastic.INPLACE_ACCEPTS_JOINS_KEY]):
+                return None  # a script's own loop (InPlaceRecovery) admits nobody: the restart path
+        except Exception:
+            return None  # the round just ended: torch's rendezvous decides
+        me = {"node_rank": self.node_rank, "addr": self.local_addr, "host": socket.gethostname()}
+        # inherited by the workers the agent starts next (torch copies os.environ): process_group.init() joins
+        os.environ[INPLACE_JOIN_ENV] = json.dumps({"base": running["base"], "node": me, "t0": self._started_at})
+        self.joined_in_place = True
+        print(f"lockstep launch: node {self.node_rank} joins the running job in place (workers' store "
+              f"{self.master_addr}:{running['port']}); its ranks start at the others' next step boundary",
+              file=sys.stderr, flush=True)
+        # a round of its own, rank 0 of 1: torch's rank assignment and exit barrier wait for nobody else
+        own = dist.PrefixStore(f"lockstep/{self._params.run_id}/joined/{uuid.uuid4().hex}", self._store)
+        return RendezvousInfo(own, 0, 1, RendezvousStoreInfo(self.master_addr, int(running["port"])))
 
     def _check_layout(self) -> None:
         """Nodes with different --nnodes never complete torch's round (each waits for its own count): the
@@ -190,6 +248,8 @@ class LockstepRendezvous(RendezvousHandler):
 
     # ------------------------------------------------------------------ while the workers run
     def num_nodes_waiting(self) -> int:
+        if self.joined_in_place:
+            return 0  # not in torch's round: its waiting nodes are the running agents' to admit
         if self._poller is not None:
             return 0 if self.lost_reason else self._poller.waiting
         return self._inner.num_nodes_waiting()  # one node: the store is local and answers at once
@@ -217,10 +277,19 @@ class LockstepRendezvous(RendezvousHandler):
                 self._watchdog.forget(node["node_rank"])
         remaining = [n for n in self._last_nodes or [] if n["node_rank"] not in {m["node_rank"] for m in left}]
         self._last_nodes = remaining  # the next round's line compares with the nodes really there
+        if self.node_rank == 0 and self._running:
+            self._publish_round()  # a node that left may come back in place
         if self._round is not None and remaining and self.node_rank == remaining[0]["node_rank"]:
             store, size = self._round
             for _ in left:
                 _barrier_nonblocking(store, size, _TERMINAL_STATE_SYNC_ID)
+
+    def _joined_in_place(self, joined: list[dict]) -> None:
+        """The workers admitted ``joined``: the next round's line compares with the nodes really there; node 0
+        records them as running (a second start of one of them is refused)."""
+        self._last_nodes = sorted([*(self._last_nodes or []), *joined], key=lambda n: n["node_rank"])
+        if self.node_rank == 0 and self._running:
+            self._publish_round()
 
     def take_stop_reason(self) -> str | None:
         """Why this node stopped its workers since the last call (None: it did not)."""
@@ -252,9 +321,24 @@ class LockstepRendezvous(RendezvousHandler):
 
     def shutdown(self) -> bool:
         self._stop_watchdog()
+        if self.joined_in_place:
+            os.environ.pop(INPLACE_JOIN_ENV, None)
+            return True  # not in torch's round: closing the rendezvous is node 0's, at the job's end
         if self.lost_reason is not None and self.node_rank != 0:
             return False  # node 0's store is gone or unreachable: closing it would only wait for a timeout
         return self._inner.shutdown()
+
+
+def _process_start_time() -> float:
+    """When this process started (wall clock), from /proc; now where there is no /proc."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, after the command name
+        with open("/proc/uptime") as f:  # to 10 ms (/proc/stat's boot time is whole seconds)
+            uptime_s = float(f.read().split()[0])
+        return time.time() - (uptime_s - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
 
 
 def create_handler(params: RendezvousParameters) -> LockstepRendezvous:

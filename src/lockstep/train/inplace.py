@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import socket
 import threading
@@ -31,12 +32,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lockstep.process_group import group_sockets, socket_fds
+from lockstep.process_group import INPLACE_PREFIX, INPLACE_TIMEOUT_ENV, group_sockets, socket_fds, take_admission
 
 ENV = "LOCKSTEP_INPLACE"  # "1": set by ``lockstep launch --nnodes MIN:MAX`` (launch/elastic.py's INPLACE_ENV)
-TIMEOUT_ENV = "LOCKSTEP_INPLACE_TIMEOUT_S"  # gloo's per-operation timeout in an in-place run
+TIMEOUT_ENV = INPLACE_TIMEOUT_ENV  # gloo's per-operation timeout in an in-place run
 MIN_WORLD_ENV = "LOCKSTEP_INPLACE_MIN_WORLD"  # --nnodes MIN x --nproc-per-node: fewer survivors leave it to the agent
-PREFIX = "lockstep/inplace"
+PREFIX = INPLACE_PREFIX  # a newcomer's admission (process_group.py) reads and writes the same keys
 REPORT_KEY = f"{PREFIX}/report"  # + "/<generation>": what the launcher prints (launch/elastic.py, the same key)
 BEAT_S = 0.2  # each rank's heartbeat in the store
 SILENT_S = 1.5  # a member that did not rejoin and whose heartbeat stood still this long is gone
@@ -64,7 +65,10 @@ class Regrouped:
     left: list[int]  # the launch ranks that left
     committed: int  # the step every survivor now stands at
     rolled_forward: bool  # this rank applied the agreed step itself (its commit failed after the others')
-    alarm_at: float  # wall time of the first alarm (time.time())
+    alarm_at: float  # wall time of the first alarm (time.time()); of the decision to grow, for a grow
+    joined: tuple[int, ...] = ()  # the ids of the newcomers admitted (a grow: ``left`` is empty then)
+    joiners_t0: float | None = None  # a grow: wall time the newcomers' launcher started (the earliest)
+    newcomer: bool = False  # this process is one of ``joined``: it takes the state from rank 0
 
 
 def _shut(fds: set[int], keep_port: int) -> None:
@@ -87,6 +91,60 @@ def _shut(fds: set[int], keep_port: int) -> None:
             sock.close()
 
 
+ACCEPTS_JOINS_KEY = f"{PREFIX}/accepts_joins"  # set by a Trainer: launch/rendezvous.py lets a node join in place
+
+
+class Joins:
+    """The newcomers announced in the store (``process_group._join_in_place``), as one rank sees them.
+
+    The watcher thread polls the count (one store read a beat, ``BEAT_S``); a new record is read once, a
+    waiting newcomer's heartbeat each beat. ``ready``: some node's ranks all announced and beat, which this rank's
+    next commit says to the others. A node is admitted whole: half of a node would change the world size to one
+    the global batch may not divide."""
+
+    def __init__(self):
+        self.records: dict[int, dict] = {}  # announcement number -> {"id", "node", "local_rank", "local_world"...}
+        self.done: set[int] = set()  # ids admitted already
+        self.ready = False
+        self.lock = threading.Lock()  # the watcher polls while rank 0's main thread admits
+
+    def poll(self, client: dist.Store, now: float, seen: dict[int, tuple[int, float]], members: list[int]) -> None:
+        with self.lock:
+            count = client.add(f"{PREFIX}/join/count", 0)
+            for seq in range(len(self.records) + 1, count + 1):  # announced in order: a gap is one being written
+                if not client.check([f"{PREFIX}/join/{seq}"]):
+                    break
+                self.records[seq] = json.loads(client.get(f"{PREFIX}/join/{seq}"))
+            waiting = [r["id"] for r in self.records.values() if r["id"] not in self.done and r["id"] not in members]
+            for r in waiting:
+                beat = client.add(f"{PREFIX}/beat/{r}", 0)
+                if seen.get(r, (None,))[0] != beat:
+                    seen[r] = (beat, now)
+            self.ready = bool(self._complete(now, seen, members))
+
+    def _complete(self, now: float, seen: dict[int, tuple[int, float]], members: list[int]) -> list[dict]:
+        nodes: dict[int, list[dict]] = {}
+        for r in self.records.values():
+            beating = now - seen.get(r["id"], (0, -1e18))[1] < SILENT_S  # a newcomer that died is not admitted
+            if r["id"] not in self.done and r["id"] not in members and beating:
+                nodes.setdefault(r["node"]["node_rank"], []).append(r)
+        whole = [sorted(rs, key=lambda r: r["local_rank"]) for _, rs in sorted(nodes.items())
+                 if len({r["local_rank"] for r in rs}) == rs[0]["local_world"]]
+        return [r for rs in whole for r in rs]
+
+    def admissible(self, store: dist.Store, seen: dict[int, tuple[int, float]], members: list[int]) -> list[dict]:
+        """Rank 0, when the group grows: the newcomers of every whole node, read afresh (another rank may have
+        seen them first)."""
+        self.poll(store, time.monotonic(), seen, members)
+        with self.lock:
+            return self._complete(time.monotonic(), seen, members)
+
+    def admitted(self, ids: list[int]) -> None:
+        with self.lock:
+            self.done.update(ids)
+            self.ready = False
+
+
 class InPlaceGroup:
     """The default process group of an in-place run, generation by generation.
 
@@ -98,9 +156,21 @@ class InPlaceGroup:
     def __init__(self, timeout_s: float | None = None):
         if not dist.is_initialized():
             raise RuntimeError("InPlaceGroup needs lockstep.init() first")
+        admission = take_admission()  # this process joined a running group (a node come back): its place there
         self.me = int(os.environ.get("RANK", dist.get_rank()))  # the launch rank: this process's name for good
         self.members = list(range(dist.get_world_size()))  # launch ranks, in the order of the group's ranks
         self.generation, self.committed, self.ready = 0, 0, 0
+        self.joined: Regrouped | None = None  # a newcomer's admission, until the Trainer took the state
+        self.where: dict[int, dict] = {}  # newcomer id -> its node ({"node_rank", "addr"}), for the launcher's line
+        if admission is not None:
+            self.me, self.members, self.generation = admission["id"], admission["members"], admission["generation"]
+            self.committed = self.ready = admission["committed"]
+            self.where = {int(k): v for k, v in admission["where"].items()}
+            self.joined = Regrouped(self.generation, self.rank, len(self.members), admission["old_world"], [],
+                                    self.committed, False, admission["at"], tuple(admission["joined"]),
+                                    admission["t0"], newcomer=True)
+        self.joins = Joins()  # newcomers waiting in the store, as this rank's watcher saw them
+        self.grow_due = False  # every rank's commit agreed: admit the newcomers after this step
         self.timeout_s = float(timeout_s or os.environ.get(TIMEOUT_ENV) or 60)
         self.backend = dist.get_backend()
         self.host, self.port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -151,6 +221,7 @@ class InPlaceGroup:
                     beat = client.add(f"{PREFIX}/beat/{r}", 0)
                     if self.seen.get(r, (None,))[0] != beat:
                         self.seen[r] = (beat, now)
+                self.joins.poll(client, now, self.seen, self.members)
                 generation = self.generation
                 if client.check([self._key("alarm", generation)]):
                     self._shut_group(generation)
@@ -187,7 +258,9 @@ class InPlaceGroup:
         lost during the commit and the others had completed it: apply it too (this rank's averages are complete),
         then go on at the new size. Raises ``PeerLost`` when the step is discarded."""
         self.ready = step
-        flag = torch.ones(1)
+        # the second element: newcomers wait (as this rank's watcher saw them); a sum, so every rank agrees on the
+        # step after which the group grows at no extra collective (``grow``)
+        flag = torch.tensor([1.0, float(self.joins.ready)])
         try:
             dist.all_reduce(flag)
         except Exception as e:
@@ -196,7 +269,36 @@ class InPlaceGroup:
                 raise PeerLost(outcome) from e
             return outcome
         self.committed = step
+        self.grow_due = flag[1].item() > 0
         return None
+
+    # -- growing ------------------------------------------------------------------------------
+    def grow(self) -> Regrouped | None:
+        """After the step whose commit said newcomers wait, on every rank: rank 0 admits every node whose ranks
+        all announced themselves and still beat, and all form the next generation with them (survivors first, in
+        their order: rank 0 stays rank 0). None when nobody was admitted (the newcomers fell silent)."""
+        self.grow_due = False
+        key = self._key("grow")
+        if self.rank == 0:
+            joined = self.joins.admissible(self.store, self.seen, self.members)
+            members = self.members + [r["id"] for r in joined]
+            decision = {"joined": [r["id"] for r in joined], "at": time.time(), "committed": self.committed,
+                        "generation": self.generation + 1, "members": members, "old_world": len(self.members),
+                        "where": {**{str(k): v for k, v in self.where.items()},
+                                  **{str(r["id"]): r["node"] for r in joined}},
+                        "t0": min((r["t0"] for r in joined), default=None)}
+            for r in joined:  # the newcomers make the group with the others' prefix as soon as they read this
+                self.store.set(f"{PREFIX}/admit/{r['id']}", json.dumps(decision))
+            self.store.set(key, json.dumps(decision))
+        decision = json.loads(self.store.get(key))
+        self.joins.admitted(decision["joined"])
+        if not decision["joined"]:
+            return None
+        old_world = len(self.members)
+        self.where = {int(k): v for k, v in decision["where"].items()}
+        self._next_group(decision["members"])
+        return Regrouped(self.generation, self.rank, len(self.members), old_world, [], self.committed, False,
+                         decision["at"], tuple(decision["joined"]), decision["t0"])
 
     # -- rejoining -----------------------------------------------------------------------------
     def is_peer_loss(self, error: BaseException) -> bool:
@@ -270,6 +372,11 @@ class InPlaceGroup:
         # what a reader of the environment sees (report_resume, hang reports) follows the new group
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(len(members))
 
+    def accept_joins(self) -> None:
+        """Say in the store that this job admits newcomers at its step boundaries (the Trainer does): only then does
+        a returning node's launcher join in place (launch/rendezvous.py); otherwise it takes the restart path."""
+        self.store.set(ACCEPTS_JOINS_KEY, "1")
+
     def settle(self) -> None:
         """After the caller re-bound its model to the new group: let the old group's works, and with them its
         sockets and threads, go now (the graveyard keeps works 5 s: ``lockstep.ddp.lifetime``)."""
@@ -285,10 +392,66 @@ class InPlaceGroup:
         (``node 1 (10.201.0.2) left at step 812: world 4 -> 2 in 1.8 s, 0 steps lost``)."""
         if self.rank != 0:
             return
+        now = time.time()
         record = {"left": outcome.left, "old_world": outcome.old_world_size, "world": outcome.world_size,
-                  "step": outcome.committed, "seconds": time.time() - outcome.alarm_at, "lost": 0,
-                  "first_step": step}
+                  "step": outcome.committed, "seconds": now - outcome.alarm_at, "lost": 0,
+                  "first_step": step, "joined": list(outcome.joined),
+                  "where": {str(k): v for k, v in self.where.items()}}
+        if outcome.joined:  # from the newcomers' launcher start; and what the grow cost the others
+            record["seconds"], record["paused"] = now - (outcome.joiners_t0 or now), now - outcome.alarm_at
         self.store.set(f"{REPORT_KEY}/{outcome.generation}", json.dumps(record))
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A tensor's place in a state sent by ``broadcast_state``: its index in the flat buffer of its dtype."""
+
+    dtype: str
+    offset: int
+    shape: tuple[int, ...]
+
+
+def broadcast_state(state: object | None, src: int = 0) -> object:
+    """``state`` of group rank ``src`` (nested dicts, lists and tuples of tensors and plain values) on every rank.
+
+    The plain values and the tensors' shapes go in one pickled broadcast; the tensors' data in one broadcast per
+    dtype, flattened (no pickling of tensor data, two or three collectives for a model and its optimizer)."""
+    flats: dict[str, list[torch.Tensor]] = {}
+    sizes: dict[str, int] = {}
+
+    def strip(x):
+        if isinstance(x, torch.Tensor):
+            dtype = str(x.dtype).removeprefix("torch.")
+            flats.setdefault(dtype, []).append(x.detach().reshape(-1).cpu())
+            offset = sizes.get(dtype, 0)
+            sizes[dtype] = offset + x.numel()
+            return _Slot(dtype, offset, tuple(x.shape))
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(strip(v) for v in x)
+        return x
+
+    box = [(strip(state), sizes) if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    skeleton, sizes = box[0]  # type: ignore[misc]
+    buffers = {}
+    for dtype in sorted(sizes):  # the same order on every rank
+        buffers[dtype] = (torch.cat(flats[dtype]) if dist.get_rank() == src
+                          else torch.empty(sizes[dtype], dtype=getattr(torch, dtype)))
+        dist.broadcast(buffers[dtype], src=src)
+
+    def fill(x):
+        if isinstance(x, _Slot):
+            numel = math.prod(x.shape)
+            return buffers[x.dtype][x.offset:x.offset + numel].view(x.shape).clone()
+        if isinstance(x, dict):
+            return {k: fill(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(fill(v) for v in x)
+        return x
+
+    return fill(skeleton)
 
 
 def wanted() -> bool:

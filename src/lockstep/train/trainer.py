@@ -35,10 +35,10 @@ from lockstep.train.departures import explain_departure, next_fit
 from lockstep.train.epoch_meter import EpochMeter
 from lockstep.train.evaluate import evaluate
 from lockstep.train.faults import install_kill_hooks, kill_point_from_env
-from lockstep.train.inplace import InPlaceGroup, PeerLost, Regrouped
+from lockstep.train.inplace import InPlaceGroup, PeerLost, Regrouped, broadcast_state
 from lockstep.train.inplace import wanted as inplace_wanted
 from lockstep.train.loggers import open_run_loggers
-from lockstep.train.metrics import comm_report
+from lockstep.train.metrics import MetricsLog, comm_report
 from lockstep.train.overlap import wants_overlap
 from lockstep.train.precision import Precision
 from lockstep.train.preempt import (
@@ -48,7 +48,7 @@ from lockstep.train.preempt import (
     leave_marker,
 )
 from lockstep.train.progress import epoch_line, nothing_left_line, progress_bar, resumed_line, step_postfix
-from lockstep.train.resize import accum_steps_for, batches_done_at
+from lockstep.train.resize import accum_steps_for, batches_done_at, derived_rng_state
 from lockstep.train.run_identity import claim_checkpoint_dir
 from lockstep.train.stragglers import BLOCKS, find_straggler, gather_epoch, straggler_line
 from lockstep.train.zero import sharded_optimizer
@@ -113,12 +113,19 @@ class Trainer:
         model.to(self.device)
         self.precision = Precision(cfg.autocast_dtype, self.device, scaler)  # autocast, and fp16's GradScaler
         device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # In-place recovery (lockstep launch --nnodes MIN:MAX, docs/preemptible.md): the default group only, and the
+        # plain step: the overlapped one would apply the update before the step's commit.
+        self._inplace = InPlaceGroup() if group is None and inplace_wanted() else None
+        # A process of a node that came back (train/inplace.py, "growing"): the running ranks are between two steps,
+        # not building a DDP: it makes none of the construction's collectives and takes the state in fit()
+        newcomer = self._joining()
         sockets_before = socket_fds()  # DDP's subgroups (the hierarchical all-reduce): in-place recovery shuts them
         self.ddp = DistributedDataParallel(
             model, device_ids=device_ids, process_group=group, check_replicas_every=cfg.check_replicas_every,
             detect_nonfinite=cfg.detect_nonfinite and self.precision.scaler is None, trace_dir=cfg.trace_dir,
             trace_steps=(cfg.trace_steps[0], cfg.trace_steps[1]) if cfg.trace_dir else None,  # a list given: a tuple
-            hang_timeout_s=FROM_ENV if cfg.hang_timeout_s is None else cfg.hang_timeout_s)
+            hang_timeout_s=FROM_ENV if cfg.hang_timeout_s is None else cfg.hang_timeout_s, init_sync=not newcomer,
+            hierarchical_all_reduce=False if newcomer else None)
         if cfg.zero:  # the optimizer's class, groups and settings, sharded (train/zero.py); before any scheduler
             if scheduler is not None:
                 raise ValueError("Trainer: scheduler= was built on the optimizer that TrainerConfig.zero replaces; "
@@ -128,9 +135,6 @@ class Trainer:
                                  "rank that left; launch with --recovery restart (resumes from the checkpoint)")
             optimizer = sharded_optimizer(self.ddp, optimizer, cfg.zero)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        # In-place recovery (lockstep launch --nnodes MIN:MAX, docs/preemptible.md): the default group only, and the
-        # plain step: the overlapped one would apply the update before the step's commit.
-        self._inplace = InPlaceGroup() if group is None and inplace_wanted() else None
         if self._inplace is not None:
             self._inplace.adopt_sockets(socket_fds() - sockets_before)
         self._committed: dict | None = None  # the state the last committed step left (``_snapshot``)
@@ -171,7 +175,8 @@ class Trainer:
         self.resized_from: int | None = None  # the world size of a checkpoint resumed at another size
         # set by open_writer_files (rank 0's, on every rank); a resume adopts the checkpoint's
         self.run_id: str | None = None
-        self.metrics = ckpt.open_writer_files(self)  # rank 0's files checked on every rank alike
+        # rank 0's files checked on every rank alike (a newcomer: rank 0 checked them long ago; its run id comes in fit)
+        self.metrics = MetricsLog(None, enabled=False) if self._joining() else ckpt.open_writer_files(self)
         self.save_errors: list[str] = []  # checkpoints that failed under on_save_error="continue"
         self.preempted = False
         self._watch: PreemptionWatch | None = None
@@ -198,11 +203,10 @@ class Trainer:
         """Train (resuming first if configured), evaluate each epoch, checkpoint; return a summary."""
         cfg = self.config
         self._fit = next_fit()  # names this fit's departure keys in the store (departures.py)
-        if cfg.resume:
-            self.load_latest()
+        joined = self._start_state()
         run_id = self.run_id
         assert run_id is not None  # set on every rank in __init__ (open_writer_files), replaced by a resume
-        if cfg.checkpoint_dir:  # a new run stops here if the folder holds another run's checkpoints
+        if cfg.checkpoint_dir and joined is None:  # a new run stops here if the folder holds another run's checkpoints
             claim_checkpoint_dir(cfg.checkpoint_dir, run_id, self.resumed_from is not None, cfg.overwrite,
                                  self.is_writer, self.group)
         self.metrics.run_id = run_id
@@ -258,6 +262,8 @@ class Trainer:
         """The epochs left; with in-place recovery a lost peer's survivors go on from the last committed step."""
         if self._inplace is not None:
             self._inplace.start()  # stopped at the end of the last fit
+            if dist.get_rank() == 0:
+                self._inplace.accept_joins()  # a node that comes back joins at a step boundary (``_grow``)
         while self.epoch < self.config.epochs and not self._stopped() and not self.preempted:
             try:
                 if not self._train_epoch():
@@ -368,7 +374,7 @@ class Trainer:
             if self._inplace is not None:
                 self._after_commit(regrouped)
             self._after_step(loss_value, bar, step_s)
-            if regrouped is not None:
+            if regrouped is not None or (self._inplace is not None and self._inplace.grow_due and self._grow()):
                 bar.close()
                 raise _Resized  # the rest of the epoch is dealt again at the new size
             t_group = t_data = time.perf_counter()  # logging and checkpoints are not step time
@@ -398,6 +404,71 @@ class Trainer:
         elif self._regrouped is not None:  # the first step at the new size: the launcher's line
             self._inplace.report(self._regrouped, self.step)
             self._regrouped = None
+
+    def _start_state(self) -> Regrouped | None:
+        """Where fit() starts: a newcomer's admission (it takes the running job's state from its rank 0, no
+        checkpoint read; returned), else the newest checkpoint where ``resume`` asks for it (None)."""
+        joined = self._inplace.joined if self._inplace is not None else None
+        if joined is not None:
+            self._take_over(joined)
+        elif self.config.resume:
+            self.load_latest()
+        return joined
+
+    def _joining(self) -> bool:
+        """This process joins a running in-place job (a node come back) and has not taken its state yet."""
+        return self._inplace is not None and self._inplace.joined is not None
+
+    def _grow(self) -> bool:
+        """After a step whose commit said newcomers wait (every rank alike): admit them, hand them the state, deal
+        the rest of the epoch at the new size. False when nobody was admitted."""
+        assert self._inplace is not None
+        outcome = self._inplace.grow()
+        if outcome is None:
+            return False
+        self._take_over(outcome)
+        return True
+
+    def _take_over(self, outcome: Regrouped) -> None:
+        """Every rank of a grown group, the survivors after their step and the newcomers in fit(): the same
+        collectives in the same order. Rank 0's state reaches every rank (``broadcast_state``: parameters and
+        buffers, optimizer, scheduler, scaler, step, data position); the newcomers adopt it; all resize."""
+        state = broadcast_state(self._live_state() if dist.get_rank() == 0 else None)
+        assert isinstance(state, dict)
+        if outcome.newcomer:
+            self._adopt(state)
+            # its replicas now equal rank 0's: the first forward's replica check runs here as on the survivors,
+            # whose DDPs were built with init_sync (the check is a collective: both sides or neither)
+            self.ddp._init_sync = True
+        self._resize(outcome)
+        if outcome.newcomer:
+            assert self._inplace is not None
+            self._inplace.joined = None
+            # as a resume at the larger size gives a rank that did not exist (train/resize.py)
+            derived_rng_state(self.config.seed, self.step, self.rank)
+
+    def _live_state(self) -> dict:
+        """What a newcomer needs to take the next step as if it had trained all along (rank 0's)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "scaler": self.precision.state_dict(), "committed": self._committed, "global_batch": self.global_batch,
+                "run_id": self.run_id, "saved_at": self._saved_at,
+                "last_checkpoint": None if self.last_checkpoint is None else str(self.last_checkpoint)}
+
+    def _adopt(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.precision.load_state_dict(state["scaler"], "(in-place join: rank 0's state)")
+        saved = state["committed"]
+        self.step, self.epoch = saved["step"], saved["epoch"]
+        self._samples_seen, self._train_time_s = saved["seen"]
+        # the epoch's running loss stays the others' (its mean is over every rank's sums): this rank's share is 0
+        self._committed = {**saved, "loss": (0.0, 0)}
+        self.global_batch, self.run_id, self.last_checkpoint = state["global_batch"], state["run_id"], \
+            state["last_checkpoint"]
+        self._saved_at = None if state["saved_at"] is None else tuple(state["saved_at"])
 
     def _recover(self, error: Exception) -> None:
         """A collective failed: rejoin the survivors, go back to the last committed step, continue at the new size."""
