@@ -511,13 +511,14 @@ def test_in_place_recovery_in_a_plain_loop(tmp_path):
 @needs_netns
 @heavy
 def test_in_place_shrink_then_grow_back_by_restart(tmp_path):
-    """After an in-place shrink, node 1 starts again: growing back takes the restart path (the survivors checkpoint
-    on the agent's SIGTERM and every worker resumes at 4); the job finishes, each epoch's samples once."""
+    """After an in-place shrink, node 1 starts again and the job admits no newcomer in place (``--refuse-joins``, as
+    a script's own loop): growing back takes the restart path (the survivors checkpoint on the agent's SIGTERM and
+    every worker resumes at 4); the job finishes, each epoch's samples once."""
     directory = str(tmp_path)
     port = 29600 + random.randrange(300)
     with netns.two_nodes() as (a, b):
-        node_a = Launch(a.command(_inplace_argv(0, 2, port, directory, "--pause-at", str(K), "--hold-at-world", "2")),
-                        clean_env())
+        node_a = Launch(a.command(_inplace_argv(0, 2, port, directory, "--pause-at", str(K), "--hold-at-world", "2",
+                                                "--refuse-joins")), clean_env())
         node_b = Launch(b.command(_inplace_argv(1, 2, port, directory, "--pause-at", str(K))), clean_env())
         launches = [node_a, node_b]
         try:

@@ -7,7 +7,8 @@ writes OUT_DIR/paused and sleeps, so a test can kill node 1 while the others wai
 drops its collectives and the group re-forms at the same size (the leak check's 10 recoveries in one process).
 ``--hold-at-world W``: the first step finished at world size W is held (up to 120 s) until the agent stops the
 workers (SIGTERM: a node joined; the Trainer checkpoints that step) or a node waits to join in place (the next
-step's commit admits it), so a test can grow the job back.
+step's commit admits it), so a test can grow the job back. ``--refuse-joins``: the job admits no newcomer in place
+(as a script's own loop): a node that comes back makes every agent restart its workers.
 Every rank appends "time step world_size pid" to OUT_DIR/progress-<pid>.txt after each step, and the
 step, world size, generation, threads, sockets, descriptors and RSS (MiB) to OUT_DIR/resources-<pid>.txt
 after each generation's first step.
@@ -26,6 +27,7 @@ from torch.utils.data import TensorDataset
 
 import lockstep
 from lockstep import Trainer, TrainerConfig
+from lockstep.train import inplace
 
 N, GLOBAL_BATCH, BATCH, EPOCHS = 96, 16, 4, 2
 
@@ -58,6 +60,7 @@ def main():
     p.add_argument("--alarms", type=int, default=0)
     p.add_argument("--epochs", type=int, default=EPOCHS)
     p.add_argument("--hold-at-world", type=int, default=None)
+    p.add_argument("--refuse-joins", action="store_true")
     args = p.parse_args()
     env = lockstep.init()
     launch_rank, pid = env.rank, os.getpid()
@@ -79,6 +82,8 @@ def main():
                 sizes.append(generation)
                 with open(os.path.join(args.directory, f"resources-{pid}.txt"), "a") as f:
                     f.write(f"{trainer.step} {trainer.world_size} {generation} {resources()}\n")
+            if args.refuse_joins and trainer.rank == 0:  # as a script's own loop: a node that comes back restarts all
+                trainer._inplace.store.delete_key(inplace.ACCEPTS_JOINS_KEY)
             if trainer.rank == 0 and generation < args.alarms:
                 trainer._inplace.raise_alarm()  # once per generation (the first raise is kept)
             if args.pause_at == trainer.step and launch_rank == args.pause_rank:
