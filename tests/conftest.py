@@ -3,10 +3,12 @@
 pyproject.toml's addopts run the suite on two xdist workers (``-n 2 --dist loadgroup``), so that the README's
 command, which CI runs, is the parallel one. A unit of work is a whole file, never less: a file starts its spawned
 group once, in a module-scoped fixture, and a file split across workers would start it on each (the scheduler
-below). The files whose assertions are about time, or that build the same network namespaces (``TIMING``), get
-``pytest.mark.xdist_group("timing")`` here and run last, alone, one after another on one worker. The slowest other
-files go first (``SLOWEST_FIRST``), so that the two workers end together instead of one starting a long file at the
-end. ``-n 0`` runs everything in this process, one test after another (``-s`` needs it).
+below). Two units span several files (``pytest.mark.xdist_group``, set here): the files whose assertions are about
+time with a margin one more busy process can eat (``TIMING``) run last, alone, one after another on one worker;
+the files that build the same network namespaces (``NETNS``: one pair of addresses) run one after another on one
+worker, first, beside the other files. The slowest other files go first (``SLOWEST_FIRST``), so that the two
+workers end together instead of one starting a long file at the end. ``-n 0`` runs everything in this process,
+one test after another (``-s`` needs it).
 """
 
 import os
@@ -17,26 +19,28 @@ import pytest
 # Spawned ranks unpickle test functions by module name: make tests/ importable in them.
 sys.path.insert(0, os.path.dirname(__file__))
 
-# Files whose assertions are about time with a margin that load can eat (a hang reported within 2 x its timeout, a
-# launcher that gives up or stops its workers in time, a preempted job stopping within two 0.3 s steps, a straggler
-# named, a peer's loss noticed within 10 s, the plan's fit to a measured all-reduce) or that build the same network
-# namespaces (10.201.0.1 and .2). They form one unit of work, "timing", that runs last and alone: one file after
-# another on one worker, once the other worker has finished and left, so that they see the machine as a run without
-# xdist did. Not here: test_grad_hook.py (buckets launched during backward: the slow-wire rule that a loaded machine
-# tripped now needs 16 MiB of gradients, its model has 40 KiB) and test_launch_network.py (its bounds, 60 and 90 s,
-# are 10 x a give-up that takes 2-6 s, and the sockets it lists are its own job's).
-TIMING = {
-    "test_hang.py", "test_faults.py", "test_multinode.py", "test_elastic_launch.py", "test_launch.py",
-    "test_launch_reports.py", "test_trainer_features.py", "test_collectives.py", "test_plan.py",
-}
+# Files whose assertions are about time with a margin that one more busy process can eat: a hang reported within
+# 2 x its 6 s timeout, a straggler named from its wait standing out of the step noise, the plan's fit to a measured
+# all-reduce, a collective with a lost peer failing within 10 s. They form one unit of work, "timing", that runs last
+# and alone: one file after another on one worker, once the other worker has finished and left, so that they see the
+# machine as a run without xdist did. Not here, though they time things: the launcher's files (test_launch,
+# test_launch_reports, test_faults: bounds of 10-120 s on events that take 1-5 s, passed with the machine at load
+# 4-24), test_grad_hook.py (the slow-wire rule needs 16 MiB of gradients, its model has 40 KiB) and
+# test_launch_network.py (its bounds, 60 and 90 s, are 10 x a give-up that takes 2-6 s).
+TIMING = {"test_hang.py", "test_trainer_features.py", "test_collectives.py", "test_plan.py"}
+# Files that build the same two network namespaces (10.201.0.1 and .2): one unit, "netns", one file after the other.
+# Their bounds (a lost node noticed within its heartbeat timeout + 25 s, in-place recovery within 30 s against a goal
+# of 5 s, a restart within 90 s) leave room for the file beside them; the longest unit, so it starts first.
+NETNS = {"test_multinode.py", "test_elastic_launch.py"}
 # The other units that take longest, longest first (seconds of -n0 runs of one file, 2026-11-26, the machine's load
 # 1-13 from other jobs, after run_ranks forked its ranks from a preloaded forkserver: ~130, 104, 60, 52, 51, 44, 40,
-# 38, 37, 34, 31, 30, 30; under xdist beside another file each takes ~1.5-2 x that); the other files follow in
-# collection order, then the timing group.
+# 38, 37, 34, 31, 30, 30; the launcher's three files ~57, 56, 49 in the xdist run of 2026-11-26; under xdist beside
+# another file each takes ~1.5-2 x that); the other files follow in collection order, then the timing group.
 SLOWEST_FIRST = [
-    "test_wrapping_libraries.py", "test_exits.py", "test_bench.py", "test_docs.py", "test_compile.py",
-    "test_torch_ddp_suite.py", "test_memory.py", "test_demo.py", "test_comm_hooks.py", "test_ddp_parity.py",
-    "test_examples.py", "test_launch_network.py", "test_trainer.py",
+    *sorted(NETNS), "test_wrapping_libraries.py", "test_exits.py", "test_bench.py", "test_launch.py", "test_faults.py",
+    "test_docs.py", "test_launch_reports.py", "test_compile.py", "test_torch_ddp_suite.py", "test_memory.py",
+    "test_demo.py", "test_comm_hooks.py", "test_ddp_parity.py", "test_examples.py", "test_launch_network.py",
+    "test_trainer.py",
 ]
 
 
@@ -56,6 +60,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.name in TIMING:
             item.add_marker(pytest.mark.xdist_group("timing"))
+        elif item.path.name in NETNS:
+            item.add_marker(pytest.mark.xdist_group("netns"))
     # Stable: each file's tests keep their order, and every worker sorts alike (xdist checks they collected alike).
     items.sort(key=_order)
 

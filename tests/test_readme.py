@@ -83,8 +83,8 @@ def _log(name):
 
 def test_the_test_command_runs_files_on_two_workers_and_the_timing_group_last_and_alone(tmp_path):
     # issue #34 item 7: pyproject's addopts and tests/conftest.py's scheduler, run on stand-in files: a file's tests
-    # stay on one worker (its spawned group starts once), two files run at once, and TIMING's files only once the
-    # rest has ended.
+    # stay on one worker (its spawned group starts once), two files run at once, NETNS's files one after the other on
+    # one worker beside the rest, and TIMING's files only once the rest has ended.
     import conftest
 
     addopts = re.search(r"^addopts = .*$", open(os.path.join(ROOT, "pyproject.toml")).read(), re.MULTILINE)[0]
@@ -92,8 +92,10 @@ def test_the_test_command_runs_files_on_two_workers_and_the_timing_group_last_an
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "conftest.py").write_text(open(os.path.join(ROOT, "tests", "conftest.py")).read())
     timing = sorted(conftest.TIMING)[:2]
-    for name in ["test_one.py", "test_two.py", *timing]:
-        cases = "".join(f"def test_{i}():\n    _log('{name} {i}')\n" for i in range(3))
+    netns = sorted(conftest.NETNS)
+    for name in ["test_one.py", "test_two.py", *timing, *netns]:
+        wait = "    time.sleep(0.5)\n" if name in netns else ""  # the longest unit, as the real ones are
+        cases = "".join(f"def test_{i}():\n{wait}    _log('{name} {i}')\n" for i in range(3))
         (tmp_path / "tests" / name).write_text(_LOGGING_TEST + cases)
     log = tmp_path / "log"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=tmp_path,
@@ -104,15 +106,23 @@ def test_the_test_command_runs_files_on_two_workers_and_the_timing_group_last_an
     for file, _, worker, _, _ in runs:
         workers.setdefault(file, set()).add(worker)
     assert all(len(w) == 1 for w in workers.values()), workers
-    assert workers["test_one.py"] != workers["test_two.py"], workers  # side by side, one on each worker
     others_end = max(float(end) for file, _, _, _, end in runs if file not in timing)
     assert all(float(start) >= others_end for file, _, _, start, _ in runs if file in timing), runs
+    # the namespaces' files share one worker, one after the other, and start before the plain files end
+    assert len(set().union(*(workers[name] for name in netns))) == 1, workers
+    spans = {name: [float(t) for file, _, _, start, end in runs if file == name for t in (start, end)]
+             for name in netns}
+    first, second = sorted(netns, key=lambda name: min(spans[name]))
+    assert max(spans[first]) <= min(spans[second]), spans
+    plain_end = max(float(end) for file, _, _, _, end in runs if file in ("test_one.py", "test_two.py"))
+    assert min(spans[first]) < plain_end, (spans, plain_end)
+    assert workers["test_one.py"] != workers[first], workers  # side by side, one on each worker
 
 
 def test_the_schedules_file_names_are_test_files():
     # A renamed file would fall out of the timing group or the order without a word: every name must exist.
     import conftest
 
-    names = [*conftest.TIMING, *conftest.SLOWEST_FIRST]
+    names = [*conftest.TIMING, *conftest.NETNS, *conftest.SLOWEST_FIRST]
     missing = [name for name in names if not os.path.exists(os.path.join(ROOT, "tests", name))]
     assert not missing, f"tests/conftest.py names files that do not exist: {missing}"
