@@ -542,28 +542,29 @@ def test_in_place_shrink_then_grow_back_by_restart(tmp_path):
     assert _final(directory)["world_size"] == 4
 
 
-JOIN_LINE = (r"lockstep launch: node 1 \(10\.201\.0\.2\) joined at step (\d+): world 2 -> 4 in ([\d.]+) s from its "
-             r"launch, the others paused ([\d.]+) s$")
+JOIN_LINE = (r"lockstep launch: node 1 \(10\.201\.0\.2\) joined at step (\d+): world (\d+) -> (\d+) in ([\d.]+) s from "
+             r"its launch, the others paused ([\d.]+) s$")
 JOIN_GOAL_S = 10  # issue #37: the returning node trains <= 10 s after its agent starts (printed, asserted loosely)
 
 
-def _shrink_then_grow_in_place(directory: str) -> dict:
-    """2 x 2: node 1 killed while its first rank pauses after step K (node 0 goes on at 2 in place and holds its
-    first step there until a node waits to join); node 1's launcher starts again and joins in place."""
+def _shrink_then_grow_in_place(directory: str, nproc: int = 2) -> dict:
+    """2 x ``nproc``: node 1 killed while its first rank pauses after step K (node 0 goes on alone in place and
+    holds its first step there until a node waits to join); node 1's launcher starts again and joins in place."""
     port = 29600 + random.randrange(300)
+    pause = ["--pause-at", str(K), "--pause-rank", str(nproc)]
     with netns.two_nodes() as (a, b):
-        node_a = Launch(a.command(_inplace_argv(0, 2, port, directory, "--pause-at", str(K), "--hold-at-world", "2")),
+        node_a = Launch(a.command(_inplace_argv(0, nproc, port, directory, *pause, "--hold-at-world", str(nproc))),
                         clean_env())
-        node_b = Launch(b.command(_inplace_argv(1, 2, port, directory, "--pause-at", str(K))), clean_env())
+        node_b = Launch(b.command(_inplace_argv(1, nproc, port, directory, *pause)), clean_env())
         launches = [node_a, node_b]
         try:
             _wait_file(os.path.join(directory, "paused"), 240, launches)
             _kill_node(node_b)
             node_a.wait_for(LEFT_LINE, INPLACE_BOUND_S + 30)
             os.remove(os.path.join(directory, "paused"))
-            survivors = {p for _, _, w, p in _rows(directory) if w == 2}
+            survivors = {p for _, _, w, p in _rows(directory) if w == nproc}
             started = time.time()
-            node_b = Launch(b.command(_inplace_argv(1, 2, port, directory)), clean_env())
+            node_b = Launch(b.command(_inplace_argv(1, nproc, port, directory)), clean_env())
             launches.append(node_b)
             node_a.wait_for(JOIN_LINE, 120)
             assert node_b.finish(240) == 0, node_b.text()[-4000:]
@@ -575,9 +576,10 @@ def _shrink_then_grow_in_place(directory: str) -> dict:
     rows = _rows(directory)
     line = next(m for m in (re.search(JOIN_LINE, x) for x in node_a.err) if m)
     return {"text": node_a.text(), "joiner": node_b.text(), "line": line.group(0), "step": int(line.group(1)),
-            "reported_s": float(line.group(2)), "paused_s": float(line.group(3)), "survivors": survivors,
-            "grow_s": next(t for t, _, w, _ in rows if w == 4 and t > started) - started,
-            "pids_at_4": {p for t, _, w, p in rows if w == 4 and t > started},
+            "worlds": (int(line.group(2)), int(line.group(3))), "reported_s": float(line.group(4)),
+            "paused_s": float(line.group(5)), "survivors": survivors,
+            "grow_s": next(t for t, _, w, _ in rows if w == 2 * nproc and t > started) - started,
+            "pids_at_4": {p for t, _, w, p in rows if w == 2 * nproc and t > started},
             "shrink_step": int(next(m for m in (re.search(LEFT_LINE, x) for x in node_a.err) if m).group(1))}
 
 
@@ -608,21 +610,33 @@ def test_in_place_shrink_then_grow_back_in_place(tmp_path):
     step and data position from rank 0 over the group (no checkpoint: the script writes one only at the end), and
     the run equals, bit for bit, one stopped cleanly at the shrink step on 4 ranks, resumed on 2, stopped at the
     grow step and resumed on 4 (one node: the grown group sums flat, as one node does)."""
+    _grow_back_in_place(tmp_path, 2)
+
+
+def _grow_back_in_place(tmp_path, nproc: int) -> None:
     grown, clean = str(tmp_path / "grown"), str(tmp_path / "clean")
     os.makedirs(grown)
     os.makedirs(clean)
-    measured = _shrink_then_grow_in_place(grown)
-    print(f"{measured['line']}; node 1's launch to its first step at world size 4: {measured['grow_s']:.2f} s "
-          f"(goal {JOIN_GOAL_S} s)")
-    assert measured["shrink_step"] == K and measured["step"] > K
-    assert len(measured["survivors"]) == 2 and measured["survivors"] <= measured["pids_at_4"]  # never restarted
-    assert len(measured["pids_at_4"]) == 4
+    measured = _shrink_then_grow_in_place(grown, nproc)
+    print(f"{measured['line']}; node 1's launch to its first step at world size {2 * nproc}: "
+          f"{measured['grow_s']:.2f} s (goal {JOIN_GOAL_S} s)")
+    assert measured["shrink_step"] == K and measured["step"] > K and measured["worlds"] == (nproc, 2 * nproc)
+    assert len(measured["survivors"]) == nproc and measured["survivors"] <= measured["pids_at_4"]  # not restarted
+    assert len(measured["pids_at_4"]) == 2 * nproc
     assert "restarted" not in measured["text"] and "resumed from step" not in measured["text"]
     assert "joins the running job in place" in measured["joiner"]
     assert measured["grow_s"] < 60  # the goal is 10 s (printed above); a loaded 2-core machine gets slack
     _samples_once(grown, complete=True)
-    want = _clean_stops(clean, [(2, 2, K), (1, 2, measured["step"]), (1, 4, None)])
+    want = _clean_stops(clean, [(2, nproc, K), (1, nproc, measured["step"]), (1, 2 * nproc, None)])
     _assert_bit_for_bit(_final(grown), want)
+
+
+@needs_netns
+@heavy
+@pytest.mark.parametrize("run", range(4))
+def test_in_place_grow_back_repeats(tmp_path, run):
+    """The same at 2 x 1 and 2 x 2 in turn, twice each: the join time printed each run (issue #37's table)."""
+    _grow_back_in_place(tmp_path, 1 if run % 2 else 2)
 
 
 REPEATING_ERROR = """
