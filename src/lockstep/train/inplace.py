@@ -118,7 +118,9 @@ class Joins:
             waiting = [r["id"] for r in self.records.values() if r["id"] not in self.done and r["id"] not in members]
             for r in waiting:
                 beat = client.add(f"{PREFIX}/beat/{r}", 0)
-                if seen.get(r, (None,))[0] != beat:
+                if r not in seen:  # alive once its heartbeat moves: a record left by one that died is never admitted
+                    seen[r] = (beat, -1e18)
+                elif seen[r][0] != beat:
                     seen[r] = (beat, now)
             self.ready = bool(self._complete(now, seen, members))
 
