@@ -260,9 +260,10 @@ class InPlaceGroup:
         lost during the commit and the others had completed it: apply it too (this rank's averages are complete),
         then go on at the new size. Raises ``PeerLost`` when the step is discarded."""
         self.ready = step
-        # the second element: newcomers wait (as this rank's watcher saw them); a sum, so every rank agrees on the
-        # step after which the group grows at no extra collective (``grow``)
-        flag = torch.tensor([1.0, float(self.joins.ready)])
+        # 1, or 2 where this rank's watcher saw newcomers waiting: the sum exceeds the world size on every rank
+        # alike, so all agree on the step after which the group grows (``grow``), at no extra collective and
+        # in the same one element (exact in float32 for any world size below 2**23)
+        flag = torch.tensor([1.0 + float(self.joins.ready)])
         try:
             dist.all_reduce(flag)
         except Exception as e:
@@ -271,7 +272,7 @@ class InPlaceGroup:
                 raise PeerLost(outcome) from e
             return outcome
         self.committed = step
-        self.grow_due = flag[1].item() > 0
+        self.grow_due = flag.item() > len(self.members)
         return None
 
     # -- growing ------------------------------------------------------------------------------
