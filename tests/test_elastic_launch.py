@@ -633,6 +633,62 @@ def _grow_back_in_place(tmp_path, nproc: int) -> None:
 
 @needs_netns
 @heavy
+def test_in_place_twice_lost_twice_back(tmp_path):
+    """2 x 2: node 1 lost after step K and back in place, then its new ranks lost (a newcomer's loss, named by the
+    node it joined from) and back again; same PIDs on node 0 throughout, each sample once, bit for bit with the
+    five clean stops and resumes."""
+    grown, clean = str(tmp_path / "grown"), str(tmp_path / "clean")
+    os.makedirs(grown)
+    os.makedirs(clean)
+    port, paused = 29600 + random.randrange(300), os.path.join(grown, "paused")
+    with netns.two_nodes() as (a, b):
+        node_a = Launch(a.command(_inplace_argv(0, 2, port, grown, "--pause-at", str(K), "--hold-at-world", "2")),
+                        clean_env())
+        launches = [node_a, Launch(b.command(_inplace_argv(1, 2, port, grown, "--pause-at", str(K))), clean_env())]
+        steps, times = [], []
+        try:
+            for cycle in range(2):
+                _wait_file(paused, 240, launches)
+                _kill_node(launches[-1])
+                _wait_lines(node_a, LEFT_LINE, cycle + 1, INPLACE_BOUND_S + 30)
+                os.remove(paused)
+                started = time.time()
+                again = ["--pause-at", str(K + 3), "--pause-rank", "2"] if cycle == 0 else []  # 1 step at 4, then lost
+                launches.append(Launch(b.command(_inplace_argv(1, 2, port, grown, *again)), clean_env()))
+                joined = _wait_lines(node_a, JOIN_LINE, cycle + 1, 120)[-1]
+                steps += [int(_wait_lines(node_a, LEFT_LINE, cycle + 1, 1)[-1].group(1)), int(joined.group(1))]
+                times.append(next(t for t, _, w, _ in _rows(grown) if w == 4 and t > started) - started)
+            assert launches[-1].finish(240) == 0, launches[-1].text()[-4000:]
+            assert node_a.finish(240) == 0, node_a.text()[-4000:]
+        finally:
+            for launch in launches:
+                if launch.proc.poll() is None:
+                    _kill_node(launch)
+    print("\n".join(line for line in node_a.err if "left at" in line or "joined at" in line))
+    print(f"steps (lost, back, lost, back): {steps}; node 1's launch to a step at 4: {[round(t, 2) for t in times]} s")
+    assert steps == [K, K + 2, K + 3, K + 5]  # each grow right after the held step: the first at 2 after the shrink
+    pids_a = {p for _, _, w, p in _rows(grown) if w == 2}
+    assert len(pids_a) == 2 and all(p in {q for _, s, w, q in _rows(grown) if s == STEPS} for p in pids_a)
+    _samples_once(grown, complete=True)
+    stops = [(2, 2, steps[0]), (1, 2, steps[1]), (1, 4, steps[2]), (1, 2, steps[3]), (1, 4, None)]
+    _assert_bit_for_bit(_final(grown), _clean_stops(clean, stops))
+
+
+def _wait_lines(launch: Launch, pattern: str, count: int, timeout_s: float) -> list[re.Match]:
+    """The first ``count`` lines of ``launch``'s stderr that match, waiting up to ``timeout_s`` for them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [m for m in (re.search(pattern, line) for line in list(launch.err)) if m]
+        if len(found) >= count:
+            return found[:count]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"fewer than {count} lines matching {pattern!r} in {timeout_s} s:\n"
+                                 + launch.text()[-4000:])
+        time.sleep(0.1)
+
+
+@needs_netns
+@heavy
 @pytest.mark.parametrize("run", range(4))
 def test_in_place_grow_back_repeats(tmp_path, run):
     """The same at 2 x 1 and 2 x 2 in turn, twice each: the join time printed each run (issue #37's table)."""

@@ -5,7 +5,8 @@ Arguments: OUT_DIR [--max-steps N] [--pause-at STEP] [--pause-rank R] [--step-sl
 writes OUT_DIR/paused and sleeps, so a test can kill node 1 while the others wait in step STEP + 1.
 ``--alarms N``: rank 0 raises the in-place alarm after every step until the group re-formed N times: every rank
 drops its collectives and the group re-forms at the same size (the leak check's 10 recoveries in one process).
-``--hold-at-world W``: the first step finished at world size W is held (up to 120 s) until the agent stops the
+``--hold-at-world W``: the first step finished at world size W (in each generation of the in-place group: after
+each shrink to W) is held (up to 120 s) until the agent stops the
 workers (SIGTERM: a node joined; the Trainer checkpoints that step) or a node waits to join in place (the next
 step's commit admits it), so a test can grow the job back. ``--refuse-joins``: the job admits no newcomer in place
 (as a script's own loop): a node that comes back makes every agent restart its workers.
@@ -89,8 +90,8 @@ def main():
             if args.pause_at == trainer.step and launch_rank == args.pause_rank:
                 open(os.path.join(args.directory, "paused"), "w").close()
                 time.sleep(3600)  # until the test kills this node
-            if args.hold_at_world == trainer.world_size and not held:
-                held.append(trainer.step)
+            if args.hold_at_world == trainer.world_size and generation not in held:  # once per re-formation
+                held.append(generation)
                 deadline = time.monotonic() + 120
                 while time.monotonic() < deadline and not (trainer._watch is not None and trainer._watch.requested):
                     if trainer._inplace is not None and trainer._inplace.joins.ready:
