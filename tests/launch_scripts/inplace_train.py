@@ -94,7 +94,7 @@ def main():
                 held.append(generation)
                 deadline = time.monotonic() + 120
                 while time.monotonic() < deadline and not (trainer._watch is not None and trainer._watch.requested):
-                    if trainer._inplace is not None and trainer._inplace.joins.ready:
+                    if getattr(getattr(trainer._inplace, "joins", None), "ready", False):
                         break  # a node waits to join in place: the next commit admits it
                     time.sleep(0.2)  # until the agent stops the workers (SIGTERM: a node joined)
             time.sleep(args.step_sleep)
