@@ -105,6 +105,7 @@ class Joins:
     def __init__(self):
         self.records: dict[int, dict] = {}  # announcement number -> {"id", "node", "local_rank", "local_world"...}
         self.done: set[int] = set()  # ids admitted already
+        self.first_beat: dict[int, int] = {}  # id -> its heartbeat's count when this rank first read it
         self.ready = False
         self.lock = threading.Lock()  # the watcher polls while rank 0's main thread admits
 
@@ -118,16 +119,18 @@ class Joins:
             waiting = [r["id"] for r in self.records.values() if r["id"] not in self.done and r["id"] not in members]
             for r in waiting:
                 beat = client.add(f"{PREFIX}/beat/{r}", 0)
-                if r not in seen:  # alive once its heartbeat moves: a record left by one that died is never admitted
-                    seen[r] = (beat, -1e18)
-                elif seen[r][0] != beat:
+                self.first_beat.setdefault(r, beat)
+                if seen.get(r, (None,))[0] != beat:
                     seen[r] = (beat, now)
             self.ready = bool(self._complete(now, seen, members))
 
     def _complete(self, now: float, seen: dict[int, tuple[int, float]], members: list[int]) -> list[dict]:
         nodes: dict[int, list[dict]] = {}
         for r in self.records.values():
-            beating = now - seen.get(r["id"], (0, -1e18))[1] < SILENT_S  # a newcomer that died is not admitted
+            # alive: its heartbeat moved since this rank first read it, lately (a record left by one that died is
+            # never admitted)
+            beat, when = seen.get(r["id"], (None, -1e18))
+            beating = beat != self.first_beat.get(r["id"]) and now - when < SILENT_S
             if r["id"] not in self.done and r["id"] not in members and beating:
                 nodes.setdefault(r["node"]["node_rank"], []).append(r)
         whole = [sorted(rs, key=lambda r: r["local_rank"]) for _, rs in sorted(nodes.items())
