@@ -308,9 +308,12 @@ def _link_nbytes(run: Callable[[], object]) -> int:
 
 
 def _warm_up(name: str, model, run: Callable[[], object], steps: int) -> None:
-    if name == "lockstep_auto":  # its trials; the schedule counts steps, so every rank runs as many
-        while not model.reducer.tuner.done:
-            run()
+    reducer = getattr(model, "reducer", None)
+    # "auto"'s trials, and the default's link verdict (third step) and the trials it may start; both are agreed, so
+    # every rank runs as many steps here
+    while reducer is not None and (getattr(getattr(reducer, "link", None), "pending", False)
+                                   or (reducer.tuner is not None and not reducer.tuner.done)):
+        run()
     extra = {"lockstep_powersgd": POWERSGD_START, "torch_powersgd": POWERSGD_START,
              "lockstep_overlap": OVERLAP_PROBE_STEPS}.get(name, 0)
     for _ in range(steps + extra):
@@ -350,9 +353,10 @@ def _measure_model(kind: str, cfg: dict, rank: int) -> dict:
               "link_nbytes": {name: _link_nbytes(run) for name, run in runs.items()}}
     hier = getattr(getattr(built.get("lockstep", (None,))[0], "reducer", None), "hierarchy", None)
     result["lockstep_hierarchical"] = hier is not None
-    auto = built.get("lockstep_auto")
-    if auto is not None:
-        result["auto"] = auto[0].reducer.tuner.result
+    for name, key in (("lockstep_auto", "auto"), ("lockstep", "default_trials")):  # what the trials chose
+        tuned = getattr(getattr(built.get(name, (None,))[0], "reducer", None), "tuner", None)
+        if tuned is not None:
+            result[key] = tuned.result
     if cfg.get("trace"):
         _trace_all(kind, built, x, y, cfg, rank)
     return result
@@ -547,10 +551,12 @@ def _rate_markdown(rate: str, r: dict, args) -> list[str]:
         lines += markdown_section(f"{rate}, {kind} ({res['params'] / 1e6:.2f}M parameters in {res['tensors']} tensors)",
                                   res["table"])
         lines += [_shaping_line(rate, res, world_size) + ".", _link_bytes_line(res), ""]
-        auto = res.get("auto") or {}
-        if "chosen_mb" in auto:
-            chosen = "one bucket" if auto["chosen_mb"] is None else f"{auto['chosen_mb']:g} MB buckets"
-            lines += [f"lockstep_auto chose {chosen}.", ""]
+        for key, said in (("auto", "lockstep_auto chose"), ("default_trials", "lockstep's default went to the trials "
+                                                                             "(the link verdict) and chose")):
+            auto = res.get(key) or {}
+            if "chosen_mb" in auto:
+                chosen = "one bucket" if auto["chosen_mb"] is None else f"{auto['chosen_mb']:g} MB buckets"
+                lines += [f"{said} {chosen}.", ""]
     return lines
 
 

@@ -112,8 +112,9 @@ def test_the_test_command_runs_files_on_two_workers_and_the_timing_group_last_an
     assert len(set().union(*(workers[name] for name in netns))) == 1, workers
     spans = {name: [float(t) for file, _, _, start, end in runs if file == name for t in (start, end)]
              for name in netns}
-    first, second = sorted(netns, key=lambda name: min(spans[name]))
-    assert max(spans[first]) <= min(spans[second]), spans
+    in_turn = sorted(netns, key=lambda name: min(spans[name]))
+    first = in_turn[0]
+    assert all(max(spans[a]) <= min(spans[b]) for a, b in zip(in_turn, in_turn[1:])), spans
     plain_end = max(float(end) for file, _, _, _, end in runs if file in ("test_one.py", "test_two.py"))
     assert min(spans[first]) < plain_end, (spans, plain_end)
     assert workers["test_one.py"] != workers[first], workers  # side by side, one on each worker

@@ -131,7 +131,7 @@ def _auto(rank, world_size):
         "auto": lockstep.DistributedDataParallel(_big_mlp(), bucket_cap_mb=config),
         # the trials move gradients that live in the buckets (kept by zero_grad(set_to_none=False)) with them
         "auto_view": lockstep.DistributedDataParallel(_big_mlp(), bucket_cap_mb=config, gradient_as_bucket_view=True),
-        "fixed": lockstep.DistributedDataParallel(_big_mlp()),
+        "fixed": lockstep.DistributedDataParallel(_big_mlp(), bucket_cap_mb=25),
         "torch": nn.parallel.DistributedDataParallel(_big_mlp()),
     }
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for k, m in models.items()}
@@ -173,6 +173,65 @@ def _auto(rank, world_size):
         "layouts": layouts, "final": models["auto"].reducer.bucket_layout(),
         "result": models["auto"].reducer.tuner.result, "drains": drains, "joined": joined, "logs": [r.getMessage() for r in records], "errors": errors,
     }
+
+
+LINK_STEPS = 24  # two backwards, then the default trials' 5 caps x (1 + 3) steps, then two with the choice
+
+
+def _link_verdict(rank, world_size):
+    """The default caps' verdict on the tail of the backward after the rebuild (the second): rank 1 comes 0.3 s late
+    to it, so rank 0's last 3 MB take 0.3 s to come back (a slow wire, to rank 0), rank 1's a few ms (the last to
+    arrive waits for the wire alone). The ranks agree at that backward's end (test_link_default.py has a real
+    slow link)."""
+    import logging
+
+    import lockstep
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("lockstep.ddp.autotune")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    def layers():  # 12 x 257 KB: 1 MB caps make several buckets of it, 25 MB one
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, 256), *[nn.Sequential(nn.ReLU(), nn.Linear(256, 256)) for _ in range(11)])
+
+    models = {"default": lockstep.DistributedDataParallel(layers()),
+              "fixed": lockstep.DistributedDataParallel(layers(), bucket_cap_mb=25),  # asked for: kept
+              "torch": nn.parallel.DistributedDataParallel(layers())}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for k, m in models.items()}
+    gen = torch.Generator().manual_seed(rank)
+    layouts = []
+    torch.distributed.barrier()  # the cases before end at different times on the two ranks
+    for step in range(LINK_STEPS):
+        x, y = torch.randn(8, 256, generator=gen), torch.randint(0, 256, (8,), generator=gen)
+        for name, model in models.items():
+            opts[name].zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            if step == 1 and rank == 1 and name != "torch":
+                time.sleep(0.3)
+            loss.backward()
+            opts[name].step()
+        layouts.append(models["default"].reducer.bucket_layout())
+    logger.removeHandler(handler)
+    # Rank 0 joins after one step: its shadow of the judged (second) backward takes part in the agreement.
+    joined = {}
+    for name, build in (("default", lockstep.DistributedDataParallel), ("torch", nn.parallel.DistributedDataParallel)):
+        model = build(layers())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with model.join():
+            for _ in range(1 if rank == 0 else 4):
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+        joined[name] = [p.detach().clone() for p in model.parameters()]
+    reducers = {k: models[k].reducer for k in ("default", "fixed")}
+    return {"params": {k: [p.detach().clone() for p in m.parameters()] for k, m in models.items()},
+            "layouts": layouts, "votes": {k: r.link.vote for k, r in reducers.items()},
+            "tail": (reducers["default"].link.tail_bytes, reducers["default"].link.tail_waited_s), "joined": joined,
+            "tuned": {k: r.tuner is not None and r.tuner.done for k, r in reducers.items()},
+            "logs": [r.getMessage() for r in records]}
 
 
 def _rebuild(rank, world_size):
@@ -257,7 +316,7 @@ def _first_bucket(rank, world_size):
         cls = type("FirstBucketDDP", (lockstep.DistributedDataParallel,), {"small_first_bucket": small})
         build = lambda: nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])  # 8 x 257 KB
         torch.manual_seed(0)
-        ours = cls(build())
+        ours = cls(build(), bucket_cap_mb=25)  # torch's cap, fixed: the default's link trials never relayout it
         torch.manual_seed(0)
         theirs = nn.parallel.DistributedDataParallel(build())
         initial = ours.reducer.bucket_layout()
@@ -314,6 +373,7 @@ def _join_with_status_exchange(rank, world_size):
 def _all_cases(rank, world_size):
     return {"join_status": _join_with_status_exchange(rank, world_size), "first_bucket": _first_bucket(rank, world_size), "overlap": _overlap(rank, world_size), "hook_overlap": _hook_overlap(rank, world_size),
             "rebuild": _rebuild(rank, world_size), "auto": _auto(rank, world_size),
+            "link": _link_verdict(rank, world_size),
             "bad": _bad_input(rank, world_size), "compat": _compat(rank, world_size)}
 
 
@@ -406,6 +466,36 @@ def test_auto_bucket_cap_tries_each_cap_then_keeps_rank_0s_fastest(results):
     # Logged once per model (two tuned here: auto, auto_view), on rank 0, with the choice and the times.
     assert len(r0["logs"]) == 2 and not r1["logs"]
     assert "bucket_cap_mb='auto' chose" in r0["logs"][0] and "10 KB" not in r0["logs"][0], r0["logs"]
+
+
+def test_the_link_verdict_is_agreed_and_a_late_peer_is_no_slow_wire(results):
+    # issue #35: the default caps go to "auto"'s trials only where every rank's second backward said the wire is
+    # slow (one all-reduce at its end); rank 0 waited 0.3 s for rank 1, rank 1 only for the wire
+    r0, r1 = results[0]["link"], results[1]["link"]
+    assert r0["votes"]["default"], r0["tail"]
+    agreed = r0["votes"]["default"] and r1["votes"]["default"]  # rank 1 says fast unless a loaded machine slowed it
+    assert r0["tuned"] == r1["tuned"] == {"default": agreed, "fixed": False}, (r0["tail"], r1["tail"])
+    assert r0["layouts"] == r1["layouts"]
+    distinct = len({str(layout) for layout in r0["layouts"][1:]})  # the trials: 1 MB caps split it, 4 MB on do not
+    assert distinct >= 2 if agreed else distinct == 1, r0["layouts"]
+    assert len(r0["logs"]) == (2 if agreed else 0) and not r1["logs"], (r0["logs"], r1["logs"])
+    for rank in (0, 1):  # a joined rank's shadow of the judged backward votes too; the bits are torch's
+        joined = results[rank]["link"]["joined"]
+        assert all(torch.equal(a, b) for a, b in zip(joined["default"], joined["torch"])), rank
+    for rank in (0, 1):  # whatever the layouts, no bit changes at 2 ranks
+        params = results[rank]["link"]["params"]
+        for other in ("fixed", "torch"):
+            assert all(torch.equal(a, b) for a, b in zip(params["default"], params[other])), (rank, other)
+
+
+def test_the_link_verdict_reads_the_tails_rate_and_share():
+    from lockstep.ddp.autotune import tail_wants_trials
+
+    assert tail_wants_trials(4_800_000, 0.300, 0.040)  # a small CNN's bucket through 100 Mbit/s
+    assert tail_wants_trials(4_800_000, 0.016, 0.040)  # ... through 2.5 Gbit/s: 0.3 GB/s, 40% of the backward
+    assert not tail_wants_trials(5_300_000, 0.004, 0.040)  # loopback: 1.3 GB/s
+    assert not tail_wants_trials(4_800_000, 0.016, 0.400)  # a slow wire, but its tail is 4% of the backward
+    assert not tail_wants_trials(500_000, 0.300, 0.040)  # under 1 MiB left: nothing worth splitting
 
 
 def test_auto_bucket_cap_trains_bit_identical_to_a_fixed_cap(results):

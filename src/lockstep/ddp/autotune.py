@@ -16,6 +16,19 @@ joined rank's shadow of one), so a rebuild is never half-way across ranks. A hoo
 not known to issue its collectives up front may keep state per bucket (torch's PowerSGD
 does): with one registered before the first backward, nothing is tried and the cap stays
 25 MB.
+
+The default (``bucket_cap_mb`` and ``bucket_cap_mb_list`` left unset) starts these trials by itself where
+the wire is slow: a link between nodes, where one 25 MB bucket holds a small model and nothing overlaps its
+backward. ``tail_wants_trials`` judges, on each rank, the synchronised backward after the rebuild (the first
+one pays for gloo's buffers of these sizes): at its end, the bytes still to cross (buckets not launched or not
+complete) took ``waited_s`` to come back; a rate under ``LINK_BELOW_BYTES_S`` (loopback's gloo moves 1-1.8
+GB/s, a 2.5 Gbit/s link 0.25-0.3) with that tail at least ``TAIL_FRACTION`` of the backward means buckets sent
+during backward could hide it. A rank that waited for a slower peer reads a slower wire than there is; the
+last rank to arrive waited for the wire alone. So the ranks agree at that backward's end, after its other
+collectives, with one all-reduce of one number, once per run (``all_say_slow``; a joined rank's shadow votes
+"not slow"): the trials start on every rank at the next round, only where every rank judged the wire slow. A
+loaded machine's loopback can pass for a slow wire; the worst a wrong verdict costs is the trials' steps, since
+they keep the measured best.
 """
 
 from __future__ import annotations
@@ -36,6 +49,12 @@ from lockstep.ddp.buckets import MIB
 log = logging.getLogger("lockstep.ddp.autotune")
 
 ONE_BUCKET_BYTES = 1 << 62  # "one bucket": a cap nothing reaches (one bucket per device and dtype)
+# The default's link verdict (``tail_wants_trials``): a tail rate below 0.6 GB/s (between a 2.5 Gbit/s link's
+# 0.25-0.3 and loopback's 1-1.8), a tail of at least 10% of the backward and 2 ms, at least 1 MiB left to cross.
+LINK_BELOW_BYTES_S = 0.6e9
+TAIL_FRACTION = 0.1
+TAIL_MIN_S = 2e-3
+TAIL_MIN_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -73,6 +92,41 @@ def caps_bytes(cap_mb: float | None, first_bucket_bytes: int) -> list[int]:
         return [ONE_BUCKET_BYTES]
     cap = max(1, int(cap_mb * MIB))
     return [min(first_bucket_bytes, cap), cap]
+
+
+@dataclass
+class LinkVerdict:
+    """The default caps' verdict on the wire (one per reducer): judged once, on the backward after the rebuild."""
+
+    pending: bool  # the default caps, several ranks, and no verdict yet
+    tail_bytes: int = 0  # the judged backward's bytes still to cross at its end
+    tail_waited_s: float = 0.0  # ... and the seconds they took to come back
+    vote: bool = False  # this rank's ``tail_wants_trials``
+
+
+def tail_wants_trials(pending_bytes: int, waited_s: float, backward_s: float) -> bool:
+    """The first backward's end: ``pending_bytes`` still to cross (not launched or not complete) came back in
+    ``waited_s``, after a backward of ``backward_s``: a slow wire whose tail buckets sent earlier could hide."""
+    if pending_bytes < TAIL_MIN_BYTES or waited_s < max(TAIL_MIN_S, TAIL_FRACTION * backward_s):
+        return False
+    return pending_bytes < LINK_BELOW_BYTES_S * waited_s
+
+
+def all_say_slow(vote: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Every rank's ``tail_wants_trials`` verdict, agreed: True only where all said slow (one all-reduce, MIN)."""
+    vote_t = torch.tensor([int(vote)], dtype=torch.int64, device=device if dist.get_backend(group) == "nccl" else "cpu")
+    dist.all_reduce(vote_t, op=dist.ReduceOp.MIN, group=group)
+    return bool(vote_t.item())
+
+
+def trials_for_slow_wire(tail_bytes: int, tail_s: float, rank: int) -> BucketTuner:
+    """The default's trials, started by rank 0's verdict (``tail_wants_trials``); rank 0 says why in the log."""
+    tuner = BucketTuner(AutoBucketCap())
+    if rank == 0:
+        log.info("a backward's last %.1f MB took %.0f ms to cross after it on every rank: trying bucket caps "
+                 "(bucket_cap_mb='auto') over the next %d steps; a fixed bucket_cap_mb keeps its cap",
+                 tail_bytes / 1e6, tail_s * 1e3, tuner.config.trial_steps)
+    return tuner
 
 
 class TunedReducer(Protocol):

@@ -46,6 +46,9 @@ class BucketCaps:
     direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES
     """A CPU parameter at least this large (copies mode) is all-reduced in its own gradient, no copy in or out
     (``copy_in``); None: never."""
+    link_aware: bool = False
+    """The caller left ``bucket_cap_mb`` and ``bucket_cap_mb_list`` unset: where the first backward's gradients
+    crossed slowly (``autotune.tail_wants_trials``), the caps go to ``"auto"``'s trials after it."""
 
     def __post_init__(self) -> None:
         if isinstance(self.cap_mb, str):  # a ValueError, as it always was (scripts catch it)
@@ -84,8 +87,9 @@ class BucketCaps:
             auto, bucket_cap_mb = AutoBucketCap(), None
         elif isinstance(bucket_cap_mb, AutoBucketCap):
             auto, bucket_cap_mb = bucket_cap_mb, None  # the first step runs with the default cap
+        link_aware = bucket_cap_mb is None and bucket_cap_mb_list is None and auto is None
         return cls(DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb,
-                   None if bucket_cap_mb_list is None else tuple(bucket_cap_mb_list), auto)
+                   None if bucket_cap_mb_list is None else tuple(bucket_cap_mb_list), auto, link_aware=link_aware)
 
     def for_machine(self, device_type: str, world_size: int, small_first_bucket: bool | None,
                     direct_min_bytes: int | None) -> BucketCaps:

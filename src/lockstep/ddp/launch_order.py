@@ -112,6 +112,12 @@ class LaunchOrder:
         self.next_index += 1
         return True
 
+    def bytes_to_cross(self) -> int:
+        """Bytes of the buckets not launched yet or not complete: what the end of backward still waits for."""
+        launched = set(self.sequence[: self.next_index])
+        return sum(b.plan.numel * b.plan.dtype.itemsize for b in self.buckets
+                   if b.index not in launched or not _done(b.work))
+
     def launched(self, index: int) -> bool:
         """Bucket ``index`` has been launched this backward."""
         return index in self.sequence[: self.next_index]

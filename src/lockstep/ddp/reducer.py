@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from lockstep.collectives.hierarchical import HierarchicalAllReduce
 from lockstep.ddp.args import sparse_flags
-from lockstep.ddp.autotune import BucketTuner
+from lockstep.ddp.autotune import BucketTuner, LinkVerdict, all_say_slow, tail_wants_trials, trials_for_slow_wire
 from lockstep.ddp.compiled import refuse_compiled_autograd
 from lockstep.ddp.config import BucketCaps
 from lockstep.ddp.copy_back import copy_back
@@ -55,6 +55,7 @@ from lockstep.ddp.step import (
 from lockstep.ddp.zero2 import ZeroShards
 from lockstep.diagnostics.nonfinite import NonfiniteCheck
 
+LINK_JUDGED_ROUND = 1  # rounds completed before the backward whose tail judges the wire: the one after the rebuild
 
 class Reducer:
     """Bucketed gradient averaging for one replica's parameters (DDP's arguments, resolved by the wrapper)."""
@@ -107,7 +108,8 @@ class Reducer:
         self.direct_launches = 0  # all-reduces on a gradient where autograd left it (``copy_in``), since construction
         self.launch_seq = 0  # launches issued since construction: the same on every rank, step after step
         self.serial_launch = False  # one at a time (``launch_order``), per rank: when, never which or in what order
-        self._first_launch_s = 0.0  # this backward's first launch (perf_counter)
+        self._first_launch_s = self._backward_start_s = 0.0  # this backward's first launch, first node (perf_counter)
+        self.link = LinkVerdict(pending=caps.link_aware and caps.auto is None and self.world_size > 1)  # autotune
         self.comm_wait_s, self.num_syncs = 0.0, 0
         self.rounds = 0  # synchronised backwards completed, a joined rank's shadows included: the same on every rank
         self.tuner = BucketTuner(caps.auto) if caps.auto is not None else None
@@ -190,6 +192,7 @@ class Reducer:
 
     def bind_overlap(self, overlap: OverlappedStep) -> None:  # ``overlap_optimizer_step``'s optimizer, bound once
         self.overlap = overlap
+        self.link.pending = False  # its rounds end in the next forward: no tail to judge (``autotune``)
 
     def bind_zero(self, shards: ZeroShards) -> None:
         """ZeRO-2 (``zero_optimizer``): the buckets are built again, padded and with no direct bucket, and kept for
@@ -199,6 +202,7 @@ class Reducer:
         self.zero = shards
         shards.compress = self.fused
         self.rebuild_pending, self._observed_order, self.buckets_rebuilt = False, None, True
+        self.link.pending = False  # nor the default's trials (``autotune``)
         self._build(self._param_order)
         shards.take_layout(self.buckets, self._location, self.names)
 
@@ -283,6 +287,7 @@ class Reducer:
         if self.step is not None:
             return
         refuse_compiled_autograd()  # its trace would run our hooks, not the real backward (``compiled``)
+        self._backward_start_s = time.perf_counter()
         if self.overlap is not None:
             self.overlap.finish()  # a round still in flight (a backward with no forward through the wrapper)
             self.overlap.before_backward()  # the launch sequence, agreed once per layout
@@ -398,12 +403,20 @@ class Reducer:
                         self.observer.backward_end(self.num_syncs + 1)
                     return
             fast, early = copy_back_path(step)
+            judged = self._judges_the_link()
+            if judged:
+                backward_s = time.perf_counter() - self._backward_start_s
+                self.link.tail_bytes = step.order.bytes_to_cross()
             futures, self.post_backward_futures = self.post_backward_futures, []
             explain = None if self.module_changes is None else self.module_changes.explain
             status, waited = finish_collectives(step, self.buckets, self.usage, self.process_group, missing,
                                                 joined=False, copy_each=early, observer=self.observer, futures=futures,
                                                 names=self.names, explain=explain)
             self._measure_link(waited)
+            if judged:
+                self.link.tail_waited_s, self.link.vote = waited, tail_wants_trials(self.link.tail_bytes, waited,
+                                                                                    backward_s)
+                self._agree_on_the_link()
             if step.plan.zero is not None:
                 step.plan.zero.note_unused(status.globally_used)  # find_unused_parameters: skipped in the step
             if not early and step.plan.zero is None:  # ZeRO-2: the averages are in the shards, not .grad
@@ -422,6 +435,20 @@ class Reducer:
                 self.step = None  # the buckets keep this backward's gradients until its round closes (``overlap``)
             else:
                 self._end_step()
+
+    def _judges_the_link(self) -> bool:
+        """This backward's tail decides whether the default caps go to trials: the synchronised one after the
+        rebuild (gloo's buffers for these sizes exist by then; the first backward pays for them). A joined rank's
+        shadow of it takes part in the agreement (``shadow_backward``)."""
+        return self.link.pending and self.rounds == LINK_JUDGED_ROUND and self.buckets_rebuilt
+
+    def _agree_on_the_link(self) -> None:
+        """The judged backward's end, on every rank (a joined rank's shadow votes "not slow"): the verdicts agreed,
+        one all-reduce after the backward's other collectives, once per run; trials from the next round."""
+        self.link.pending = False
+        if all_say_slow(self.link.vote, self.process_group, self.buckets[0].buffer.device) and self.tuner is None:
+            self.tuner = trials_for_slow_wire(self.link.tail_bytes, self.link.tail_waited_s,
+                                              dist.get_rank(self.process_group))
 
     def _measure_link(self, waited_s: float) -> None:
         """After a backward's waits: one bucket at a time from the next backward on where the wire is slow."""
@@ -471,6 +498,8 @@ class Reducer:
                                            copy_each=False, observer=None, futures=(), names=self.names, explain=None)
             if self.zero is not None:
                 self.zero.note_unused(status.globally_used)
+            if self._judges_the_link():  # the training ranks' agreement on the wire; this rank votes "not slow"
+                self._agree_on_the_link()
         finally:
             self._end_step()
         if self.zero is not None:

@@ -84,7 +84,8 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             rebuild, only where its early all-reduce can overlap backward (a GPU, or a CPU core the ranks' threads leave
             free; else it has the full cap: class attribute ``small_first_bucket``). ``"auto"`` (or a
             ``lockstep.ddp.autotune.AutoBucketCap``) tries 1, 4, 25, 100 MiB and one bucket over the first ~20 steps and
-            keeps the fastest by rank 0's step times (not in torch; see ``autotune``).
+            keeps the fastest by rank 0's step times (not in torch; see ``autotune``). Left unset, the default goes to
+            those trials by itself where every rank's second backward waited on a slow wire (a link between nodes).
         find_unused_parameters: after each forward, walk its graph and mark the parameters it does not reach as ready
             (they contribute their accumulated ``.grad`` or zeros). A parameter used in any micro-batch of a ``no_sync``
             window is synchronised. Costs a graph walk per forward and one small all-reduce per backward.
@@ -491,8 +492,9 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             raise ValueError("zero_optimizer needs gradient_as_bucket_view=False (the default): the buckets are "
                              "freed after their reduce-scatter, so .grad cannot live in them")
         if reducer.tuner is not None:
-            raise ValueError('zero_optimizer: bucket_cap_mb="auto" re-lays the buckets, and ZeRO-2 keeps its '
-                             "layout (its shards are the buckets'); give a fixed bucket_cap_mb")
+            raise ValueError('zero_optimizer: bucket_cap_mb="auto" (or the default caps\' trials on a slow link, '
+                             "started from the third step) re-lays the buckets, and ZeRO-2 keeps its layout (its "
+                             "shards are the buckets'); give a fixed bucket_cap_mb, or bind it before the third step")
         if reducer.has_sparse:
             raise ValueError("zero_optimizer: sparse gradients (nn.Embedding(sparse=True)) cannot be "
                              "reduce-scattered; use dense embeddings")

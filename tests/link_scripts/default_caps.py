@@ -1,0 +1,58 @@
+"""One rank of the default caps' link verdict over a shaped link (tests/test_link_default.py): MASTER_ADDR, RANK,
+WORLD_SIZE and GLOO_SOCKET_IFNAME from the test. Trains a default-caps model beside one with bucket_cap_mb=25 and
+prints one JSON line: whether each went to trials, the default's layouts per step, its log lines, the parameters'
+bits compared."""
+
+import json
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import lockstep
+
+STEPS = 24  # two backwards, the trials' 5 caps x (1 + 3) steps, two with the choice
+
+
+def layers() -> nn.Module:  # 12 x 257 KB: 1 MB caps make several buckets of it, 25 MB one
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 256), *[nn.Sequential(nn.ReLU(), nn.Linear(256, 256)) for _ in range(11)])
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("lockstep.ddp.autotune")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    models = {"default": lockstep.DistributedDataParallel(layers()),
+              "fixed": lockstep.DistributedDataParallel(layers(), bucket_cap_mb=25)}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for k, m in models.items()}
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    layouts = []
+    for _ in range(STEPS):
+        x, y = torch.randn(8, 256, generator=gen), torch.randint(0, 256, (8,), generator=gen)
+        for name, model in models.items():
+            opts[name].zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opts[name].step()
+        layouts.append(models["default"].reducer.bucket_layout())
+    reducers = {k: m.reducer for k, m in models.items()}
+    same = all(torch.equal(a, b) for a, b in zip(models["default"].parameters(), models["fixed"].parameters()))
+    print(json.dumps({"rank": dist.get_rank(), "tuned": {k: r.tuner is not None and r.tuner.done
+                                                         for k, r in reducers.items()},
+                      "votes": {k: r.link.vote for k, r in reducers.items()},
+                      "tail": [reducers["default"].link.tail_bytes, reducers["default"].link.tail_waited_s],
+                      "chosen": (reducers["default"].tuner.result or {}).get("chosen_mb", "none")
+                      if reducers["default"].tuner else "none",
+                      "layouts": layouts, "logs": [r.getMessage() for r in records], "same_bits": same}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

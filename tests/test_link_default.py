@@ -1,0 +1,55 @@
+"""The default bucket caps over a real slow link (issue #35): two network namespaces joined by a veth pair shaped
+with tbf at 1 Gbit/s (root; skipped saying why otherwise), one rank in each. A model that one default 25 MB bucket
+holds whole goes to ``bucket_cap_mb="auto"``'s trials after its second backward, on both ranks at the same step;
+one given ``bucket_cap_mb=25`` keeps its cap; both train to the same bits (2 ranks: any layout sums a/2 + b/2).
+The loopback half (a late peer is no slow wire) is in test_reducer.py."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import netns
+from lockstep.process_group import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = pytest.mark.skipif(netns.unavailable_reason() is not None, reason=str(netns.unavailable_reason()))
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    with netns.two_nodes() as nodes:
+        for node in nodes:
+            node.shape("1gbit")
+        port = str(free_port())
+        procs = []
+        for rank, node in enumerate(nodes):
+            env = {**os.environ, "MASTER_ADDR": netns.ADDRS[0], "MASTER_PORT": port, "RANK": str(rank),
+                   "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": node.interface, "PYTHONPATH": HERE}
+            argv = node.command([sys.executable, os.path.join(HERE, "link_scripts", "default_caps.py")])
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        outs = [proc.communicate(timeout=240) for proc in procs]
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-4000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    for r in results:  # -n 0 -s shows them
+        print(f"rank {r['rank']}: the second backward's last {r['tail'][0] / 1e6:.1f} MB took "
+              f"{r['tail'][1] * 1e3:.0f} ms; trials chose {r['chosen']}")
+    return results
+
+
+def test_the_default_caps_go_to_trials_over_a_slow_link_on_every_rank_at_the_same_step(ranks):
+    r0, r1 = ranks
+    assert r0["votes"]["default"] and r1["votes"]["default"], (r0["tail"], r1["tail"])
+    assert r0["tuned"] == r1["tuned"] == {"default": True, "fixed": False}, (r0["tail"], r1["tail"])
+    assert r0["layouts"] == r1["layouts"] and r0["chosen"] == r1["chosen"]
+    assert r0["layouts"][2] != r0["layouts"][1]  # the first trial (1 MB caps) from the third step on
+    assert "on every rank: trying bucket caps (bucket_cap_mb='auto') over the next 20 steps" in r0["logs"][0]
+    assert "bucket_cap_mb='auto' chose" in r0["logs"][1] and not r1["logs"], (r0["logs"], r1["logs"])
+
+
+def test_a_fixed_cap_keeps_its_layout_and_both_train_to_the_same_bits(ranks):
+    for rank in ranks:
+        assert rank["same_bits"], rank["rank"]
