@@ -11,6 +11,12 @@ complete averages and applies it itself (roll forward); everything after it is d
 the survivors form generation g+1 (a new store prefix, the old group destroyed, its sockets closed), and the
 caller re-binds its DDP and re-deals the rest of the epoch at the new size. docs/preemptible.md shows it.
 
+Growing is the same step commit read the other way: a node that comes back announces its ranks in the store
+(``process_group._join_in_place``) and waits; a survivor whose watcher saw a whole node waiting adds 2 instead
+of 1 to its next commit, so every rank learns at the same step that the group grows after it; rank 0 admits
+the newcomers, all form generation g+1 with them, and the caller hands them rank 0's state over the new group
+(``broadcast_state``; the Trainer does, docs/preemptible.md "Growing back in place").
+
 Gloo cannot abort an operation in flight (``ProcessGroupGloo.abort()`` and ``shutdown()`` leave a blocked
 ``wait`` blocked, measured with torch 2.13), so a watcher thread ends it the way a dead peer would: it shuts
 down the group's connected TCP sockets, and the blocked operation fails at once. The group's gloo timeout
