@@ -113,7 +113,9 @@ class LockstepRendezvous(RendezvousHandler):
         in_place = self.in_place and not self.single
         if in_place and self.node_rank == 0:
             self._store.delete_key(self._round_key())  # the round's workers are gone: nobody may join them now
-        if in_place and self.node_rank != 0 and self._last_nodes is None and not self.joined_in_place:
+        if in_place and self.node_rank != 0 and self._last_nodes is None:  # never in torch's round: may join
+            self.joined_in_place = False
+            os.environ.pop(INPLACE_JOIN_ENV, None)  # workers started after torch's round must not try to join
             joined = self._join_running()
             if joined is not None:
                 return joined
@@ -178,6 +180,13 @@ class LockstepRendezvous(RendezvousHandler):
             return None
         running = json.loads(self._store.get(self._round_key()))
         there = {n["node_rank"]: n for n in running["nodes"]}
+        deadline = time.monotonic() + self.node_timeout_s
+        while self.node_rank in there and time.monotonic() < deadline:  # this node's last workers, not yet let go
+            time.sleep(1)
+            if not self._store.check([self._round_key()]):
+                return None
+            running = json.loads(self._store.get(self._round_key()))
+            there = {n["node_rank"]: n for n in running["nodes"]}
         if self.node_rank in there:
             raise NodesDisagree(f"--node-rank {self.node_rank} is training in this job already "
                                 f"({there[self.node_rank]['addr']}); give this node another --node-rank")
