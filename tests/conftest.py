@@ -37,10 +37,10 @@ NETNS = {"test_multinode.py", "test_elastic_launch.py", "test_link_default.py"}
 # 38, 37, 34, 31, 30, 30; the launcher's three files ~57, 56, 49 in the xdist run of 2026-11-26; under xdist beside
 # another file each takes ~1.5-2 x that); the other files follow in collection order, then the timing group.
 SLOWEST_FIRST = [
-    *sorted(NETNS), "test_wrapping_libraries.py", "test_exits.py", "test_bench.py", "test_launch.py", "test_faults.py",
-    "test_docs.py", "test_launch_reports.py", "test_compile.py", "test_torch_ddp_suite.py", "test_memory.py",
-    "test_demo.py", "test_comm_hooks.py", "test_ddp_parity.py", "test_examples.py", "test_launch_network.py",
-    "test_trainer.py",
+    *sorted(NETNS), "test_wrapping_libraries.py", "test_inplace_loopback.py", "test_exits.py", "test_bench.py",
+    "test_launch.py", "test_faults.py", "test_docs.py", "test_launch_reports.py", "test_compile.py",
+    "test_torch_ddp_suite.py", "test_memory.py", "test_demo.py", "test_comm_hooks.py", "test_ddp_parity.py",
+    "test_examples.py", "test_launch_network.py", "test_trainer.py",
 ]
 
 
