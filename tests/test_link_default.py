@@ -2,7 +2,8 @@
 with tbf at 1 Gbit/s (root; skipped saying why otherwise), one rank in each. A model that one default 25 MB bucket
 holds whole goes to ``bucket_cap_mb="auto"``'s trials after its second backward, on both ranks at the same step;
 one given ``bucket_cap_mb=25`` keeps its cap; both train to the same bits (2 ranks: any layout sums a/2 + b/2).
-The loopback half (a late peer is no slow wire) is in test_reducer.py."""
+A 20 MB model at 200 Mbit/s, whose buckets go one at a time, is judged by its whole tail. The loopback half (a late
+peer is no slow wire) is in test_reducer.py."""
 
 import json
 import os
@@ -18,26 +19,36 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.skipif(netns.unavailable_reason() is not None, reason=str(netns.unavailable_reason()))
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    with netns.two_nodes() as nodes:
-        for node in nodes:
-            node.shape("1gbit")
-        port = str(free_port())
-        procs = []
-        for rank, node in enumerate(nodes):
-            env = {**os.environ, "MASTER_ADDR": netns.ADDRS[0], "MASTER_PORT": port, "RANK": str(rank),
-                   "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": node.interface, "PYTHONPATH": HERE}
-            argv = node.command([sys.executable, os.path.join(HERE, "link_scripts", "default_caps.py")])
-            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-        outs = [proc.communicate(timeout=240) for proc in procs]
+def _run(nodes, rate: str, kind: str) -> list[dict]:
+    """Both ranks of link_scripts/default_caps.py ``kind``, the link shaped at ``rate``; each rank's JSON line."""
+    for node in nodes:
+        node.shape(rate)
+    port = str(free_port())
+    procs = []
+    for rank, node in enumerate(nodes):
+        env = {**os.environ, "MASTER_ADDR": netns.ADDRS[0], "MASTER_PORT": port, "RANK": str(rank),
+               "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": node.interface, "PYTHONPATH": HERE}
+        argv = node.command([sys.executable, os.path.join(HERE, "link_scripts", "default_caps.py"), kind])
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    outs = [proc.communicate(timeout=240) for proc in procs]
     for proc, (out, err) in zip(procs, outs):
         assert proc.returncode == 0, err[-4000:]
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     for r in results:  # -n 0 -s shows them
-        print(f"rank {r['rank']}: the second backward's last {r['tail'][0] / 1e6:.1f} MB took "
-              f"{r['tail'][1] * 1e3:.0f} ms; trials chose {r['chosen']}")
+        print(f"{kind} at {rate}, rank {r['rank']}: the second backward's last {r['tail'][0] / 1e6:.1f} MB took "
+              f"{r['tail'][1] * 1e3:.0f} ms after it; trials chose {r['chosen']}")
     return results
+
+
+@pytest.fixture(scope="module")
+def runs():
+    with netns.two_nodes() as nodes:
+        return {"small": _run(nodes, "1gbit", "small"), "serial": _run(nodes, "200mbit", "serial")}
+
+
+@pytest.fixture(scope="module")
+def ranks(runs):
+    return runs["small"]
 
 
 def test_the_default_caps_go_to_trials_over_a_slow_link_on_every_rank_at_the_same_step(ranks):
@@ -53,3 +64,12 @@ def test_the_default_caps_go_to_trials_over_a_slow_link_on_every_rank_at_the_sam
 def test_a_fixed_cap_keeps_its_layout_and_both_train_to_the_same_bits(ranks):
     for rank in ranks:
         assert rank["same_bits"], rank["rank"]
+
+
+def test_a_slow_wire_whose_buckets_go_one_at_a_time_is_judged_by_its_whole_tail(runs):
+    # 20 MB at 200 Mbit/s: from the second backward on the buckets go one at a time (launch_order), so the tail is
+    # spent launching them after the backward, not in the waits that follow; it is timed from the backward's end
+    r0, r1 = runs["serial"]
+    assert r0["serial"] and r1["serial"]
+    assert r0["tail"][1] > 0.3 and r1["tail"][1] > 0.3, (r0["tail"], r1["tail"])
+    assert r0["trials"] == r1["trials"] == {"default": True, "fixed": False}, (r0["tail"], r1["tail"])

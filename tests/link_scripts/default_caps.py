@@ -5,6 +5,7 @@ bits compared."""
 
 import json
 import logging
+import sys
 
 import torch
 import torch.distributed as dist
@@ -13,12 +14,17 @@ from torch import nn
 
 import lockstep
 
-STEPS = 24  # two backwards, the trials' 5 caps x (1 + 3) steps, two with the choice
+# argv: "small" (12 x 257 KB: 1 MB caps make several buckets of it, 25 MB one; two backwards, the trials' 5 caps x
+# (1 + 3) steps, two with the choice) or "serial" (5 x 4 MiB, above the 16 MiB from which a slow wire's buckets go
+# one at a time: three steps, the verdict only)
+KIND = sys.argv[1] if len(sys.argv) > 1 else "small"
+WIDTH, DEPTH, STEPS = (256, 12, 24) if KIND == "small" else (1024, 5, 3)
 
 
-def layers() -> nn.Module:  # 12 x 257 KB: 1 MB caps make several buckets of it, 25 MB one
+def layers() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, 256), *[nn.Sequential(nn.ReLU(), nn.Linear(256, 256)) for _ in range(11)])
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH),
+                         *[nn.Sequential(nn.ReLU(), nn.Linear(WIDTH, WIDTH)) for _ in range(DEPTH - 1)])
 
 
 def main() -> None:
@@ -36,7 +42,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(dist.get_rank())
     layouts = []
     for _ in range(STEPS):
-        x, y = torch.randn(8, 256, generator=gen), torch.randint(0, 256, (8,), generator=gen)
+        x, y = torch.randn(8, WIDTH, generator=gen), torch.randint(0, WIDTH, (8,), generator=gen)
         for name, model in models.items():
             opts[name].zero_grad()
             F.cross_entropy(model(x), y).backward()
@@ -46,6 +52,8 @@ def main() -> None:
     same = all(torch.equal(a, b) for a, b in zip(models["default"].parameters(), models["fixed"].parameters()))
     print(json.dumps({"rank": dist.get_rank(), "tuned": {k: r.tuner is not None and r.tuner.done
                                                          for k, r in reducers.items()},
+                      "trials": {k: r.tuner is not None for k, r in reducers.items()},
+                      "serial": reducers["default"].serial_launch,
                       "votes": {k: r.link.vote for k, r in reducers.items()},
                       "tail": [reducers["default"].link.tail_bytes, reducers["default"].link.tail_waited_s],
                       "chosen": (reducers["default"].tuner.result or {}).get("chosen_mb", "none")

@@ -21,7 +21,8 @@ The default (``bucket_cap_mb`` and ``bucket_cap_mb_list`` left unset) starts the
 the wire is slow: a link between nodes, where one 25 MB bucket holds a small model and nothing overlaps its
 backward. ``tail_wants_trials`` judges, on each rank, the synchronised backward after the rebuild (the first
 one pays for gloo's buffers of these sizes): at its end, the bytes still to cross (buckets not launched or not
-complete) took ``waited_s`` to come back; a rate under ``LINK_BELOW_BYTES_S`` (loopback's gloo moves 1-1.8
+complete) took ``waited_s`` to come back (from the backward's end to its last average, a slow wire's
+one-at-a-time launches included); a rate under ``LINK_BELOW_BYTES_S`` (loopback's gloo moves 1-1.8
 GB/s, a 2.5 Gbit/s link 0.25-0.3) with that tail at least ``TAIL_FRACTION`` of the backward means buckets sent
 during backward could hide it. A rank that waited for a slower peer reads a slower wire than there is; the
 last rank to arrive waited for the wire alone. So the ranks agree at that backward's end, after its other
@@ -100,7 +101,7 @@ class LinkVerdict:
 
     pending: bool  # the default caps, several ranks, and no verdict yet
     tail_bytes: int = 0  # the judged backward's bytes still to cross at its end
-    tail_waited_s: float = 0.0  # ... and the seconds they took to come back
+    tail_waited_s: float = 0.0  # ... and the seconds from the backward's end to their last average back
     vote: bool = False  # this rank's ``tail_wants_trials``
 
 

@@ -404,9 +404,9 @@ class Reducer:
                     return
             fast, early = copy_back_path(step)
             judged = self._judges_the_link()
-            if judged:
-                backward_s = time.perf_counter() - self._backward_start_s
-                self.link.tail_bytes = step.order.bytes_to_cross()
+            if judged:  # the tail: from the backward's end to its last average back (a slow wire's serial drain too)
+                ended_s = time.perf_counter()
+                backward_s, self.link.tail_bytes = ended_s - self._backward_start_s, step.order.bytes_to_cross()
             futures, self.post_backward_futures = self.post_backward_futures, []
             explain = None if self.module_changes is None else self.module_changes.explain
             status, waited = finish_collectives(step, self.buckets, self.usage, self.process_group, missing,
@@ -414,8 +414,8 @@ class Reducer:
                                                 names=self.names, explain=explain)
             self._measure_link(waited)
             if judged:
-                self.link.tail_waited_s, self.link.vote = waited, tail_wants_trials(self.link.tail_bytes, waited,
-                                                                                    backward_s)
+                self.link.tail_waited_s = tail_s = time.perf_counter() - ended_s
+                self.link.vote = tail_wants_trials(self.link.tail_bytes, tail_s, backward_s)
                 self._agree_on_the_link()
             if step.plan.zero is not None:
                 step.plan.zero.note_unused(status.globally_used)  # find_unused_parameters: skipped in the step
