@@ -311,8 +311,8 @@ def _warm_up(name: str, model, run: Callable[[], object], steps: int) -> None:
     reducer = getattr(model, "reducer", None)
     # "auto"'s trials, and the default's link verdict (third step) and the trials it may start; both are agreed, so
     # every rank runs as many steps here
-    while reducer is not None and (getattr(getattr(reducer, "link", None), "pending", False)
-                                   or (reducer.tuner is not None and not reducer.tuner.done)):
+    tuner = lambda: getattr(reducer, "tuner", None)  # noqa: E731 (torch's reducer has none)
+    while getattr(getattr(reducer, "link", None), "pending", False) or (tuner() is not None and not tuner().done):
         run()
     extra = {"lockstep_powersgd": POWERSGD_START, "torch_powersgd": POWERSGD_START,
              "lockstep_overlap": OVERLAP_PROBE_STEPS}.get(name, 0)
