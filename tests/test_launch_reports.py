@@ -250,9 +250,27 @@ def test_ctrl_c_is_one_line_exit_130_naming_the_trainers_checkpoint(tmp_path):
     # what came before the Ctrl-C (the workers' start-up INFO lines) stays; after it, one line
     assert outs["plain"][1].strip().splitlines()[-1] == "lockstep launch: stopped by Ctrl-C (SIGINT); 2 workers stopped"
     line = outs["trainer"][1].strip().splitlines()[-1]
-    kept = sorted(ckpt.glob("ckpt-*.pt"))[-1]
+    kept = sorted(p for p in ckpt.glob("ckpt-*.pt") if p.with_name(p.name[:-3] + ".meta.json").exists())[-1]
     assert line == (f"lockstep launch: stopped by Ctrl-C (SIGINT); 2 workers stopped; the last checkpoint {kept} is "
                     "intact (resume=True continues from it)"), line
+
+
+def test_the_stop_line_names_the_newest_committed_checkpoint_though_the_note_is_one_save_behind(tmp_path):
+    # A worker stopped between its save and its note (seen under load: the line named ckpt 80 with ckpt 85 on disk).
+    from lockstep.launch.report import checkpoint_noted
+    from lockstep.slurm import CHECKPOINT_NOTE
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for step, committed in ((80, True), (85, True), (90, False)):  # 90: renamed, its metadata not yet written
+        (ckpt / f"ckpt-{step:09d}.pt").write_bytes(b"x")
+        if committed:
+            (ckpt / f"ckpt-{step:09d}.meta.json").write_text("{}")
+    (ckpt / "ckpt-000000085.optim-r0-of-2.pt").write_bytes(b"x")  # a ZeRO part file is no checkpoint of its own
+    (tmp_path / CHECKPOINT_NOTE).write_text(f"{ckpt / 'ckpt-000000080.pt'}\n")
+    assert checkpoint_noted(str(tmp_path)) == str(ckpt / "ckpt-000000085.pt")
+    (ckpt / "ckpt-000000080.pt").unlink()  # the noted one is gone: nothing is named
+    assert checkpoint_noted(str(tmp_path)) is None
 
 
 def test_console_shows_one_prefix_and_a_traceback_every_rank_raised_once(capsys):

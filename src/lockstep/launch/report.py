@@ -33,6 +33,8 @@ from lockstep.launch.output import (
 )
 from lockstep.slurm import CHECKPOINT_NOTE
 
+_CHECKPOINT_NAME = re.compile(r"ckpt-\d+\.pt")  # train/checkpoint_files.py's names (its part files do not match)
+
 
 def _error_file_traceback(failure: ProcessFailure) -> list[str]:
     """The traceback torch's ``record`` wrote to the error file (function entrypoints), if any."""
@@ -254,10 +256,22 @@ class WorkersStopped(SignalException):
 
 
 def checkpoint_noted(folder: str) -> str | None:
-    """The checkpoint a Trainer here last wrote (train/checkpoint.py notes it), if it is still there."""
+    """The checkpoint a Trainer here last wrote (train/checkpoint.py notes it), if it is still there, or a newer
+    committed one beside it: a worker stopped between its save and its note leaves the note one save behind."""
     try:
         with open(os.path.join(folder, CHECKPOINT_NOTE)) as f:
             path = f.read().strip()
     except OSError:
         return None
-    return path if path and os.path.isfile(path) else None
+    return _newest_committed_beside(path) if path and os.path.isfile(path) else None
+
+
+def _newest_committed_beside(path: str) -> str:
+    """The newest ``ckpt-<step>.pt`` in ``path``'s folder whose ``.meta.json`` (the commit record, written last:
+    train/checkpoint_files.py) exists, ``path`` if none is newer. One listing of the folder."""
+    folder, best = os.path.dirname(path), os.path.basename(path)
+    names = set(os.listdir(folder))
+    for name in names:
+        if _CHECKPOINT_NAME.fullmatch(name) and name > best and name.removesuffix(".pt") + ".meta.json" in names:
+            best = name  # zero-padded steps: names sort as steps
+    return os.path.join(folder, best)
