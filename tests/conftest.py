@@ -1,14 +1,15 @@
 """The suite's shared set-up: tests/ importable in spawned ranks, and how pytest-xdist shares the files out.
 
-pyproject.toml's addopts run the suite on two xdist workers (``-n 2 --dist loadgroup``), so that the README's
-command, which CI runs, is the parallel one. A unit of work is a whole file, never less: a file starts its spawned
-group once, in a module-scoped fixture, and a file split across workers would start it on each (the scheduler
-below). Two units span several files (``pytest.mark.xdist_group``, set here): the files whose assertions are about
-time with a margin one more busy process can eat (``TIMING``) run last, alone, one after another on one worker;
-the files that build the same network namespaces (``NETNS``: one pair of addresses) run one after another on one
-worker, first, beside the other files. The slowest other files go first (``SLOWEST_FIRST``), so that the two
-workers end together instead of one starting a long file at the end. ``-n 0`` runs everything in this process,
-one test after another (``-s`` needs it).
+pyproject.toml's addopts run the suite on three xdist workers (``-n 3 --dist loadgroup``; on 2 cores a third
+uses what the files that wait for launches leave), so that the README's command, which CI runs, is the parallel
+one. A unit of work is a whole file, never less: a file starts its spawned group once, in a module-scoped
+fixture, and a file split across workers would start it on each (the scheduler below). Two units span several
+files (``pytest.mark.xdist_group``, set here): the files whose assertions are about time with a margin one more
+busy process can eat (``TIMING``) run last, alone, one after another on one worker; the files that build the
+same network namespaces (``NETNS``: one pair of addresses) run one after another on one worker, first, beside
+the other files. The slowest other files go first (``SLOWEST_FIRST``), so that the workers end together instead
+of one starting a long file at the end. ``-n 0`` runs everything in this process, one test after another (``-s``
+needs it).
 """
 
 import os

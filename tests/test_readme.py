@@ -81,9 +81,9 @@ def _log(name):
 '''
 
 
-def test_the_test_command_runs_files_on_two_workers_and_the_timing_group_last_and_alone(tmp_path):
+def test_the_test_command_runs_files_side_by_side_and_the_timing_group_last_and_alone(tmp_path):
     # issue #34 item 7: pyproject's addopts and tests/conftest.py's scheduler, run on stand-in files: a file's tests
-    # stay on one worker (its spawned group starts once), two files run at once, NETNS's files one after the other on
+    # stay on one worker (its spawned group starts once), files run side by side, NETNS's files one after the other on
     # one worker beside the rest, and TIMING's files only once the rest has ended.
     import conftest
 
