@@ -113,12 +113,9 @@ def _hook_overlap(rank, world_size):
 AUTO_STEPS = 10
 
 
-def _auto(rank, world_size):
-    """bucket_cap_mb=AutoBucketCap(3 caps, 1+1 steps each) against a fixed 25 MB cap and torch's DDP, 10 SGD steps."""
+def _autotune_records():
+    """The autotune logger's records from now on (INFO and up), and the handler to remove afterwards."""
     import logging
-
-    import lockstep
-    from lockstep.ddp.autotune import AutoBucketCap
 
     records = []
     handler = logging.Handler()
@@ -126,6 +123,17 @@ def _auto(rank, world_size):
     logger = logging.getLogger("lockstep.ddp.autotune")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    return records, handler
+
+
+def _auto(rank, world_size):
+    """bucket_cap_mb=AutoBucketCap(3 caps, 1+1 steps each) against a fixed 25 MB cap and torch's DDP, 10 SGD steps."""
+    import logging
+
+    import lockstep
+    from lockstep.ddp.autotune import AutoBucketCap
+
+    records, handler = _autotune_records()
     config = AutoBucketCap(caps_mb=(0.01, 0.002, None), warmup_steps=1, timed_steps=1)
     models = {
         "auto": lockstep.DistributedDataParallel(_big_mlp(), bucket_cap_mb=config),
@@ -147,7 +155,7 @@ def _auto(rank, world_size):
             opts[name].step()
         layouts.append(models["auto"].reducer.bucket_layout())
     models["auto"](x)  # the forward after the last trial step decides
-    logger.removeHandler(handler)
+    logging.getLogger("lockstep.ddp.autotune").removeHandler(handler)
     # Uneven inputs: rank 0 joins after 2 steps, while the trials still switch layouts (it shadows them).
     joined = {}
     for name, model in {"auto": lockstep.DistributedDataParallel(_big_mlp(), bucket_cap_mb=config),
@@ -187,12 +195,7 @@ def _link_verdict(rank, world_size):
 
     import lockstep
 
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("lockstep.ddp.autotune")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    records, handler = _autotune_records()
     def layers():  # 12 x 257 KB: 1 MB caps make several buckets of it, 25 MB one
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(256, 256), *[nn.Sequential(nn.ReLU(), nn.Linear(256, 256)) for _ in range(11)])
@@ -214,7 +217,7 @@ def _link_verdict(rank, world_size):
             loss.backward()
             opts[name].step()
         layouts.append(models["default"].reducer.bucket_layout())
-    logger.removeHandler(handler)
+    logging.getLogger("lockstep.ddp.autotune").removeHandler(handler)
     # Rank 0 joins after one step: its shadow of the judged (second) backward takes part in the agreement.
     joined = {}
     for name, build in (("default", lockstep.DistributedDataParallel), ("torch", nn.parallel.DistributedDataParallel)):
