@@ -258,6 +258,12 @@ def _first_forward(rank, world_size):
     _train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), 1, rank)
     changed(ddp.module)
     out["later"] = _error(lambda: _train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), 1, rank))
+    # rebind() (in-place recovery) promises the check at the next forward, init_sync=False or not: a rank that
+    # joined a running group was built without the construction's collectives (train/inplace.py)
+    ddp = DDP(_mlp(), init_sync=False)
+    changed(ddp.module)
+    ddp.rebind()
+    out["rebound"] = _error(lambda: _train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), 1, rank))
     return out
 
 
@@ -289,6 +295,12 @@ def test_optimizer_skipping_a_step_is_caught_at_the_next_forward(results):
     # Every parameter moved on rank 0 only: the first in registration order is named.
     assert "parameter '0.weight' on rank(s) [1]" in r0["skip"] and "after 3 synchronised steps" in r0["skip"]
     assert "3 more parameter(s) differ: '0.bias', '3.weight', '3.bias'" in r0["skip"]
+
+
+def test_rebind_checks_the_replicas_at_the_next_forward_even_built_without_init_sync(results):
+    r0, r1 = (r["first_forward"] for r in results)
+    assert r0["rebound"] == r1["rebound"] and r0["rebound"] is not None
+    assert r0["rebound"].startswith("ReplicaMismatchError: replicas differ at the first synchronised forward")
 
 
 def test_parameters_changed_on_one_rank_before_the_first_forward(results):

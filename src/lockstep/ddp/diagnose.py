@@ -47,13 +47,15 @@ class DiagnosedDDP(Protocol):
     _profiling: bool
 
 
-def setup(ddp: DiagnosedDDP, options: DiagnosticsOptions) -> None:
-    """Called once at construction (and after unpickling, without the trace)."""
+def setup(ddp: DiagnosedDDP, options: DiagnosticsOptions, check_first: bool | None = None) -> None:
+    """Called once at construction (and after unpickling, without the trace; and by ``rebind``, ``check_first``)."""
     check_replicas_every, trace_dir, trace_steps = options.check_replicas_every, options.trace_dir, options.trace_steps
     ddp.check_replicas_every, ddp.detect_nonfinite = check_replicas_every, options.detect_nonfinite
     # The one check at the first synchronised forward (``checks.FIRST_FORWARD_HINT``) is on wherever the
-    # construction made the replicas equal; off with init_sync=False, as at world size 1.
-    first = getattr(ddp, "_init_sync", True) and dist.get_world_size(ddp.process_group) > 1
+    # construction made the replicas equal (off with init_sync=False, as at world size 1), or where ``check_first``
+    # says so: rebind's replicas must be equal already.
+    wanted = getattr(ddp, "_init_sync", True) if check_first is None else check_first
+    first = wanted and dist.get_world_size(ddp.process_group) > 1
     ddp._replica_check = None if check_replicas_every is None and not first else PeriodicReplicaCheck(
         check_replicas_every, ddp.module, ddp.process_group, first=first, ignored=ddp.parameters_to_ignore)
     attach_nonfinite(ddp)

@@ -282,7 +282,8 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         self.process_group = resolve_group(process_group, None)
         self.reducer = self._build_reducer()
         self._lazy_init_done = False
-        diagnose.setup(self, DiagnosticsOptions(self.check_replicas_every, self.detect_nonfinite, None, None))
+        diagnose.setup(self, DiagnosticsOptions(self.check_replicas_every, self.detect_nonfinite, None, None),
+                       check_first=True)  # init_sync=False or not: a rank that joined was built without it
 
     # ----------------------------------------------------------------- forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:

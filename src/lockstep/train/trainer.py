@@ -436,10 +436,7 @@ class Trainer:
         state = broadcast_state(self._live_state() if dist.get_rank() == 0 else None)
         assert isinstance(state, dict)
         if outcome.newcomer:
-            self._adopt(state)
-            # its replicas now equal rank 0's: the first forward's replica check runs here as on the survivors,
-            # whose DDPs were built with init_sync (the check is a collective: both sides or neither)
-            self.ddp._init_sync = True
+            self._adopt(state)  # its replicas now equal rank 0's; rebind's check at the first forward says so
         self._resize(outcome)
         if outcome.newcomer:
             assert self._inplace is not None
