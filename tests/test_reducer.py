@@ -232,7 +232,7 @@ def _link_verdict(rank, world_size):
     reducers = {k: models[k].reducer for k in ("default", "fixed")}
     return {"params": {k: [p.detach().clone() for p in m.parameters()] for k, m in models.items()},
             "layouts": layouts, "votes": {k: r.link.vote for k, r in reducers.items()},
-            "tail": (reducers["default"].link.tail_bytes, reducers["default"].link.tail_waited_s), "joined": joined,
+            "tail": (reducers["default"].link.tail_bytes, reducers["default"].link.tail_s), "joined": joined,
             "tuned": {k: r.tuner is not None and r.tuner.done for k, r in reducers.items()},
             "logs": [r.getMessage() for r in records]}
 

@@ -55,7 +55,7 @@ def main() -> None:
                       "trials": {k: r.tuner is not None for k, r in reducers.items()},
                       "serial": reducers["default"].serial_launch,
                       "votes": {k: r.link.vote for k, r in reducers.items()},
-                      "tail": [reducers["default"].link.tail_bytes, reducers["default"].link.tail_waited_s],
+                      "tail": [reducers["default"].link.tail_bytes, reducers["default"].link.tail_s],
                       "chosen": (reducers["default"].tuner.result or {}).get("chosen_mb", "none")
                       if reducers["default"].tuner else "none",
                       "layouts": layouts, "logs": [r.getMessage() for r in records], "same_bits": same}), flush=True)

@@ -101,12 +101,12 @@ class LinkVerdict:
 
     pending: bool  # the default caps, several ranks, and no verdict yet
     tail_bytes: int = 0  # the judged backward's bytes still to cross at its end
-    tail_waited_s: float = 0.0  # ... and the seconds from the backward's end to their last average back
+    tail_s: float = 0.0  # ... and the seconds from the backward's end to their last average back
     vote: bool = False  # this rank's ``tail_wants_trials``
 
 
 def tail_wants_trials(pending_bytes: int, waited_s: float, backward_s: float) -> bool:
-    """The first backward's end: ``pending_bytes`` still to cross (not launched or not complete) came back in
+    """The judged backward's end: ``pending_bytes`` still to cross (not launched or not complete) came back in
     ``waited_s``, after a backward of ``backward_s``: a slow wire whose tail buckets sent earlier could hide."""
     if pending_bytes < TAIL_MIN_BYTES or waited_s < max(TAIL_MIN_S, TAIL_FRACTION * backward_s):
         return False
@@ -121,7 +121,8 @@ def all_say_slow(vote: bool, group: dist.ProcessGroup, device: torch.device) -> 
 
 
 def trials_for_slow_wire(tail_bytes: int, tail_s: float, rank: int) -> BucketTuner:
-    """The default's trials, started by rank 0's verdict (``tail_wants_trials``); rank 0 says why in the log."""
+    """The default's trials, started where every rank's verdict said slow (``all_say_slow``); rank 0 says why in the
+    log, with its own tail."""
     tuner = BucketTuner(AutoBucketCap())
     if rank == 0:
         log.info("a backward's last %.1f MB took %.0f ms to cross after it on every rank: trying bucket caps "

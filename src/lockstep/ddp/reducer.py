@@ -57,6 +57,7 @@ from lockstep.diagnostics.nonfinite import NonfiniteCheck
 
 LINK_JUDGED_ROUND = 1  # rounds completed before the backward whose tail judges the wire: the one after the rebuild
 
+
 class Reducer:
     """Bucketed gradient averaging for one replica's parameters (DDP's arguments, resolved by the wrapper)."""
 
@@ -414,7 +415,7 @@ class Reducer:
                                                 names=self.names, explain=explain)
             self._measure_link(waited)
             if judged:
-                self.link.tail_waited_s = tail_s = time.perf_counter() - ended_s
+                self.link.tail_s = tail_s = time.perf_counter() - ended_s
                 self.link.vote = tail_wants_trials(self.link.tail_bytes, tail_s, backward_s)
                 self._agree_on_the_link()
             if step.plan.zero is not None:
@@ -447,7 +448,7 @@ class Reducer:
         one all-reduce after the backward's other collectives, once per run; trials from the next round."""
         self.link.pending = False
         if all_say_slow(self.link.vote, self.process_group, self.buckets[0].buffer.device) and self.tuner is None:
-            self.tuner = trials_for_slow_wire(self.link.tail_bytes, self.link.tail_waited_s,
+            self.tuner = trials_for_slow_wire(self.link.tail_bytes, self.link.tail_s,
                                               dist.get_rank(self.process_group))
 
     def _measure_link(self, waited_s: float) -> None:
