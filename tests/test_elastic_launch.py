@@ -422,6 +422,35 @@ def test_bad_recovery_is_one_line_naming_the_flag(capsys):
     assert line == "lockstep launch: error: argument --recovery: invalid choice: later (choose from in-place, restart)"
 
 
+def _lose_node_1_and_start_it_again(directory: str, nproc: int, node_0_extra: list[str], node_1_extra: list[str],
+                                    back_line: str, back_timeout_s: float) -> tuple[Launch, Launch, set[int], float]:
+    """2 x ``nproc`` in place: node 1 killed once its paused rank wrote ``paused``, node 0 goes on alone (its left
+    line), node 1's launcher started again; both run to the end once node 0 prints ``back_line``. Returns node 0's
+    launch, node 1's second launch, the survivors' PIDs and when node 1 started again (time.time())."""
+    port = 29600 + random.randrange(300)
+    with netns.two_nodes() as (a, b):
+        node_a = Launch(a.command(_inplace_argv(0, nproc, port, directory, *node_0_extra)), clean_env())
+        node_b = Launch(b.command(_inplace_argv(1, nproc, port, directory, *node_1_extra)), clean_env())
+        launches = [node_a, node_b]
+        try:
+            _wait_file(os.path.join(directory, "paused"), 240, launches)
+            _kill_node(node_b)
+            node_a.wait_for(LEFT_LINE, INPLACE_BOUND_S + 30)
+            os.remove(os.path.join(directory, "paused"))
+            survivors = {p for _, _, w, p in _rows(directory) if w == nproc}
+            started = time.time()
+            node_b = Launch(b.command(_inplace_argv(1, nproc, port, directory)), clean_env())
+            launches.append(node_b)
+            node_a.wait_for(back_line, back_timeout_s)
+            assert node_b.finish(240) == 0, node_b.text()[-4000:]
+            assert node_a.finish(240) == 0, node_a.text()[-4000:]
+        finally:
+            for launch in launches:
+                if launch.proc.poll() is None:
+                    _kill_node(launch)
+    return node_a, node_b, survivors, started
+
+
 @needs_netns
 @heavy
 def test_in_place_shrink_then_grow_back_by_restart(tmp_path):
@@ -429,29 +458,11 @@ def test_in_place_shrink_then_grow_back_by_restart(tmp_path):
     a script's own loop): growing back takes the restart path (the survivors checkpoint on the agent's SIGTERM and
     every worker resumes at 4); the job finishes, each epoch's samples once."""
     directory = str(tmp_path)
-    port = 29600 + random.randrange(300)
-    with netns.two_nodes() as (a, b):
-        node_a = Launch(a.command(_inplace_argv(0, 2, port, directory, "--pause-at", str(K), "--hold-at-world", "2",
-                                                "--refuse-joins")), clean_env())
-        node_b = Launch(b.command(_inplace_argv(1, 2, port, directory, "--pause-at", str(K))), clean_env())
-        launches = [node_a, node_b]
-        try:
-            _wait_file(os.path.join(directory, "paused"), 240, launches)
-            _kill_node(node_b)
-            node_a.wait_for(LEFT_LINE, INPLACE_BOUND_S + 30)
-            os.remove(os.path.join(directory, "paused"))
-            started = time.time()
-            node_b = Launch(b.command(_inplace_argv(1, 2, port, directory)), clean_env())
-            launches.append(node_b)
-            node_a.wait_for(r"node 1 \(10\.201\.0\.2\) joined: world size 2 -> 4; resumed from step \d+", 180)
-            grow_s = next(t for t, _, w, _ in _rows(directory) if w == 4 and t > started) - started
-            print(f"grow back (restart path): {grow_s:.1f} s from node 1's agent start to a step at world size 4")
-            assert node_b.finish(240) == 0, node_b.text()[-4000:]
-            assert node_a.finish(240) == 0, node_a.text()[-4000:]
-        finally:
-            for launch in launches:
-                if launch.proc.poll() is None:
-                    _kill_node(launch)
+    _, _, _, started = _lose_node_1_and_start_it_again(
+        directory, 2, ["--pause-at", str(K), "--hold-at-world", "2", "--refuse-joins"], ["--pause-at", str(K)],
+        r"node 1 \(10\.201\.0\.2\) joined: world size 2 -> 4; resumed from step \d+", 180)
+    grow_s = next(t for t, _, w, _ in _rows(directory) if w == 4 and t > started) - started
+    print(f"grow back (restart path): {grow_s:.1f} s from node 1's agent start to a step at world size 4")
     _samples_once(directory, complete=True)
     assert _final(directory)["world_size"] == 4
 
@@ -464,29 +475,9 @@ JOIN_GOAL_S = 10  # issue #37: the returning node trains <= 10 s after its agent
 def _shrink_then_grow_in_place(directory: str, nproc: int = 2) -> dict:
     """2 x ``nproc``: node 1 killed while its first rank pauses after step K (node 0 goes on alone in place and
     holds its first step there until a node waits to join); node 1's launcher starts again and joins in place."""
-    port = 29600 + random.randrange(300)
     pause = ["--pause-at", str(K), "--pause-rank", str(nproc)]
-    with netns.two_nodes() as (a, b):
-        node_a = Launch(a.command(_inplace_argv(0, nproc, port, directory, *pause, "--hold-at-world", str(nproc))),
-                        clean_env())
-        node_b = Launch(b.command(_inplace_argv(1, nproc, port, directory, *pause)), clean_env())
-        launches = [node_a, node_b]
-        try:
-            _wait_file(os.path.join(directory, "paused"), 240, launches)
-            _kill_node(node_b)
-            node_a.wait_for(LEFT_LINE, INPLACE_BOUND_S + 30)
-            os.remove(os.path.join(directory, "paused"))
-            survivors = {p for _, _, w, p in _rows(directory) if w == nproc}
-            started = time.time()
-            node_b = Launch(b.command(_inplace_argv(1, nproc, port, directory)), clean_env())
-            launches.append(node_b)
-            node_a.wait_for(JOIN_LINE, 120)
-            assert node_b.finish(240) == 0, node_b.text()[-4000:]
-            assert node_a.finish(240) == 0, node_a.text()[-4000:]
-        finally:
-            for launch in launches:
-                if launch.proc.poll() is None:
-                    _kill_node(launch)
+    node_a, node_b, survivors, started = _lose_node_1_and_start_it_again(
+        directory, nproc, [*pause, "--hold-at-world", str(nproc)], pause, JOIN_LINE, 120)
     rows = _rows(directory)
     line = next(m for m in (re.search(JOIN_LINE, x) for x in node_a.err) if m)
     return {"text": node_a.text(), "joiner": node_b.text(), "line": line.group(0), "step": int(line.group(1)),
