@@ -598,3 +598,112 @@ def _wait_lines(launch: Launch, pattern: str, count: int, timeout_s: float) -> l
 def test_in_place_grow_back_repeats(tmp_path, run):
     """The same at 2 x 1 and 2 x 2 in turn, twice each: the join time printed each run (issue #37's table)."""
     _grow_back_in_place(tmp_path, 1 if run % 2 else 2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# No node is special (issue #37 item 3): node 0 serves the rendezvous store and the workers' store; when every
+# process of node 0 dies, the survivors' workers move their store to the lowest surviving node's standby store
+# (each agent serves one), their agents follow, and the job goes on in place; node 0's launcher started again
+# finds the running round (written into its new store by the survivors) and joins in place.
+NODE_0_LEFT = (r"lockstep launch: node 0 \(10\.201\.0\.1\) left at step (\d+): world (\d+) -> (\d+) in ([\d.]+) s, "
+               r"0 steps lost$")
+NODE_0_JOINED = (r"lockstep launch: node 0 \(10\.201\.0\.1\) joined at step (\d+): world (\d+) -> (\d+) in ([\d.]+) s "
+                 r"from its launch, the others paused ([\d.]+) s$")
+
+
+def _lose_node_0_and_start_it_again(directory: str, nproc: int, cycles: int, first: int = K) -> dict:
+    """2 x ``nproc`` in place: node 0 killed (every process) while its first rank pauses after step first + 3 x cycle
+    and node 1's ranks wait inside the next step; node 1 goes on alone (same PIDs); node 0's launcher is started
+    again with the same command and joins in place; ``cycles`` times (the first kill moves the workers' store to
+    node 1, the later ones lose a node that had joined). Both launchers exit 0 at the end."""
+    port, paused = 29600 + random.randrange(300), os.path.join(directory, "paused")
+    measured: dict = {"recover_s": [], "back_s": [], "left": [], "joined": []}
+    with netns.two_nodes() as (a, b):
+        node_a = Launch(a.command(_inplace_argv(0, nproc, port, directory, "--pause-at", str(first), "--pause-rank",
+                                                "0")), clean_env())
+        node_b = Launch(b.command(_inplace_argv(1, nproc, port, directory, "--hold-at-world", str(nproc))),
+                        clean_env())
+        launches = [node_a, node_b]
+        try:
+            for cycle in range(cycles):
+                _wait_file(paused, 240, launches)
+                measured.setdefault("pids_before", {p for _, _, w, p in _rows(directory) if w == 2 * nproc})
+                killed_at = _kill_node(launches[-1] if cycle else node_a)
+                left = _wait_lines(node_b, NODE_0_LEFT, cycle + 1, INPLACE_BOUND_S + 30)[-1]
+                measured["left"].append(int(left.group(1)))
+                measured["recover_s"].append(
+                    next(t for t, _, w, _ in _rows(directory) if w == nproc and t > killed_at) - killed_at)
+                os.remove(paused)
+                started = time.time()
+                again = ["--pause-at", str(first + 3 * (cycle + 1)), "--pause-rank", str(nproc)] * (cycle + 1 < cycles)
+                launches.append(Launch(a.command(_inplace_argv(0, nproc, port, directory, *again)), clean_env()))
+                measured["joined"].append(int(_wait_lines(node_b, NODE_0_JOINED, cycle + 1, 120)[-1].group(1)))
+                measured["back_s"].append(
+                    next(t for t, _, w, _ in _rows(directory) if w == 2 * nproc and t > started) - started)
+            assert launches[-1].finish(240) == 0, launches[-1].text()[-4000:]
+            assert node_b.finish(240) == 0, node_b.text()[-4000:]
+        finally:
+            for launch in launches:
+                if launch.proc.poll() is None:
+                    _kill_node(launch)
+    measured["text"], measured["returned"] = node_b.text(), launches[2].text()
+    measured["pids_b"] = {p for _, _, w, p in _rows(directory) if w == nproc}
+    return measured
+
+
+@needs_netns
+def test_in_place_node_0_killed_the_others_go_on_and_it_comes_back_in_place(tmp_path):
+    """2 x 1: every process of node 0 (which served both stores) killed while its rank pauses after step K and node
+    1's rank waits inside step K + 1: node 1 goes on alone from step K with the same PID, 0 steps lost; node 0's
+    launcher, started again with the same command, joins in place; both exit 0; each epoch's samples once; the
+    final parameters equal those of a run stopped cleanly at K on 2 ranks, resumed on 1, stopped at the grow step
+    and resumed on 2."""
+    grown, clean = str(tmp_path / "grown"), str(tmp_path / "clean")
+    os.makedirs(grown)
+    os.makedirs(clean)
+    measured = _lose_node_0_and_start_it_again(grown, 1, cycles=1)
+    print(f"node 0 killed: step {measured['left']}, kill to a step at world size 1 {measured['recover_s']} s; "
+          f"back at step {measured['joined']}, its launch to a step at world size 2 {measured['back_s']} s")
+    assert measured["left"] == [K] and measured["joined"][0] > K
+    assert len(measured["pids_b"]) == 1 and measured["pids_b"] <= measured["pids_before"]  # node 1 not restarted
+    assert "node 0 (10.201.0.1) stopped answering; the workers moved their store to node 1" in measured["text"]
+    assert "restarted" not in measured["text"] and "resumed from step" not in measured["text"]
+    assert "node 0 joins the running job in place" in measured["returned"]
+    assert measured["recover_s"][0] < INPLACE_BOUND_S and measured["back_s"][0] < 60
+    _samples_once(grown, complete=True)
+    _assert_bit_for_bit(_final(grown), _clean_stops(clean, [(2, 1, K), (1, 1, measured["joined"][0]), (1, 2, None)]))
+
+
+def test_split_brain_rule_a_side_without_the_store_goes_on_only_with_a_majority_or_the_half_without_node_0():
+    from lockstep.train.inplace import may_go_on_without_store
+
+    two = {0: 0, 1: 0, 2: 1, 3: 1}  # launch rank -> node rank, 2 x 2
+    assert may_go_on_without_store([0, 1, 2, 3], [2, 3], two, 0)  # two nodes: node 0 gone (or cut off)
+    three = {r: r // 2 for r in range(6)}
+    assert may_go_on_without_store(list(range(6)), [2, 3, 4, 5], three, 0)  # 2 of 3 nodes
+    assert not may_go_on_without_store(list(range(6)), [4, 5], three, 0)  # 1 of 3: the others may train on
+    four = {r: r // 2 for r in range(8)}
+    assert not may_go_on_without_store(list(range(8)), [4, 5, 6, 7], four, 0)  # half, but nodes 0 and 1 are gone
+    assert may_go_on_without_store(list(range(8)), [2, 3, 4, 5, 6, 7], four, 0)
+
+
+@needs_netns
+@heavy
+def test_in_place_node_0_killed_three_times_back_each_time(tmp_path):
+    """2 x 2: node 0 killed after step 2 (the store moves to node 1), back in place; then the ranks it came back
+    with killed twice more (after steps 5 and 8), back each time; node 1's PIDs kept throughout, each sample
+    once, bit for bit with the seven clean stops and resumes."""
+    grown, clean = str(tmp_path / "grown"), str(tmp_path / "clean")
+    os.makedirs(grown)
+    os.makedirs(clean)
+    measured = _lose_node_0_and_start_it_again(grown, 2, cycles=3, first=2)
+    print("\n".join(line for line in measured["text"].splitlines() if "node 0 (10.201.0.1)" in line))
+    print(f"lost at {measured['left']}, back at {measured['joined']}; kill to a step at 2: "
+          f"{[round(t, 2) for t in measured['recover_s']]} s; launch to a step at 4: "
+          f"{[round(t, 2) for t in measured['back_s']]} s")
+    assert measured["left"] == [2, 5, 8] and measured["joined"] == [4, 7, 10]
+    assert len(measured["pids_b"]) == 2 and measured["pids_b"] <= measured["pids_before"]
+    _samples_once(grown, complete=True)
+    stops = [(2, 2, 2)] + [stop for lost, back in zip([*measured["left"][1:], None], measured["joined"])
+                           for stop in ((1, 2, back), (1, 4, lost))]
+    _assert_bit_for_bit(_final(grown), _clean_stops(clean, stops))

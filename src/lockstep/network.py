@@ -128,3 +128,13 @@ def serve_store(host: str, port: int, timeout_s: float, world_size: int | None =
         raise
     listener.detach()  # the store closes the descriptor now
     return store
+
+
+def accepts(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether something listens at ``host:port`` (a plain TCP connect, closed at once). A TCPStore client's
+    own connect retries a refused port until its timeout and logs each try: ask this first."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False

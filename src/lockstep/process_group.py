@@ -230,6 +230,9 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, env: dict | None
 INPLACE_PREFIX = "lockstep/inplace"  # in the workers' store (MASTER_ADDR:MASTER_PORT)
 INPLACE_JOIN_ENV = "LOCKSTEP_INPLACE_JOIN"  # set by lockstep launch's rendezvous for a node that joins a running job
 INPLACE_TIMEOUT_ENV = "LOCKSTEP_INPLACE_TIMEOUT_S"  # gloo's per-operation timeout in an in-place run
+# the first id a newcomer may take, in a store the workers moved to (train/inplace.py writes it at a failover: the
+# join count starts again there, and ids must never repeat)
+INPLACE_BASE_KEY = f"{INPLACE_PREFIX}/base"
 JOIN_WAIT_S = 600.0  # how long a newcomer waits to be admitted (the others admit at their next step boundary)
 _ADMISSION: list[dict] = []  # what the survivors admitted this process as (read once by train/inplace.py)
 
@@ -242,7 +245,8 @@ def _join_in_place(backend: str, spec: dict, local_rank: int) -> None:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
                           datetime.timedelta(seconds=60), wait_for_workers=False)
     seq = store.add(f"{INPLACE_PREFIX}/join/count", 1)
-    me = int(spec["base"]) + seq - 1
+    base = int(store.get(INPLACE_BASE_KEY)) if store.check([INPLACE_BASE_KEY]) else int(spec["base"])
+    me = base + seq - 1
     record = {"id": me, "node": spec["node"], "local_rank": local_rank,
               "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", "1")), "t0": spec["t0"]}
     store.set(f"{INPLACE_PREFIX}/join/{seq}", json.dumps(record))

@@ -6,8 +6,9 @@ fail, the agent restarts them (counted against ``--max-restarts``, as torchrun c
 and the next round completes with whoever joined once ``MIN`` nodes are there and the
 last call has passed; a node that arrives while the job runs makes every agent restart its
 workers at the next re-rendezvous (not counted, as in torchrun). What this module adds:
-the nodes of a round are numbered by ``--node-rank`` among those present (node 0, which
-serves the rendezvous store, must stay), and after every round but the first the launcher
+the nodes of a round are numbered by ``--node-rank`` among those present (node 0 serves
+the rendezvous store: on the restart path it must stay; in place the survivors go on without
+it, launch/rendezvous.py), and after every round but the first the launcher
 prints one line saying which node left or joined, the old and new world size and the step
 the workers resumed from, which the Trainer (or ``lockstep.resume``) reports through the
 workers' store.
@@ -27,6 +28,8 @@ INPLACE_ENV = "LOCKSTEP_INPLACE"  # "1": the workers recover in place (train/inp
 INPLACE_MIN_WORLD_ENV = "LOCKSTEP_INPLACE_MIN_WORLD"  # --nnodes MIN x --nproc-per-node (the same name there)
 INPLACE_REPORT_KEY = "lockstep/inplace/report"  # + "/<generation>": the workers' record of a re-formation (the same)
 INPLACE_ACCEPTS_JOINS_KEY = "lockstep/inplace/accepts_joins"  # the workers admit newcomers in place (the same)
+INPLACE_STORES_ENV = "LOCKSTEP_INPLACE_STORES"  # every node's standby store, for the workers (the same)
+INPLACE_TAKEOVER_KEY = "lockstep/inplace/takeover"  # the workers moved to this standby store (the same)
 DEFAULT_LAST_CALL_S = 5.0  # how long a round waits for more nodes once MIN joined (torchrun's default: 30)
 
 
@@ -130,20 +133,21 @@ class InPlaceReport(threading.Thread):
     left to ``on_left`` (the rendezvous handler forgets them), those that joined to ``on_joined``. Polled every
     0.2 s on a client of its own."""
 
-    def __init__(self, host: str, port: int, nodes: list[dict], nproc: int, on_left, on_joined=None):
+    def __init__(self, host: str, port: int, nodes: list[dict], nproc: int, on_left, on_joined=None,
+                 generation: int = 1):
         super().__init__(name="lockstep-inplace-report", daemon=True)
         self.host, self.port, self.nodes, self.nproc, self.on_left = host, port, nodes, nproc, on_left
         self.on_joined = on_joined
+        self.generation = generation  # the next re-formation to report (a report moved to another store goes on)
         self.stop = threading.Event()
 
     def run(self) -> None:
         from lockstep.launch.liveness import connect
 
-        generation = 1
         try:
             store = connect(self.host, self.port, 10)
             while not self.stop.wait(0.2):
-                key = f"{INPLACE_REPORT_KEY}/{generation}"
+                key = f"{INPLACE_REPORT_KEY}/{self.generation}"
                 if not store.check([key]):
                     continue
                 record = json.loads(store.get(key))
@@ -154,7 +158,7 @@ class InPlaceReport(threading.Thread):
                         self.on_joined(named)
                 else:
                     self.on_left(named)
-                generation += 1
+                self.generation += 1
         except Exception:  # the round ended (its store gone)
             pass
 

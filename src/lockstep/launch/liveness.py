@@ -2,7 +2,8 @@
 
 Each node's agent adds 1 to its own counter in the rendezvous store every second and reads the
 others'. A counter that stops moving for ``--node-timeout`` seconds means that node is gone; a store
-that stops answering means node 0 (which serves it) is gone or cut off. The one idea: a TCPStore
+that stops answering means node 0 (which serves it) is gone or cut off; in place, the agents first look for the
+standby store the workers moved to (launch/rendezvous.py) and beat there. The one idea: a TCPStore
 client waits for an answer without a bound when the peer is silent (measured here: > 100 s with a
 2 s store timeout), so the store calls run on a thread of their own and the judge only reads the
 timestamps they leave; nothing here ever blocks the agent.
@@ -11,15 +12,22 @@ timestamps they leave; nothing here ever blocks the agent.
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import sys
 import threading
 import time
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
+from lockstep.network import accepts
+
 READ_TIMEOUT_S = 60  # one store operation (torch's default for its c10d backend)
 HEARTBEAT_S = 1.0
+# In place: once the store has not answered for this long, look for the standby store the workers moved to
+# (launch/rendezvous.py); a store that is merely slow has none, and the --node-timeout verdict stands.
+LOOK_FOR_STANDBY_S = 2.0
 
 
 def connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -41,6 +49,22 @@ def answers(host: str, port: int, timeout_s: float) -> bool:
 
     threading.Thread(target=probe, daemon=True).start()
     return answered.wait(timeout_s)
+
+
+def holds(host: str, port: int, key: str, timeout_s: float = 2.0) -> bool:
+    """Whether the store at host:port answers within ``timeout_s`` and holds ``key`` (on a thread, as ``answers``;
+    a plain connect first: a TCPStore client logs every refused try)."""
+    found = threading.Event()
+
+    def probe() -> None:
+        try:
+            if accepts(host, port, timeout_s) and connect(host, port, timeout_s).check([key]):
+                found.set()
+        except Exception:
+            pass
+
+    threading.Thread(target=probe, daemon=True).start()
+    return found.wait(timeout_s)
 
 
 def worker_pids() -> list[int]:
@@ -67,7 +91,7 @@ class Liveness(threading.Thread):
     """
 
     def __init__(self, master: tuple[str, int], prefix: str, node_rank: int, nodes: list[dict], timeout_s: float,
-                 on_lost):
+                 on_lost, find_standby=None):
         super().__init__(name="lockstep-liveness", daemon=True)
         self.master, self.prefix, self.node_rank, self.nodes, self.timeout_s = (
             master,
@@ -77,6 +101,9 @@ class Liveness(threading.Thread):
             timeout_s,
         )
         self.on_lost = on_lost
+        # in place: () -> (addr, port) of the standby store the workers moved to, or None (launch/rendezvous.py)
+        self.find_standby = find_standby
+        self.moves = 0  # the heartbeat thread reconnects when this changes
         self.lost: str | None = None
         self.last_ok = time.monotonic()  # when the store last answered
         # node rank -> (its last heartbeat count, when that count last changed)
@@ -90,9 +117,15 @@ class Liveness(threading.Thread):
         threading.Thread(target=self._beat, name="lockstep-heartbeat", daemon=True).start()
         while not self.stop.wait(HEARTBEAT_S) and self.lost is None:
             now = time.monotonic()
+            if self.find_standby is not None and now - self.last_ok > LOOK_FOR_STANDBY_S:
+                moved = self.find_standby()
+                if moved is not None:
+                    self.move(moved)
+                    continue
             if now - self.last_ok > self.timeout_s:
                 addr, port = self.master
-                self.lost = (f"node 0 ({addr}), which holds the rendezvous store at {addr}:{port}, "
+                holder = "node 0" if self.moves == 0 else "the node"
+                self.lost = (f"{holder} ({addr}), which holds the rendezvous store at {addr}:{port}, "
                              f"has not answered for {now - self.last_ok:.0f} s")
             for j, (_, changed) in list(self.seen.items()):
                 if now - changed > self.timeout_s and now - self.last_ok < 2 * HEARTBEAT_S + 1:
@@ -101,15 +134,25 @@ class Liveness(threading.Thread):
         if self.lost is not None and not self.stop.is_set():
             self.on_lost(self.lost)
 
+    def move(self, master: tuple[str, int]) -> None:
+        """Beat in the store at ``master`` from now on (the workers moved there: in place, node 0 gone)."""
+        now = time.monotonic()
+        self.master, self.last_ok = master, now
+        self.seen = dict.fromkeys(self.seen, (-1, now))  # every node's silence is judged afresh from here
+        self.moves += 1
+
     def forget(self, node_rank: int) -> None:
         """Stop judging ``node_rank`` (its workers' peers went on without it: in-place recovery)."""
         self.seen.pop(node_rank, None)
 
     def _beat(self) -> None:
-        client = None
+        client, moves = None, 0
         while not self.stop.wait(HEARTBEAT_S) and self.lost is None:
             try:
-                if client is None:
+                if client is None or moves != self.moves:
+                    client, moves = None, self.moves
+                    if not accepts(*self.master, timeout_s=min(5.0, self.timeout_s)):
+                        continue  # gone: no TCPStore client's refused tries (each logs a line)
                     client = connect(*self.master, timeout_s=min(5.0, self.timeout_s))
                 client.add(f"{self.prefix}/{self.node_rank}", 1)
                 beats = {j: client.add(f"{self.prefix}/{j}", 0) for j in list(self.seen)}
@@ -136,3 +179,36 @@ class Poller(threading.Thread):
                 self.waiting = self.inner.num_nodes_waiting()
             except Exception:  # the store is unreachable: the liveness check decides what that means
                 self.waiting = 0
+
+
+class EndpointProbe(threading.Thread):
+    """After the workers moved their store (node 0 gone): knocks at node 0's endpoint every ``EVERY_S``; when a store
+    answers there (node 0's launcher started again, with a new store), writes the running round into it, and
+    again whenever it changes, so that the launcher joins the running job in place (launch/rendezvous.py) instead
+    of starting a job of its own. A store there that holds a round record of its own is not a node 0 that came
+    back but one that never left (a cut link healed): that is said once, and nothing is written."""
+
+    EVERY_S = 0.5
+
+    def __init__(self, endpoint: tuple[str, int], key: str, record):
+        super().__init__(name="lockstep-endpoint-probe", daemon=True)
+        self.endpoint, self.key, self.record = endpoint, key, record
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        client = None
+        while not self.stop.wait(self.EVERY_S):
+            try:
+                if client is None:
+                    if not accepts(*self.endpoint, timeout_s=1.0):
+                        continue
+                    client = connect(*self.endpoint, timeout_s=2.0)
+                    if client.check([self.key]) and "moved_from" not in json.loads(client.get(self.key)):
+                        host, port = self.endpoint
+                        print(f"lockstep launch: node 0's store at {host}:{port} answers with a running round of its "
+                              "own: node 0 was cut off, not gone, and both sides trained meanwhile "
+                              "(docs/preemptible.md: a cut link)", file=sys.stderr, flush=True)
+                        return
+                client.set(self.key, json.dumps(self.record()))
+            except Exception:  # node 0 went again: knock until it is back
+                client = None

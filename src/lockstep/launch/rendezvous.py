@@ -24,6 +24,13 @@ barrier need nobody else), its workers the running job's store and ``LOCKSTEP_IN
 running group at a step boundary (train/inplace.py). The running agents never see a node waiting, so they
 restart nothing. Otherwise (no such round, a script's own loop) the node takes torch's way: the running agents
 see it waiting and restart their workers at the larger size.
+
+No node is special in place: every agent also serves a standby store, listed in the round's records. When node 0's
+stores stop answering (every process of node 0 gone), the survivors' workers move to the standby store of the
+lowest surviving node (train/inplace.py, fenced by the generation) and go on; the agents find the store they moved
+to (``_find_standby``) and follow: heartbeats, the in-place lines, torch's exit barrier (``_Relay``). The lowest
+surviving node knocks at node 0's endpoint (``EndpointProbe``); a node 0 that starts waits ``RETURN_WAIT_S`` for
+such a record in its new store, and joins the running job in place when it finds one.
 """
 
 from __future__ import annotations
@@ -47,11 +54,24 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from lockstep.launch import elastic
-from lockstep.launch.liveness import READ_TIMEOUT_S, Liveness, Poller, answers, connect, worker_pids
+from lockstep.launch.liveness import (
+    READ_TIMEOUT_S,
+    EndpointProbe,
+    Liveness,
+    Poller,
+    answers,
+    connect,
+    holds,
+    worker_pids,
+)
 from lockstep.network import route_source_addr, serve_store
 from lockstep.process_group import INPLACE_JOIN_ENV
 
 BACKEND = "lockstep"
+# A node 0 that starts waits this long for a survivor to write the running round into its fresh store (the
+# survivors knock at its endpoint every EndpointProbe.EVERY_S once the workers moved their store): node 0 came
+# back, and joins in place instead of starting a job of its own.
+RETURN_WAIT_S = 3.0
 _handlers: dict[str, LockstepRendezvous] = {}  # run_id -> the handler of this process's agent (for the report)
 
 
@@ -105,20 +125,36 @@ class LockstepRendezvous(RendezvousHandler):
         self._poller: Poller | None = None
         self._running: dict | None = None  # node 0, in place: the running round's workers' store and first new id
         self.joined_in_place = False  # this node's workers joined a running in-place round (``_join_running``)
+        # In place, several nodes: a store each agent serves for its whole life, empty until node 0's stores stop
+        # answering and the workers move theirs here (train/inplace.py); every node's is in the round's records.
+        self._standby: dist.TCPStore | None = None
+        self._moved: dict | None = None  # the node whose standby store the workers (and the agents) moved to
+        self._round_nodes: list[dict] = []  # the nodes of torch's round: launch rank r ran on node r // nproc
+        self._relay: _Relay | None = None  # the store torch's exit barrier uses: node 0's, then the one moved to
+        self._probe: EndpointProbe | None = None  # after a move: writes the running round into a node 0 come back
+        self._token = ""  # the round's workers' store token: names this round's keys in a store moved to
         self._started_at = _process_start_time()  # the launcher's start: a join line counts from it
 
     # ------------------------------------------------------------------ the round
     def next_rendezvous(self) -> RendezvousInfo:
         self._stop_watchdog()
         in_place = self.in_place and not self.single
-        if in_place and self.node_rank == 0:
-            self._store.delete_key(self._round_key())  # the round's workers are gone: nobody may join them now
-        if in_place and self.node_rank != 0 and self._last_nodes is None:  # never in torch's round: may join
+        if self._moved is not None:
+            raise RendezvousConnectionError(
+                f"node 0's rendezvous store at {self.master_addr}:{self.master_port} is gone (the workers went on in "
+                "place without it): torch's next round, which would restart the workers, needs it")
+        if in_place and self._standby is None:
+            self._standby = serve_store(self.local_addr, 0, READ_TIMEOUT_S)
+        if in_place and self._last_nodes is None:  # never in torch's round: may join a running one
             self.joined_in_place = False
             os.environ.pop(INPLACE_JOIN_ENV, None)  # workers started after torch's round must not try to join
+            if self.node_rank == 0:  # its store is new: a survivor writes the running round there if one runs
+                self._await_running_round()
             joined = self._join_running()
             if joined is not None:
                 return joined
+        if in_place and self.node_rank == 0:
+            self._store.delete_key(self._round_key())  # the round's workers are gone: nobody may join them now
         if self.lost_reason is not None and self.node_rank != 0:
             self._wait_for_store()
         self._check_layout()
@@ -144,34 +180,93 @@ class LockstepRendezvous(RendezvousHandler):
         meta = json.loads(store.get("lockstep/worker_store"))
         if not self.single:
             self._watchdog = Liveness((self.master_addr, self.master_port), f"lockstep/alive/{meta['token']}",
-                                       self.node_rank, nodes, self.node_timeout_s, self._lose)
+                                       self.node_rank, nodes, self.node_timeout_s, self._lose,
+                                       self._find_standby if in_place else None)
+            self._token = meta["token"]
             self._poller = Poller(self._inner)
             self._watchdog.start()
             self._poller.start()
         master = "127.0.0.1" if self.single else self.master_addr
+        if in_place:
+            self._round_nodes = nodes
+            self._relay = _Relay(store)
+            os.environ[elastic.INPLACE_STORES_ENV] = json.dumps({"store_node": nodes[0]["node_rank"], "nodes": [
+                {"node_rank": n["node_rank"], "addr": n["addr"], "port": n["standby"],
+                 "ranks": list(range(i * self.nproc, (i + 1) * self.nproc))} for i, n in enumerate(nodes)]})
         change = elastic.describe_change(self._last_nodes, nodes, self.nproc)
         self._last_nodes = nodes
         if change is not None:  # one line once the workers say which step they resumed from
             self._report = elastic.ResumeReport(change, master, int(meta["port"]))
             self._report.start()
-        self._round = (store, world_size)
+        self._round = (self._relay or store, world_size)
         if in_place:  # one line per node the workers lost and left behind, or admitted, in place
             self._in_place_report = elastic.InPlaceReport(master, int(meta["port"]), nodes, self.nproc,
                                                           self._left_in_place, self._joined_in_place)
             self._in_place_report.start()
-            if self.node_rank == 0:  # a node that starts now joins these workers (``_join_running``)
-                self._running = {"port": int(meta["port"]), "base": world_size * self.nproc}
-                self._publish_round()
-        return RendezvousInfo(store, self.group_rank, world_size, RendezvousStoreInfo(master, int(meta["port"])))
+            # a node that starts now joins these workers (``_join_running``): node 0 records them
+            self._running = {"addr": master, "port": int(meta["port"]), "base": world_size * self.nproc}
+            self._publish_round()
+        return RendezvousInfo(self._round[0], self.group_rank, world_size,
+                              RendezvousStoreInfo(master, int(meta["port"])))
 
     # ------------------------------------------------------------------ joining a running in-place round
     def _round_key(self) -> str:
         return f"lockstep/{self._params.run_id}/inplace_round"
 
-    def _publish_round(self) -> None:
-        """Node 0: the running round's workers' store, the first id a newcomer may take, the nodes there now."""
+    def _running_round(self) -> dict:
+        """The running round's workers' store, the first id a newcomer may take, the nodes there now."""
         assert self._running is not None
-        self._store.set(self._round_key(), json.dumps({**self._running, "nodes": self._last_nodes or []}))
+        return {**self._running, "nodes": self._last_nodes or []}
+
+    def _publish_round(self) -> None:
+        """Node 0 records the running round in its store; after a move the endpoint probe writes it into a store
+        that answers at node 0's endpoint again (``_moved_to``)."""
+        if self.node_rank == 0 and self._running is not None and self._moved is None:
+            self._store.set(self._round_key(), json.dumps(self._running_round()))
+
+    def _await_running_round(self) -> None:
+        deadline = time.monotonic() + RETURN_WAIT_S
+        while time.monotonic() < deadline and not self._store.check([self._round_key()]):
+            time.sleep(0.1)
+
+    # ------------------------------------------------------------------ node 0 gone: the standby stores
+    def _find_standby(self) -> tuple[str, int] | None:
+        """The liveness thread, once the store has not answered for a while: did the workers move their store
+        to a standby (train/inplace.py's takeover)? The agents follow them there; None: they did not (yet)."""
+        gone = self._moved["node_rank"] if self._moved is not None else self._round_nodes[0]["node_rank"]
+        for node in sorted(self._last_nodes or [], key=lambda n: n["node_rank"]):
+            if node["node_rank"] != gone and "standby" in node and holds(node["addr"], node["standby"],
+                                                                            elastic.INPLACE_TAKEOVER_KEY):
+                self._moved_to(node, gone)
+                return node["addr"], node["standby"]
+        return None
+
+    def _moved_to(self, node: dict, gone: int) -> None:
+        """The workers went on with ``node``'s standby store: so do the in-place lines, torch's exit barrier and,
+        on the lowest surviving node, the record of the running round for a node 0 that comes back."""
+        addr, port = node["addr"], node["standby"]
+        old = next((n for n in self._round_nodes if n["node_rank"] == gone), {"addr": "?"})
+        print(f"lockstep launch: node {gone} ({old['addr']}) stopped answering; the workers moved their store to "
+              f"node {node['node_rank']} ({addr}:{port}) and go on in place", file=sys.stderr, flush=True)
+        self._moved = node
+        for thread in (self._poller, self._in_place_report):
+            if thread is not None:
+                thread.stop.set()
+        stop_heartbeats = getattr(self._inner, "_stop_heartbeats", None)
+        if stop_heartbeats is not None:
+            stop_heartbeats()  # torch's keep-alive would write to the dead store every 5 s, logging each failure
+        if self._relay is not None:
+            self._relay.move(dist.PrefixStore(f"lockstep/exit/{self._token}", connect(addr, port, 10)))
+        assert self._running is not None
+        self._running = {**self._running, "addr": addr, "port": port, "moved_from": gone}
+        generation = self._in_place_report.generation if self._in_place_report is not None else 1
+        self._in_place_report = elastic.InPlaceReport(addr, port, self._round_nodes, self.nproc, self._left_in_place,
+                                                      self._joined_in_place, generation)
+        self._in_place_report.start()
+        lead = min(n["node_rank"] for n in self._last_nodes or [] if n["node_rank"] != gone)
+        if lead == self.node_rank:
+            self._probe = EndpointProbe((self.master_addr, self.master_port), self._round_key(), self._running_round)
+            self._probe.start()
 
     def _join_running(self) -> RendezvousInfo | None:
         """A round runs in place and its workers admit newcomers: join it without torch's rendezvous (which would
@@ -190,22 +285,30 @@ class LockstepRendezvous(RendezvousHandler):
         if self.node_rank in there:
             raise NodesDisagree(f"--node-rank {self.node_rank} is training in this job already "
                                 f"({there[self.node_rank]['addr']}); give this node another --node-rank")
+        addr = running.get("addr", self.master_addr)  # node 0's, or the standby store the workers moved to
         try:
-            workers = connect(self.master_addr, running["port"], 10)
-            if not workers.check([elastic.INPLACE_ACCEPTS_JOINS_KEY]):
-                return None  # a script's own loop (InPlaceRecovery) admits nobody: the restart path
+            workers = connect(addr, running["port"], 10)
+            accepts_joins = workers.check([elastic.INPLACE_ACCEPTS_JOINS_KEY])
         except Exception:
             return None  # the round just ended: torch's rendezvous decides
-        me = {"node_rank": self.node_rank, "addr": self.local_addr, "host": socket.gethostname()}
+        if not accepts_joins and "moved_from" in running:  # torch's round would be a second job, node 0's own
+            raise NodesDisagree(f"node {self.node_rank} came back, but the job went on without it (its store moved to "
+                                f"{addr}) and admits no newcomer in place (a script's own loop): starting here would "
+                                "start a second job; start this node once the job has ended")
+        if not accepts_joins:
+            return None  # a script's own loop (InPlaceRecovery) admits nobody: the restart path
+        me = {"node_rank": self.node_rank, "addr": self.local_addr, "host": socket.gethostname(),
+              **({"standby": self._standby.port} if self._standby is not None else {})}
+        os.environ.pop(elastic.INPLACE_STORES_ENV, None)  # its workers learn the stores with their admission
         # inherited by the workers the agent starts next (torch copies os.environ): process_group.init() joins
         os.environ[INPLACE_JOIN_ENV] = json.dumps({"base": running["base"], "node": me, "t0": self._started_at})
         self.joined_in_place = True
         print(f"lockstep launch: node {self.node_rank} joins the running job in place (workers' store "
-              f"{self.master_addr}:{running['port']}); its ranks start at the others' next step boundary",
+              f"{addr}:{running['port']}); its ranks start at the others' next step boundary",
               file=sys.stderr, flush=True)
         # a round of its own, rank 0 of 1: torch's rank assignment and exit barrier wait for nobody else
         own = dist.PrefixStore(f"lockstep/{self._params.run_id}/joined/{uuid.uuid4().hex}", self._store)
-        return RendezvousInfo(own, 0, 1, RendezvousStoreInfo(self.master_addr, int(running["port"])))
+        return RendezvousInfo(own, 0, 1, RendezvousStoreInfo(addr, int(running["port"])))
 
     def _check_layout(self) -> None:
         """Nodes with different --nnodes never complete torch's round (each waits for its own count): the
@@ -230,7 +333,7 @@ class LockstepRendezvous(RendezvousHandler):
 
     def _exchange(self, store: dist.Store, rank: int, world_size: int) -> list[dict]:
         me = {"node_rank": self.node_rank, "nnodes": self.nnodes_spec, "addr": self.local_addr,
-              "host": socket.gethostname()}
+              "host": socket.gethostname(), **({"standby": self._standby.port} if self._standby is not None else {})}
         store.set(f"lockstep/node/{rank}", json.dumps(me))
         nodes = [json.loads(store.get(f"lockstep/node/{i}")) for i in range(world_size)]
         said = sorted({str(n["nnodes"]) for n in nodes})
@@ -257,8 +360,8 @@ class LockstepRendezvous(RendezvousHandler):
 
     # ------------------------------------------------------------------ while the workers run
     def num_nodes_waiting(self) -> int:
-        if self.joined_in_place:
-            return 0  # not in torch's round: its waiting nodes are the running agents' to admit
+        if self.joined_in_place or self._moved is not None:
+            return 0  # not in torch's round (or its store is gone): its waiting nodes are not this agent's
         if self._poller is not None:
             return 0 if self.lost_reason else self._poller.waiting
         return self._inner.num_nodes_waiting()  # one node: the store is local and answers at once
@@ -286,8 +389,7 @@ class LockstepRendezvous(RendezvousHandler):
                 self._watchdog.forget(node["node_rank"])
         remaining = [n for n in self._last_nodes or [] if n["node_rank"] not in {m["node_rank"] for m in left}]
         self._last_nodes = remaining  # the next round's line compares with the nodes really there
-        if self.node_rank == 0 and self._running:
-            self._publish_round()  # a node that left may come back in place
+        self._publish_round()  # a node that left may come back in place
         if self._round is not None and remaining and self.node_rank == remaining[0]["node_rank"]:
             store, size = self._round
             for _ in left:
@@ -297,8 +399,7 @@ class LockstepRendezvous(RendezvousHandler):
         """The workers admitted ``joined``: the next round's line compares with the nodes really there; node 0
         records them as running (a second start of one of them is refused)."""
         self._last_nodes = sorted([*(self._last_nodes or []), *joined], key=lambda n: n["node_rank"])
-        if self.node_rank == 0 and self._running:
-            self._publish_round()
+        self._publish_round()
 
     def take_stop_reason(self) -> str | None:
         """Why this node stopped its workers since the last call (None: it did not)."""
@@ -306,10 +407,10 @@ class LockstepRendezvous(RendezvousHandler):
         return reason
 
     def _stop_watchdog(self) -> None:
-        for thread in (self._watchdog, self._poller, self._report, self._in_place_report):
+        for thread in (self._watchdog, self._poller, self._report, self._in_place_report, self._probe):
             if thread is not None:
                 thread.stop.set()
-        self._watchdog = self._poller = self._report = self._in_place_report = None
+        self._watchdog = self._poller = self._report = self._in_place_report = self._probe = None
 
     # ------------------------------------------------------------------ delegated
     def get_backend(self) -> str:
@@ -333,9 +434,53 @@ class LockstepRendezvous(RendezvousHandler):
         if self.joined_in_place:
             os.environ.pop(INPLACE_JOIN_ENV, None)
             return True  # not in torch's round: closing the rendezvous is node 0's, at the job's end
-        if self.lost_reason is not None and self.node_rank != 0:
+        if self._moved is not None or (self.lost_reason is not None and self.node_rank != 0):
             return False  # node 0's store is gone or unreachable: closing it would only wait for a timeout
         return self._inner.shutdown()
+
+
+class _Relay(dist.Store):
+    """The store handed to torch's agent for a round (its rank assignment and exit barrier): node 0's, until the
+    workers move their store to a standby (node 0 gone); then that one, so that the survivors' exit barrier meets
+    where they are (torch's ``_exit_barrier`` on a dead store would log a traceback and go on unsynchronised)."""
+
+    def __init__(self, inner: dist.Store):
+        super().__init__()
+        self.inner = inner
+
+    def move(self, inner: dist.Store) -> None:
+        self.inner = inner
+
+    def set(self, key, value):
+        self.inner.set(key, value)
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def add(self, key, amount):
+        return self.inner.add(key, amount)
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+    def compare_set(self, key, expected, desired):
+        return self.inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key):
+        return self.inner.delete_key(key)
+
+    def num_keys(self):
+        return self.inner.num_keys()
+
+    def wait(self, keys, timeout=None):
+        # torch's barrier sets its timeout (300 s) on this store, not on the inner one: pass it on
+        return self.inner.wait(keys, self.timeout if timeout is None else timeout)  # type: ignore[attr-defined]
+
+    def multi_get(self, keys):
+        return self.inner.multi_get(keys)
+
+    def multi_set(self, keys, values):
+        return self.inner.multi_set(keys, values)  # type: ignore[attr-defined]
 
 
 def _process_start_time() -> float:

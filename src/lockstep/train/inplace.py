@@ -17,6 +17,11 @@ of 1 to its next commit, so every rank learns at the same step that the group gr
 the newcomers, all form generation g+1 with them, and the caller hands them rank 0's state over the new group
 (``broadcast_state``; the Trainer does, docs/preemptible.md "Growing back in place").
 
+The store itself may go (node 0's agent serves it): a survivor whose store calls fail moves to the standby store
+of the lowest node among the members' nodes but the store's own (every agent serves one; ``_move_store``), claiming
+it for its generation, so no two stores serve one generation; the survivors re-form there, and go on only with the
+majority rule of ``may_go_on_without_store`` (docs/preemptible.md, "Losing node 0").
+
 Gloo cannot abort an operation in flight (``ProcessGroupGloo.abort()`` and ``shutdown()`` leave a blocked
 ``wait`` blocked, measured with torch 2.13), so a watcher thread ends it the way a dead peer would: it shuts
 down the group's connected TCP sockets, and the blocked operation fails at once. The group's gloo timeout
@@ -38,7 +43,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lockstep.process_group import INPLACE_PREFIX, INPLACE_TIMEOUT_ENV, group_sockets, socket_fds, take_admission
+from lockstep.network import accepts
+from lockstep.process_group import (
+    INPLACE_BASE_KEY,
+    INPLACE_PREFIX,
+    INPLACE_TIMEOUT_ENV,
+    group_sockets,
+    socket_fds,
+    take_admission,
+)
 
 ENV = "LOCKSTEP_INPLACE"  # "1": set by ``lockstep launch --nnodes MIN:MAX`` (launch/elastic.py's INPLACE_ENV)
 TIMEOUT_ENV = INPLACE_TIMEOUT_ENV  # gloo's per-operation timeout in an in-place run
@@ -50,6 +63,11 @@ SILENT_S = 1.5  # a member that did not rejoin and whose heartbeat stood still t
 ALARM_SILENT_S = 15.0  # a member silent this long raises the alarm by itself (a cut link: no socket closes)
 DECIDE_TIMEOUT_S = 60.0
 MAX_REJOINS_WITHOUT_PROGRESS = 3  # an error that comes back after every re-formation is no lost peer: raise it
+# Set by ``lockstep launch`` (launch/rendezvous.py, the same name): every node's standby store (each agent serves
+# one) and the launch ranks on that node, and which node serves the workers' store now.
+STORES_ENV = "LOCKSTEP_INPLACE_STORES"
+TAKEOVER_KEY = f"{PREFIX}/takeover"  # in a standby store: the generation whose re-formation moved the workers there
+STANDBY_CONNECT_S = 2.0  # a standby store that does not take a connection this fast is not the successor
 
 
 class PeerLost(RuntimeError):
@@ -156,6 +174,30 @@ class Joins:
             self.ready = False
 
 
+def may_go_on_without_store(before: list[int], after: list[int], node_of: dict[int, int],
+                            store_node: int | None) -> bool:
+    """The split-brain rule, after the store's node stopped answering and the survivors moved to a standby store:
+    ``after`` (the ranks that rejoined there) goes on only with more than half of ``before`` (the last
+    generation's ranks), or with exactly half where the half gone is ``store_node``'s ranks alone. Two nodes
+    cannot tell a cut link from a dead node 0, so one node of two goes on: docs/preemptible.md says what that
+    costs; with three or more nodes a side cut off from the majority stops."""
+    if 2 * len(after) > len(before):
+        return True
+    gone = {node_of.get(r) for r in before if r not in after}
+    return 2 * len(after) == len(before) and gone == {store_node}
+
+
+def _stores_from_env(world_size: int) -> tuple[dict[int, tuple[str, int]], dict[int, int], int]:
+    """``STORES_ENV``: every node's standby store, the launch ranks on each node, the node serving the store."""
+    raw = os.environ.get(STORES_ENV)
+    if not raw:
+        return {}, {}, 0
+    spec = json.loads(raw)
+    stores = {int(n["node_rank"]): (n["addr"], int(n["port"])) for n in spec["nodes"]}
+    node_of = {int(r): int(n["node_rank"]) for n in spec["nodes"] for r in n["ranks"] if r < world_size}
+    return stores, node_of, int(spec["store_node"])
+
+
 class InPlaceGroup:
     """The default process group of an in-place run, generation by generation.
 
@@ -173,8 +215,15 @@ class InPlaceGroup:
         self.generation, self.committed, self.ready = 0, 0, 0
         self.joined: Regrouped | None = None  # a newcomer's admission, until the Trainer took the state
         self.where: dict[int, dict] = {}  # newcomer id -> its node ({"node_rank", "addr"}), for the launcher's line
+        # node rank -> its standby store (addr, port); launch rank -> node rank; the node serving the store now
+        self.stores, self.node_of, self.store_node = _stores_from_env(len(self.members))
+        self.next_id = len(self.members)  # the first id no process of this job ever had (newcomers take the next)
+        self.accepting = False  # this job admits newcomers (``accept_joins``): said again in a store moved to
+        self.moved_at: int | None = None  # the generation whose re-formation moved the store (the quorum rule)
+        self.moved_from: int | None = None  # the node that served the store before that move
         if admission is not None:
             self.me, self.members, self.generation = admission["id"], admission["members"], admission["generation"]
+            self._learn_stores(admission)
             self.committed = self.ready = admission["committed"]
             self.where = {int(k): v for k, v in admission["where"].items()}
             self.joined = Regrouped(self.generation, self.rank, len(self.members), admission["old_world"], [],
@@ -186,6 +235,7 @@ class InPlaceGroup:
         self.backend = dist.get_backend()
         self.host, self.port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         self.store = self._client()
+        self.store_moves = 0  # counts the moves to a standby store: the watcher reconnects after one
         self.sockets = group_sockets()
         self._bound_first_group()
         self.lock = threading.Lock()  # held while the group's sockets are shut or the group destroyed
@@ -197,9 +247,21 @@ class InPlaceGroup:
         self.watcher: threading.Thread | None = None
         self.start()
 
-    def _client(self) -> dist.TCPStore:
-        timeout = datetime.timedelta(seconds=DECIDE_TIMEOUT_S)
-        return dist.TCPStore(self.host, self.port, None, False, timeout, wait_for_workers=False)
+    def _client(self, host: str | None = None, port: int | None = None,
+                connect_s: float = DECIDE_TIMEOUT_S) -> dist.TCPStore:
+        host, port = host or self.host, port or self.port
+        if connect_s < DECIDE_TIMEOUT_S and not accepts(host, port, connect_s):
+            raise ConnectionRefusedError(f"nothing listens at {host}:{port}")  # no TCPStore retries (each logs)
+        store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=connect_s), wait_for_workers=False)
+        store.set_timeout(datetime.timedelta(seconds=DECIDE_TIMEOUT_S))
+        return store
+
+    def _learn_stores(self, decision: dict) -> None:
+        """The standby stores and nodes a grow decision (or a newcomer's admission) carries."""
+        self.stores = {int(k): (str(v[0]), int(v[1])) for k, v in decision.get("stores", {}).items()}
+        self.node_of = {int(k): int(v) for k, v in decision.get("node_of", {}).items()}
+        self.store_node = decision.get("store_node", self.store_node)
+        self.next_id = max(self.next_id, int(decision.get("next_id", 0)))
 
     def _bound_first_group(self) -> None:
         """The group ``init()`` made waits 30 min by default: bound its operations as the next groups' are."""
@@ -223,9 +285,12 @@ class InPlaceGroup:
 
     # -- the watcher ---------------------------------------------------------------------------
     def _watch(self) -> None:
-        client = self._client()  # its own connection: the main thread's may wait in a store call
+        client, moves = None, -1  # its own connection: the main thread's may wait in a store call
         while not self.stopped.wait(BEAT_S):
             try:
+                if client is None or moves != self.store_moves:  # first, after a failed call, after a move
+                    moves, client = self.store_moves, None
+                    client = self._client(connect_s=STANDBY_CONNECT_S)
                 client.add(f"{PREFIX}/beat/{self.me}", 1)
                 now = time.monotonic()
                 for r in self.members:
@@ -239,6 +304,7 @@ class InPlaceGroup:
                 elif any(now - t > ALARM_SILENT_S for r, (_, t) in self.seen.items() if r in self.members):
                     self.raise_alarm(client)  # a member froze or its link was cut: nothing else would end our waits
             except Exception:  # the store is slow or gone: the gloo timeout still bounds the step
+                client = None  # a TCPStore client whose server went away never reconnects by itself
                 continue
 
     def _shut_group(self, generation: int) -> None:
@@ -298,7 +364,7 @@ class InPlaceGroup:
                         "generation": self.generation + 1, "members": members, "old_world": len(self.members),
                         "where": {**{str(k): v for k, v in self.where.items()},
                                   **{str(r["id"]): r["node"] for r in joined}},
-                        "t0": min((r["t0"] for r in joined), default=None)}
+                        "t0": min((r["t0"] for r in joined), default=None), **self._stores_with(joined)}
             for r in joined:  # the newcomers make the group with the others' prefix as soon as they read this
                 self.store.set(f"{PREFIX}/admit/{r['id']}", json.dumps(decision))
             self.store.set(key, json.dumps(decision))
@@ -306,11 +372,22 @@ class InPlaceGroup:
         self.joins.admitted(decision["joined"])
         if not decision["joined"]:
             return None
+        self._learn_stores(decision)
         old_world = len(self.members)
         self.where = {int(k): v for k, v in decision["where"].items()}
         self._next_group(decision["members"])
         return Regrouped(self.generation, self.rank, len(self.members), old_world, [], self.committed, False,
                          decision["at"], tuple(decision["joined"]), decision["t0"])
+
+    def _stores_with(self, joined: list[dict]) -> dict:
+        """The standby stores and nodes after admitting ``joined`` (a returning node's agent serves a new one)."""
+        stores = {str(k): list(v) for k, v in self.stores.items()}
+        stores.update({str(r["node"]["node_rank"]): [r["node"]["addr"], r["node"]["standby"]]
+                       for r in joined if "standby" in r["node"]})
+        node_of = {**{str(k): v for k, v in self.node_of.items()},
+                   **{str(r["id"]): r["node"]["node_rank"] for r in joined}}
+        next_id = max([self.next_id, *(r["id"] + 1 for r in joined)])
+        return {"stores": stores, "node_of": node_of, "store_node": self.store_node, "next_id": next_id}
 
     # -- rejoining -----------------------------------------------------------------------------
     def is_peer_loss(self, error: BaseException) -> bool:
@@ -330,11 +407,21 @@ class InPlaceGroup:
         if self._rejoins[1] > MAX_REJOINS_WITHOUT_PROGRESS:
             raise RuntimeError(f"lockstep: in-place recovery: re-formed {MAX_REJOINS_WITHOUT_PROGRESS} times at step "
                                f"{self.committed} without a step done; the error is not a lost peer") from error
-        self.raise_alarm()
         self._shut_group(self.generation)  # our pending operations end now, not at the gloo timeout
-        mine = {"committed": self.committed, "ready": self.ready}
-        self.store.set(self._key(f"joined/{self.me}"), json.dumps(mine))
+        try:
+            self._check_in()
+        except Exception as store_error:  # the store's node is gone: move to the successor's standby store
+            if not self._move_store():
+                raise RuntimeError(f"lockstep: in-place recovery: the workers' store at {self.host}:{self.port} "
+                                   f"stopped answering ({store_error}) and no other node's standby store "
+                                   "answered") from error
+            self._check_in()
         decision = self._decide()
+        if not self._quorum(decision["members"]):
+            raise RuntimeError(f"lockstep: in-place recovery: node {self.moved_from}, which served the workers' "
+                               f"store, is gone and {len(decision['members'])} of {len(self.members)} ranks are left: "
+                               "not a majority, so this side stops (a cut link would otherwise leave two jobs "
+                               "training; docs/preemptible.md)") from error
         if self.me not in decision["members"]:
             raise RuntimeError(f"lockstep: in-place recovery: launch rank {self.me} was judged gone by the others "
                                f"(generation {self.generation}); it stops") from error
@@ -352,6 +439,48 @@ class InPlaceGroup:
         self.committed = self.ready = step
         return Regrouped(self.generation, self.rank, len(self.members), old_world, left, step, rolled_forward,
                          alarm_at)
+
+    def _check_in(self) -> None:
+        """Raise the alarm and say which step this rank committed and whether it stood in the next commit."""
+        self.raise_alarm()
+        mine = {"committed": self.committed, "ready": self.ready}
+        self.store.set(self._key(f"joined/{self.me}"), json.dumps(mine))
+
+    def _move_store(self) -> bool:
+        """The workers' store stopped answering: move to the standby store of the lowest node rank among the
+        members' nodes but the store's own; every survivor computes the same list and takes the first that
+        answers. The generation fences it: a store that took over for another generation is not used for this
+        one. False where none answered (or this run has no standby stores: not under ``lockstep launch``)."""
+        nodes = sorted({self.node_of[m] for m in self.members if m in self.node_of} - {self.store_node})
+        claim = json.dumps({"generation": self.generation, "from": self.store_node})
+        for node in nodes:
+            if node not in self.stores:
+                continue
+            addr, port = self.stores[node]
+            try:
+                store = self._client(addr, port, connect_s=STANDBY_CONNECT_S)
+                if store.compare_set(TAKEOVER_KEY, "", claim).decode() != claim:
+                    continue  # it serves another generation: never two stores for one generation
+                store.compare_set(INPLACE_BASE_KEY, "", str(self.next_id))  # newcomers' ids go on from here
+                if self.accepting:
+                    store.set(ACCEPTS_JOINS_KEY, "1")
+            except Exception:  # its node is gone too
+                continue
+            with self.lock:
+                self.moved_from, self.moved_at = self.store_node, self.generation
+                self.host, self.port, self.store_node, self.store = addr, port, node, store
+                now = time.monotonic()  # judge silence from here: every heartbeat so far went to the old store
+                self.seen = dict.fromkeys(self.members, (-1, now))
+                self.joins = Joins()  # the announcements start again in this store
+                self.store_moves += 1
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+            return True
+        return False
+
+    def _quorum(self, members: list[int]) -> bool:
+        if self.moved_at != self.generation:
+            return True  # the store stayed: whoever it saw rejoin goes on (item 1's rule)
+        return may_go_on_without_store(self.members, members, self.node_of, self.moved_from)
 
     def _decide(self) -> dict:
         """The members of the next generation: whoever rejoined, once every other member's heartbeat stood
@@ -386,8 +515,11 @@ class InPlaceGroup:
 
     def accept_joins(self) -> None:
         """Say in the store that this job admits newcomers at its step boundaries (the Trainer does): only then does
-        a returning node's launcher join in place (launch/rendezvous.py); otherwise it takes the restart path."""
-        self.store.set(ACCEPTS_JOINS_KEY, "1")
+        a returning node's launcher join in place (launch/rendezvous.py); otherwise it takes the restart path. Called
+        on every rank: rank 0 writes it; any survivor says it again in a store the workers move to."""
+        self.accepting = True
+        if self.rank == 0:
+            self.store.set(ACCEPTS_JOINS_KEY, "1")
 
     def settle(self) -> None:
         """After the caller re-bound its model to the new group: let the old group's works, and with them its

@@ -262,8 +262,7 @@ class Trainer:
         """The epochs left; with in-place recovery a lost peer's survivors go on from the last committed step."""
         if self._inplace is not None:
             self._inplace.start()  # stopped at the end of the last fit
-            if dist.get_rank() == 0:
-                self._inplace.accept_joins()  # a node that comes back joins at a step boundary (``_grow``)
+            self._inplace.accept_joins()  # a node that comes back joins at a step boundary (``_grow``)
         while self.epoch < self.config.epochs and not self._stopped() and not self.preempted:
             try:
                 if not self._train_epoch():
