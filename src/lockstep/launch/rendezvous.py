@@ -139,22 +139,10 @@ class LockstepRendezvous(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         self._stop_watchdog()
         in_place = self.in_place and not self.single
-        if self._moved is not None:
-            raise RendezvousConnectionError(
-                f"node 0's rendezvous store at {self.master_addr}:{self.master_port} is gone (the workers went on in "
-                "place without it): torch's next round, which would restart the workers, needs it")
-        if in_place and self._standby is None:
-            self._standby = serve_store(self.local_addr, 0, READ_TIMEOUT_S)
-        if in_place and self._last_nodes is None:  # never in torch's round: may join a running one
-            self.joined_in_place = False
-            os.environ.pop(INPLACE_JOIN_ENV, None)  # workers started after torch's round must not try to join
-            if self.node_rank == 0:  # its store is new: a survivor writes the running round there if one runs
-                self._await_running_round()
-            joined = self._join_running()
+        if in_place:
+            joined = self._before_in_place_round()
             if joined is not None:
                 return joined
-        if in_place and self.node_rank == 0:
-            self._store.delete_key(self._round_key())  # the round's workers are gone: nobody may join them now
         if self.lost_reason is not None and self.node_rank != 0:
             self._wait_for_store()
         self._check_layout()
@@ -187,27 +175,53 @@ class LockstepRendezvous(RendezvousHandler):
             self._watchdog.start()
             self._poller.start()
         master = "127.0.0.1" if self.single else self.master_addr
-        if in_place:
-            self._round_nodes = nodes
-            self._relay = _Relay(store)
-            os.environ[elastic.INPLACE_STORES_ENV] = json.dumps({"store_node": nodes[0]["node_rank"], "nodes": [
-                {"node_rank": n["node_rank"], "addr": n["addr"], "port": n["standby"],
-                 "ranks": list(range(i * self.nproc, (i + 1) * self.nproc))} for i, n in enumerate(nodes)]})
         change = elastic.describe_change(self._last_nodes, nodes, self.nproc)
         self._last_nodes = nodes
         if change is not None:  # one line once the workers say which step they resumed from
             self._report = elastic.ResumeReport(change, master, int(meta["port"]))
             self._report.start()
-        self._round = (self._relay or store, world_size)
-        if in_place:  # one line per node the workers lost and left behind, or admitted, in place
-            self._in_place_report = elastic.InPlaceReport(master, int(meta["port"]), nodes, self.nproc,
-                                                          self._left_in_place, self._joined_in_place)
-            self._in_place_report.start()
-            # a node that starts now joins these workers (``_join_running``): node 0 records them
-            self._running = {"addr": master, "port": int(meta["port"]), "base": world_size * self.nproc}
-            self._publish_round()
+        self._round = (store, world_size)
+        if in_place:
+            self._start_in_place_round(store, nodes, master, int(meta["port"]))
         return RendezvousInfo(self._round[0], self.group_rank, world_size,
                               RendezvousStoreInfo(master, int(meta["port"])))
+
+    def _before_in_place_round(self) -> RendezvousInfo | None:
+        """In place, before torch's round: this node's standby store; a node that was never in torch's round joins
+        a running one where it finds one (node 0 waits for a survivor to record it in its new store first)."""
+        if self._moved is not None:
+            raise RendezvousConnectionError(
+                f"node 0's rendezvous store at {self.master_addr}:{self.master_port} is gone (the workers went on in "
+                "place without it): torch's next round, which would restart the workers, needs it")
+        if self._standby is None:
+            self._standby = serve_store(self.local_addr, 0, READ_TIMEOUT_S)
+        if self._last_nodes is None:  # never in torch's round: may join a running one
+            self.joined_in_place = False
+            os.environ.pop(INPLACE_JOIN_ENV, None)  # workers started after torch's round must not try to join
+            if self.node_rank == 0:  # its store is new: a survivor writes the running round there if one runs
+                self._await_running_round()
+            joined = self._join_running()
+            if joined is not None:
+                return joined
+        if self.node_rank == 0:
+            self._store.delete_key(self._round_key())  # the round's workers are gone: nobody may join them now
+        return None
+
+    def _start_in_place_round(self, store: dist.Store, nodes: list[dict], master: str, port: int) -> None:
+        """The workers learn every node's standby store; torch's exit barrier goes through a relay that can
+        follow them; one line per node the workers lose or admit; node 0 records the running round."""
+        self._round_nodes = nodes
+        self._relay = _Relay(store)
+        self._round = (self._relay, len(nodes))
+        os.environ[elastic.INPLACE_STORES_ENV] = json.dumps({"store_node": nodes[0]["node_rank"], "nodes": [
+            {"node_rank": n["node_rank"], "addr": n["addr"], "port": n["standby"],
+             "ranks": list(range(i * self.nproc, (i + 1) * self.nproc))} for i, n in enumerate(nodes)]})
+        self._in_place_report = elastic.InPlaceReport(master, port, nodes, self.nproc, self._left_in_place,
+                                                      self._joined_in_place)
+        self._in_place_report.start()
+        # a node that starts now joins these workers (``_join_running``): node 0 records them
+        self._running = {"addr": master, "port": port, "base": len(nodes) * self.nproc}
+        self._publish_round()
 
     # ------------------------------------------------------------------ joining a running in-place round
     def _round_key(self) -> str:
