@@ -17,10 +17,10 @@ import os
 
 import torch
 from torch import nn
-from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
 import lockstep
+from lockstep.train.data import digits_arrays  # scikit-learn's bundled digits, read without importing it
 
 GLOBAL_BATCH, BATCH = 64, 8  # any world size that divides 64 / 8 = 8: 1, 2, 4 or 8 ranks
 
@@ -39,8 +39,8 @@ def main():
     env = lockstep.init()
     try:
         torch.manual_seed(0)
-        digits = load_digits()
-        x, y = torch.tensor(digits.data, dtype=torch.float32) / 16.0, torch.tensor(digits.target)
+        pixels, labels = digits_arrays()
+        x, y = torch.tensor(pixels, dtype=torch.float32) / 16.0, torch.tensor(labels)
         dataset = TensorDataset(x[:1792], y[:1792])  # 28 global batches: every step is a whole one
         sampler = lockstep.DistributedSampler(dataset, seed=0)
         loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)

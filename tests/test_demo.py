@@ -215,3 +215,21 @@ def test_curves_have_whole_epoch_ticks_on_a_short_run():
             assert ticks == [1.0, 2.0], ticks
     finally:
         plt.close(fig)
+
+
+def test_the_demos_digits_are_scikit_learns_read_without_importing_it():
+    """The demo's data set is scikit-learn's bundled digits, value for value, and a rank that loads it does not
+    import scikit-learn (about 1 CPU-s per rank per run, more than the table's read)."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from lockstep.train.data import digits_arrays
+
+    pixels, labels = digits_arrays()
+    reference = load_digits()
+    assert pixels.shape == (1797, 64) and np.array_equal(pixels, reference.data)
+    assert labels.dtype == np.int64 and np.array_equal(labels, reference.target)
+    probe = ("import sys; from lockstep.train.data import digits_datasets; train, test = digits_datasets(); "
+             "print(len(train) + len(test), 'sklearn' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["1797", "False"], proc.stdout + proc.stderr
