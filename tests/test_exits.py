@@ -2,7 +2,8 @@
 
 Each case runs a real 2-rank training script in a loop and counts non-zero exits (an abort at
 interpreter exit shows as -6 / 134 and "terminate called without an active exception"). The
-suite runs a few rounds per case; CI runs the suite with LOCKSTEP_EXIT_RUNS=15 (two at a time) (before the fix in
+suite (and CI, which runs the README's command) runs a few rounds per case; a change to exits or teardown runs
+LOCKSTEP_EXIT_RUNS=15 LOCKSTEP_EXIT_JOBS=2 (tests/README.md's levels) (before the fix in
 ``ddp/lifetime.py`` about 1 run in 35 aborted on a crowded machine; since ``collectives/clean.py`` the works
 hold no Python object and are dropped at the next backward: 0 in 60 runs, two at a time).
 """
