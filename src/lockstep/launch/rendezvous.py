@@ -64,7 +64,7 @@ from lockstep.launch.liveness import (
     holds,
     worker_pids,
 )
-from lockstep.network import route_source_addr, serve_store
+from lockstep.network import accepts, route_source_addr, serve_store
 from lockstep.process_group import INPLACE_JOIN_ENV
 
 BACKEND = "lockstep"
@@ -288,6 +288,21 @@ class LockstepRendezvous(RendezvousHandler):
         if not self._store.check([self._round_key()]):
             return None
         running = json.loads(self._store.get(self._round_key()))
+        addr = running.get("addr", self.master_addr)  # node 0's, or the standby store the workers moved to
+        accepts_joins = _admits(addr, running["port"])
+        if accepts_joins is None and "moved_from" in running:  # a survivor wrote it, and node 0's launcher runs
+            raise NodesDisagree(f"node {self.node_rank}: the running job's store recorded at {self.master_addr}:"
+                                f"{self.master_port} ({addr}:{running['port']}) does not answer: the workers moved "
+                                "it again (its node was lost) and this node cannot find them; starting here would "
+                                "start a second job")
+        if accepts_joins is None:
+            return None  # the round just ended: torch's rendezvous decides
+        if not accepts_joins and "moved_from" in running:  # torch's round would be a second job, node 0's own
+            raise NodesDisagree(f"node {self.node_rank} came back, but the job went on without it (its store moved to "
+                                f"{addr}) and admits no newcomer in place (a script's own loop): starting here would "
+                                "start a second job; start this node once the job has ended")
+        if not accepts_joins:
+            return None  # a script's own loop (InPlaceRecovery) admits nobody: the restart path
         there = {n["node_rank"]: n for n in running["nodes"]}
         deadline = time.monotonic() + self.node_timeout_s
         while self.node_rank in there and time.monotonic() < deadline:  # this node's last workers, not yet let go
@@ -299,18 +314,7 @@ class LockstepRendezvous(RendezvousHandler):
         if self.node_rank in there:
             raise NodesDisagree(f"--node-rank {self.node_rank} is training in this job already "
                                 f"({there[self.node_rank]['addr']}); give this node another --node-rank")
-        addr = running.get("addr", self.master_addr)  # node 0's, or the standby store the workers moved to
-        try:
-            workers = connect(addr, running["port"], 10)
-            accepts_joins = workers.check([elastic.INPLACE_ACCEPTS_JOINS_KEY])
-        except Exception:
-            return None  # the round just ended: torch's rendezvous decides
-        if not accepts_joins and "moved_from" in running:  # torch's round would be a second job, node 0's own
-            raise NodesDisagree(f"node {self.node_rank} came back, but the job went on without it (its store moved to "
-                                f"{addr}) and admits no newcomer in place (a script's own loop): starting here would "
-                                "start a second job; start this node once the job has ended")
-        if not accepts_joins:
-            return None  # a script's own loop (InPlaceRecovery) admits nobody: the restart path
+        addr = running.get("addr", self.master_addr)
         me = {"node_rank": self.node_rank, "addr": self.local_addr, "host": socket.gethostname(),
               **({"standby": self._standby.port} if self._standby is not None else {})}
         os.environ.pop(elastic.INPLACE_STORES_ENV, None)  # its workers learn the stores with their admission
@@ -495,6 +499,16 @@ class _Relay(dist.Store):
 
     def multi_set(self, keys, values):
         return self.inner.multi_set(keys, values)  # type: ignore[attr-defined]
+
+
+def _admits(host: str, port: int) -> bool | None:
+    """Whether the running workers' store at host:port admits newcomers in place; None: it does not answer."""
+    try:
+        if not accepts(host, port, 5):
+            return None  # gone: no TCPStore client's refused tries (each logs a line)
+        return connect(host, port, 10).check([elastic.INPLACE_ACCEPTS_JOINS_KEY])
+    except Exception:
+        return None
 
 
 def _process_start_time() -> float:
