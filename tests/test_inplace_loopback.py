@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import torch
 from test_multinode import clean_env
@@ -26,9 +27,11 @@ def _without_cxx_frames(out: str) -> str:
     return "\n".join(line for line in out.splitlines() if not line.lstrip().startswith("frame #"))[-6000:]
 
 
-def _start_ranks(script: str, world_size: int, directory: str, *extra: str) -> list[subprocess.Popen]:
-    """``world_size`` ranks of ``script`` on loopback, in-place recovery on, started now."""
-    port = free_port()
+def _start_ranks(script: str, world_size: int, directory: str, *extra: str,
+                 port: int | None = None) -> list[subprocess.Popen]:
+    """``world_size`` ranks of ``script`` on loopback, in-place recovery on, started now (rank 0 serves the store
+    at ``port``)."""
+    port = port or free_port()
     return [subprocess.Popen([sys.executable, script, directory, *extra], cwd=HERE, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              env=clean_env(RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
@@ -94,6 +97,76 @@ def test_in_place_recovery_in_a_plain_loop(tmp_path):
         assert sorted(ids) == list(range(48)), f"epoch {epoch}: a sample twice or none"
     assert {r["world"] for r in records if r["step"] > 3} == {2}
     got, want = (torch.load(os.path.join(d, "final.pt"), weights_only=True) for d in (alarmed, quiet))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _rows(directory: str) -> list[tuple[float, int, int, int]]:
+    """(time, step, world size, pid) of every step every process of launch_scripts/inplace_loop.py finished."""
+    rows = []
+    for name in (n for n in os.listdir(directory) if n.startswith("progress-")):
+        with open(os.path.join(directory, name)) as f:
+            rows += [(float(t), int(s), int(w), int(p)) for t, s, w, p in (line.split() for line in f)]
+    return sorted(rows)
+
+
+def _each_sample_once(directory: str, epochs: int = 2, n: int = 48) -> None:
+    records = []
+    for name in (n for n in os.listdir(directory) if n.startswith("samples-")):
+        with open(os.path.join(directory, name)) as f:
+            records += [json.loads(line) for line in f]
+    for epoch in range(epochs):
+        ids = [i for r in records if r["epoch"] == epoch for i in r["ids"]]
+        assert sorted(ids) == list(range(n)), f"epoch {epoch}: a sample twice or none"
+
+
+def _start_newcomer(directory: str, port: int, base: int) -> subprocess.Popen:
+    """What ``lockstep launch`` starts on a node that comes back to a running in-place job (launch/rendezvous.py's
+    ``_join_running``): the same script, a round of its own (rank 0 of 1), and LOCKSTEP_INPLACE_JOIN."""
+    join = json.dumps({"base": base, "node": {"node_rank": 1, "addr": "127.0.0.1", "host": "loopback"},
+                       "t0": time.time()})
+    return subprocess.Popen([sys.executable, LOOP, directory], cwd=HERE, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT,
+                            env=clean_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCKSTEP_INPLACE="1",
+                                          LOCKSTEP_INPLACE_JOIN=join))
+
+
+def test_a_plain_loop_takes_a_newcomer_in_place_and_equals_clean_stops_and_resumes(tmp_path):
+    """lockstep.InPlaceRecovery admits a process that joins the running job (issue #37 item 2, a script's loop):
+    2 ranks, rank 1 killed after step 3; rank 0 goes on alone and holds its first step at world size 1 until a
+    newcomer (the same script, started as lockstep launch starts a node that comes back) waits; the next step
+    boundary admits it: it takes parameters, optimizer state, step and data position from rank 0 over the group,
+    rank 0 keeps its process, each epoch's samples once, and the final parameters equal, bit for bit, a run stopped
+    cleanly at step 3 on 2 ranks, resumed on 1, stopped at the grow step and resumed on 2."""
+    grown, clean = str(tmp_path / "grown"), str(tmp_path / "clean")
+    for d in (grown, clean):
+        os.makedirs(d)
+    port = free_port()
+    procs = _start_ranks(LOOP, 2, grown, "--die-at", "3", "--die-rank", "1", "--hold-at-world", "1", port=port)
+    reference = _start_ranks(LOOP, 2, clean, "--max-steps", "3")  # side by side: its first stop needs no result
+    deadline = time.monotonic() + 120
+    while not any(w == 1 for _, _, w, _ in _rows(grown)):  # rank 0 holds its first step at world size 1
+        assert time.monotonic() < deadline and procs[0].poll() is None, _without_cxx_frames(procs[0].stdout.read())
+        time.sleep(0.1)
+    started = time.time()
+    newcomer = _start_newcomer(grown, port, base=2)
+    assert _finish([*procs, newcomer], killed_ok=True) == [0, -signal.SIGKILL, 0]
+    _finish(reference)
+    rows = _rows(grown)
+    grow_step = max(s for _, s, w, _ in rows if w == 1)
+    first = min(t for t, s, w, p in rows if w == 2 and p == newcomer.pid)
+    survivor = procs[0].pid
+    paused = (min(t for t, s, _, p in rows if p == survivor and s == grow_step + 1)
+              - max(t for t, s, _, p in rows if p == survivor and s == grow_step))
+    print(f"newcomer: start to its first step at world size 2: {first - started:.2f} s; rank 0's step that admitted "
+          f"it: {paused:.2f} s (grew after step {grow_step})")
+    last = max(s for _, s, _, _ in rows)
+    assert {s for _, s, w, p in rows if p == newcomer.pid} == set(range(grow_step + 1, last + 1))
+    assert {w for _, _, w, p in rows if p == newcomer.pid} == {2}
+    _each_sample_once(grown)
+    for size, extra in ((1, ["--max-steps", str(grow_step)]), (2, [])):
+        _finish(_start_ranks(LOOP, size, clean, *extra))
+    got, want = (torch.load(os.path.join(d, "final.pt"), weights_only=True) for d in (grown, clean))
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 

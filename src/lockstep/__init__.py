@@ -28,6 +28,7 @@ _EXPORTS = {
     "resume": "train.resize",
     "InPlaceRecovery": "train.inplace",
     "PeerLost": "train.inplace",
+    "PeersJoined": "train.inplace",
     "recoverable_step": "train.inplace",
     "use_as_torch_ddp": "integrations.torch_ddp",
     "check_replicas": "diagnostics.checks",

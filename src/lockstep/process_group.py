@@ -279,6 +279,12 @@ def _beat(store: dist.Store, key: str, beating: threading.Event) -> None:
         time.sleep(0.2)
 
 
+def admission_pending() -> bool:
+    """This process joined a running in-place group and nothing has taken its admission yet (a script's DDP built
+    before its ``InPlaceRecovery``): the running ranks are between two steps, not in a construction's collectives."""
+    return bool(_ADMISSION)
+
+
 def take_admission() -> dict | None:
     """How this process joined a running in-place group (``_join_in_place``), once; None where it did not. The
     heartbeat it kept stops: the caller's (train/inplace.py's watcher) takes over."""

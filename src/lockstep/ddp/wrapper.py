@@ -64,6 +64,7 @@ from lockstep.ddp.torch_surface import (
 from lockstep.ddp.zero2 import ZeroOptimizer, ZeroShards, check_optimizer_class, observer_of
 from lockstep.diagnostics.progress import observer_for
 from lockstep.diagnostics.watchdog import FROM_ENV, resolve_hang_timeout, watch_for_hangs
+from lockstep.process_group import admission_pending
 
 _HIERARCHY_KEYWORD = "DistributedDataParallel: hierarchical_all_reduce"  # named in its errors
 
@@ -78,7 +79,8 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         output_device: accepted for compatibility; outputs stay where the module puts them.
         dim: accepted for compatibility (multi-device scatter is not supported, as in torch 2.x).
         broadcast_buffers: superseded by ``forward_sync_buffers`` (passing it warns, FutureWarning).
-        init_sync: check the model across ranks and broadcast rank 0's state at construction.
+        init_sync: check the model across ranks and broadcast rank 0's state at construction (off, and the
+            hierarchical all-reduce too, in a process joining a running in-place job: docs/preemptible.md).
         process_group: the group to average over (default: the default group).
         bucket_cap_mb: bucket size in MiB (default 25); the first bucket is 1 MiB in the first step and, after the
             rebuild, only where its early all-reduce can overlap backward (a GPU, or a CPU core the ranks' threads leave
@@ -191,6 +193,10 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         reject_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
                            skip_all_reduce_unused_params)
         warn_like_torch(check_reduction, static_graph, find_unused_parameters)
+        if process_group is None and device_mesh is None and admission_pending():
+            # a node come back joins a running in-place job (train/inplace.py): the others are between two steps,
+            # so none of the construction's collectives; InPlaceRecovery hands it rank 0's state and re-binds
+            init_sync, hierarchical_all_reduce = False, False
         process_group = resolve_group(process_group, device_mesh)
         devices = {p.device for p in module.parameters()}
         self.device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")

@@ -15,7 +15,7 @@ Growing is the same step commit read the other way: a node that comes back annou
 (``process_group._join_in_place``) and waits; a survivor whose watcher saw a whole node waiting adds 2 instead
 of 1 to its next commit, so every rank learns at the same step that the group grows after it; rank 0 admits
 the newcomers, all form generation g+1 with them, and the caller hands them rank 0's state over the new group
-(``broadcast_state``; the Trainer does, docs/preemptible.md "Growing back in place").
+(``broadcast_state``; the Trainer and ``InPlaceRecovery`` do, docs/preemptible.md "Growing back in place").
 
 The store itself may go (node 0's agent serves it): a survivor whose store calls fail moves to the standby store
 of the lowest node among the members' nodes but the store's own (every agent serves one; ``_move_store``), claiming
@@ -52,6 +52,7 @@ from lockstep.process_group import (
     socket_fds,
     take_admission,
 )
+from lockstep.train.resize import derived_rng_state
 
 ENV = "LOCKSTEP_INPLACE"  # "1": set by ``lockstep launch --nnodes MIN:MAX`` (launch/elastic.py's INPLACE_ENV)
 TIMEOUT_ENV = INPLACE_TIMEOUT_ENV  # gloo's per-operation timeout in an in-place run
@@ -115,7 +116,7 @@ def _shut(fds: set[int], keep_port: int) -> None:
             sock.close()
 
 
-ACCEPTS_JOINS_KEY = f"{PREFIX}/accepts_joins"  # set by a Trainer: launch/rendezvous.py lets a node join in place
+ACCEPTS_JOINS_KEY = f"{PREFIX}/accepts_joins"  # set by a Trainer or InPlaceRecovery: a node may join in place
 
 
 class Joins:
@@ -514,9 +515,9 @@ class InPlaceGroup:
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(len(members))
 
     def accept_joins(self) -> None:
-        """Say in the store that this job admits newcomers at its step boundaries (the Trainer does): only then does
-        a returning node's launcher join in place (launch/rendezvous.py); otherwise it takes the restart path. Called
-        on every rank: rank 0 writes it; any survivor says it again in a store the workers move to."""
+        """Say in the store that this job admits newcomers at its step boundaries (the Trainer and InPlaceRecovery
+        do): only then does a returning node's launcher join in place (launch/rendezvous.py); otherwise it takes the
+        restart path. Called on every rank: rank 0 writes it; any survivor says it again in a store moved to."""
         self.accepting = True
         if self.rank == 0:
             self.store.set(ACCEPTS_JOINS_KEY, "1")
@@ -607,6 +608,16 @@ def wanted() -> bool:
             and dist.get_backend() == "gloo")
 
 
+class PeersJoined(PeerLost):
+    """Nodes came back and joined at a step boundary: the group grew (``outcome.joined``) and the newcomers hold
+    this job's state. A ``PeerLost``, so a loop that catches that iterates the loader again, at the new size."""
+
+    def __init__(self, outcome: Regrouped):
+        RuntimeError.__init__(self, f"rank(s) {list(outcome.joined)} joined: the group re-formed at world size "
+                                    f"{outcome.world_size}")
+        self.outcome = outcome
+
+
 class InPlaceRecovery:
     """A script's loop with in-place recovery: one call per optimizer step.
 
@@ -614,26 +625,53 @@ class InPlaceRecovery:
         ddp: lockstep's DistributedDataParallel over the default group.
         optimizer: stepped by ``step`` once every rank's averages completed.
         sampler: lockstep's DistributedSampler; re-dealt at the new size from the last committed position.
+        scheduler: an LR scheduler stepped by the script, if any: a node that joins takes its state too.
 
     Call ``set_epoch(epoch)`` instead of the sampler's at each epoch's start. ``step(fn)`` runs ``fn()`` (this
     step's forward and backward passes), commits, then steps the optimizer and zeroes the gradients. When a peer
     is lost it raises ``PeerLost`` once the group re-formed, the model was re-bound and the sampler re-dealt:
-    start the DataLoader's iteration again (docs/preemptible.md).
+    start the DataLoader's iteration again (docs/preemptible.md). A node that comes back joins at the next step
+    boundary: the next ``step`` (before ``fn``) or ``set_epoch`` admits it and hands it this job's state over the
+    group; ``step`` then raises ``PeersJoined``, a ``PeerLost``. In the joining process (the same script, started by
+    ``lockstep launch`` on that node) this constructor receives the state, and ``set_epoch`` leaves the epochs the
+    job had finished empty (it returns False for them) and resumes the current one where the others stand.
     """
 
-    def __init__(self, ddp, optimizer: torch.optim.Optimizer, sampler, group: InPlaceGroup | None = None):
-        self.ddp, self.optimizer, self.sampler = ddp, optimizer, sampler
+    def __init__(self, ddp, optimizer: torch.optim.Optimizer, sampler, group: InPlaceGroup | None = None, *,
+                 scheduler=None):
+        self.ddp, self.optimizer, self.sampler, self.scheduler = ddp, optimizer, sampler, scheduler
         self.group = group if group is not None else InPlaceGroup()
         self.step_count = 0
         self._sampler_state = sampler.state_dict()  # the position the last committed step left
         self._report: Regrouped | None = None
+        self._handed: dict | None = None  # a newcomer: the job's sampler state, until ``set_epoch`` reaches its epoch
+        self.group.accept_joins()  # a node that comes back joins at a step boundary (launch/rendezvous.py)
+        if self.group.joined is not None:  # this process is such a node: the others wait in ``_take_over`` now
+            self._take_over(self.group.joined)
 
-    def set_epoch(self, epoch: int) -> None:
-        """``sampler.set_epoch(epoch)``, noting the epoch's start (or resumed position) as the committed one."""
-        self.sampler.set_epoch(epoch)
+    def set_epoch(self, epoch: int) -> bool:
+        """``sampler.set_epoch(epoch)``, noting the epoch's start (or resumed position) as the committed one.
+        False (the loader then yields nothing) in a process that joined the job after it finished ``epoch``."""
+        handed, self._handed = self._handed, None
+        if handed is not None and epoch < handed["epoch"]:
+            self._handed = handed
+            self.sampler.set_epoch(epoch)
+            self.sampler.load_state_dict(_epoch_done(self.sampler, epoch))
+            return False
+        if handed is not None and epoch == handed["epoch"]:
+            self.sampler.load_state_dict(handed)  # where the others stand; set_epoch would start the epoch over
+        else:
+            self.sampler.set_epoch(epoch)
         self._sampler_state = self.sampler.state_dict()
+        if self.group.grow_due:  # the last step's commit said nodes wait: admit them before this epoch's first batch
+            self._grow()
+        return True
 
     def step(self, fn: Callable[[], object]) -> object:
+        if self.group.grow_due:  # the last step's commit said nodes wait: admit them at this boundary, before fn
+            outcome = self._grow()
+            if outcome is not None:
+                raise PeersJoined(outcome)  # this batch was dealt at the old size: iterate the loader again
         try:
             result = fn()
             regrouped = self.group.commit(self.step_count + 1)
@@ -656,6 +694,43 @@ class InPlaceRecovery:
             raise PeerLost(regrouped)
         return result
 
+    def _grow(self) -> Regrouped | None:
+        """Every rank, at the boundary after the commit that said nodes wait: admit them (``InPlaceGroup.grow``) and
+        hand them the state. None when nobody was admitted (the newcomers fell silent)."""
+        outcome = self.group.grow()
+        if outcome is not None:
+            self._take_over(outcome)
+        return outcome
+
+    def _take_over(self, outcome: Regrouped) -> None:
+        """Every rank of a grown group, the survivors at the boundary and the newcomers in the constructor: the same
+        collectives in the same order. Rank 0's state reaches every rank (``broadcast_state``); the newcomers adopt
+        it; all re-bind and re-deal at the new size."""
+        state = broadcast_state(self._live_state() if dist.get_rank() == 0 else None)
+        assert isinstance(state, dict)
+        if outcome.newcomer:
+            self._adopt(state)
+        self._regrouped(outcome, rolled_back=False)
+        if outcome.newcomer:
+            self.group.joined = None
+            # as the Trainer's newcomers (a resume at a larger size gives a rank that did not exist this stream)
+            derived_rng_state(self.sampler.seed, self.step_count, outcome.rank)
+
+    def _live_state(self) -> dict:
+        """What a newcomer needs to take the next step as if it had trained all along (rank 0's): no tensor is
+        copied here, ``broadcast_state`` flattens them."""
+        return {"model": self.ddp.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "sampler": self._sampler_state, "step": self.step_count}
+
+    def _adopt(self, state: dict) -> None:
+        self.ddp.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.step_count = state["step"]
+        self._sampler_state = self._handed = state["sampler"]
+
     def _regrouped(self, outcome: Regrouped, rolled_back: bool) -> None:
         if rolled_back:
             self.optimizer.zero_grad(set_to_none=True)
@@ -664,6 +739,12 @@ class InPlaceRecovery:
         self.sampler.num_replicas, self.sampler.rank = outcome.world_size, outcome.rank
         self.sampler.load_state_dict(self._sampler_state)
         self._report = outcome
+
+
+def _epoch_done(sampler, epoch: int) -> dict:
+    """A sampler state at the end of ``epoch`` (its next iteration yields nothing), at the sampler's world size."""
+    n, replicas = len(sampler.dataset), sampler.num_replicas
+    return {**sampler.state_dict(consumed=0), "epoch": epoch, "position": n, "consumed": n // replicas}
 
 
 def recoverable_step(recovery: InPlaceRecovery, fn: Callable[[], object]) -> object:
