@@ -9,7 +9,7 @@ drops its collectives and the group re-forms at the same size (the leak check's 
 each shrink to W) is held (up to 120 s) until the agent stops the
 workers (SIGTERM: a node joined; the Trainer checkpoints that step) or a node waits to join in place (the next
 step's commit admits it), so a test can grow the job back. ``--refuse-joins``: the job admits no newcomer in place
-(as a script's own loop): a node that comes back makes every agent restart its workers.
+(it withdraws what the Trainer said): a node that comes back makes every agent restart its workers.
 Every rank appends "time step world_size pid" to OUT_DIR/progress-<pid>.txt after each step, and the
 step, world size, generation, threads, sockets, descriptors and RSS (MiB) to OUT_DIR/resources-<pid>.txt
 after each generation's first step.
@@ -83,7 +83,7 @@ def main():
                 sizes.append(generation)
                 with open(os.path.join(args.directory, f"resources-{pid}.txt"), "a") as f:
                     f.write(f"{trainer.step} {trainer.world_size} {generation} {resources()}\n")
-            if args.refuse_joins and trainer.rank == 0:  # as a script's own loop: a node that comes back restarts all
+            if args.refuse_joins and trainer.rank == 0:  # no join in place: a node that comes back restarts all
                 trainer._inplace.store.delete_key(inplace.ACCEPTS_JOINS_KEY)
             if trainer.rank == 0 and generation < args.alarms:
                 trainer._inplace.raise_alarm()  # once per generation (the first raise is kept)

@@ -18,12 +18,12 @@ This handler runs torch's rendezvous unchanged and then, in the round's store:
   restarts the group (``--max-restarts``) or fails: never gloo's 30-minute timeout.
 
 With ``--recovery in-place`` node 0 also records the running round (its workers' store, its nodes) in the
-rendezvous store. A node that starts while such a round runs, and whose workers admit newcomers (a Trainer),
-skips torch's rendezvous: its agent gets a round of its own (rank 0 of 1, so torch's rank assignment and exit
-barrier need nobody else), its workers the running job's store and ``LOCKSTEP_INPLACE_JOIN``, and they join the
-running group at a step boundary (train/inplace.py). The running agents never see a node waiting, so they
-restart nothing. Otherwise (no such round, a script's own loop) the node takes torch's way: the running agents
-see it waiting and restart their workers at the larger size.
+rendezvous store. A node that starts while such a round runs, and whose workers admit newcomers (a Trainer, or
+``InPlaceRecovery`` in a script's loop), skips torch's rendezvous: its agent gets a round of its own (rank 0 of 1,
+so torch's rank assignment and exit barrier need nobody else), its workers the running job's store and
+``LOCKSTEP_INPLACE_JOIN``, and they join the running group at a step boundary (train/inplace.py). The running agents
+never see a node waiting, so they restart nothing. Otherwise (no such round, workers that admit nobody) the node
+takes torch's way: the running agents see it waiting and restart their workers at the larger size.
 
 No node is special in place: every agent also serves a standby store, listed in the round's records. When node 0's
 stores stop answering (every process of node 0 gone), the survivors' workers move to the standby store of the
@@ -299,10 +299,10 @@ class LockstepRendezvous(RendezvousHandler):
             return None  # the round just ended: torch's rendezvous decides
         if not accepts_joins and "moved_from" in running:  # torch's round would be a second job, node 0's own
             raise NodesDisagree(f"node {self.node_rank} came back, but the job went on without it (its store moved to "
-                                f"{addr}) and admits no newcomer in place (a script's own loop): starting here would "
+                                f"{addr}) and admits no newcomer in place: starting here would "
                                 "start a second job; start this node once the job has ended")
         if not accepts_joins:
-            return None  # a script's own loop (InPlaceRecovery) admits nobody: the restart path
+            return None  # workers that admit nobody (no Trainer or InPlaceRecovery said so): the restart path
         there = {n["node_rank"]: n for n in running["nodes"]}
         deadline = time.monotonic() + self.node_timeout_s
         while self.node_rank in there and time.monotonic() < deadline:  # this node's last workers, not yet let go
