@@ -133,17 +133,18 @@ def _start_newcomer(directory: str, port: int, base: int) -> subprocess.Popen:
 
 def test_a_plain_loop_takes_a_newcomer_in_place_and_equals_clean_stops_and_resumes(tmp_path):
     """lockstep.InPlaceRecovery admits a process that joins the running job (issue #37 item 2, a script's loop):
-    2 ranks, rank 1 killed after step 3; rank 0 goes on alone and holds its first step at world size 1 until a
-    newcomer (the same script, started as lockstep launch starts a node that comes back) waits; the next step
-    boundary admits it: it takes parameters, optimizer state, step and data position from rank 0 over the group,
-    rank 0 keeps its process, each epoch's samples once, and the final parameters equal, bit for bit, a run stopped
-    cleanly at step 3 on 2 ranks, resumed on 1, stopped at the grow step and resumed on 2."""
+    2 ranks, rank 1 killed after step 13 (in the second epoch); rank 0 goes on alone and holds its first step at
+    world size 1 until a newcomer (the same script, started as lockstep launch starts a node that comes back) waits;
+    the next step boundary admits it: it takes parameters, optimizer state, step and data position from rank 0 over
+    the group, its loop skips the finished epoch, rank 0 keeps its process, each epoch's samples once, and the final
+    parameters equal, bit for bit, a run stopped cleanly at step 13 on 2 ranks, resumed on 1, stopped at the grow
+    step and resumed on 2."""
     grown, clean = str(tmp_path / "grown"), str(tmp_path / "clean")
     for d in (grown, clean):
         os.makedirs(d)
     port = free_port()
-    procs = _start_ranks(LOOP, 2, grown, "--die-at", "3", "--die-rank", "1", "--hold-at-world", "1", port=port)
-    reference = _start_ranks(LOOP, 2, clean, "--max-steps", "3")  # side by side: its first stop needs no result
+    procs = _start_ranks(LOOP, 2, grown, "--die-at", "13", "--die-rank", "1", "--hold-at-world", "1", port=port)
+    reference = _start_ranks(LOOP, 2, clean, "--max-steps", "13")  # side by side: its first stop needs no result
     deadline = time.monotonic() + 120
     while not any(w == 1 for _, _, w, _ in _rows(grown)):  # rank 0 holds its first step at world size 1
         assert time.monotonic() < deadline and procs[0].poll() is None, _without_cxx_frames(procs[0].stdout.read())
@@ -163,6 +164,8 @@ def test_a_plain_loop_takes_a_newcomer_in_place_and_equals_clean_stops_and_resum
     last = max(s for _, s, _, _ in rows)
     assert {s for _, s, w, p in rows if p == newcomer.pid} == set(range(grow_step + 1, last + 1))
     assert {w for _, _, w, p in rows if p == newcomer.pid} == {2}
+    with open(os.path.join(grown, f"samples-{newcomer.pid}.jsonl")) as f:
+        assert {json.loads(line)["epoch"] for line in f} == {1}  # epoch 0 was done when it joined: nothing there
     _each_sample_once(grown)
     for size, extra in ((1, ["--max-steps", str(grow_step)]), (2, [])):
         _finish(_start_ranks(LOOP, size, clean, *extra))
