@@ -136,7 +136,8 @@ def test_a_plain_loop_takes_a_newcomer_in_place_and_equals_clean_stops_and_resum
     2 ranks, rank 1 killed after step 13 (in the second epoch); rank 0 goes on alone and holds its first step at
     world size 1 until a newcomer (the same script, started as lockstep launch starts a node that comes back) waits;
     the next step boundary admits it: it takes parameters, optimizer state, step and data position from rank 0 over
-    the group, its loop skips the finished epoch, rank 0 keeps its process, each epoch's samples once, and the final
+    the group (its LR scheduler's too: a StepLR whose steps do not fall on the grow step), its loop skips the
+    finished epoch, rank 0 keeps its process, each epoch's samples once, and the final
     parameters equal, bit for bit, a run stopped cleanly at step 13 on 2 ranks, resumed on 1, stopped at the grow
     step and resumed on 2."""
     grown, clean = str(tmp_path / "grown"), str(tmp_path / "clean")

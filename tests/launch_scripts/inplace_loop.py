@@ -8,9 +8,9 @@ the in-place alarm after each step until the group re-formed N times (same size)
 itself (SIGKILL) after step STEP. ``--pause-at``: launch rank R writes OUT_DIR/paused after step STEP and sleeps (a
 test kills its node). ``--hold-at-world W``: the first step at world size W (in each generation) is held, up to 120
 s, until a node waits to join in place (the next step boundary admits it). ``--max-steps N``: a clean stop after step
-N, rank 0 saving OUT_DIR/ckpt.pt (model, optimizer, sampler, step); a run that finds one resumes from it (the
-reference a lost-and-back run is compared with). A process that joins a running job in place runs this same script:
-nothing in it differs.
+N, rank 0 saving OUT_DIR/ckpt.pt (model, optimizer, LR scheduler, sampler, step); a run that finds one resumes from
+it (the reference a lost-and-back run is compared with). A process that joins a running job in place runs this same
+script: nothing in it differs.
 """
 
 import argparse
@@ -48,18 +48,20 @@ def main():
         torch.manual_seed(7)
         model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)  # a newcomer takes its state
         sampler = lockstep.DistributedSampler(data, env.world_size, env.rank, shuffle=True, seed=3)
         checkpoint, start_epoch, start_step = os.path.join(args.directory, "ckpt.pt"), 0, 0
         if os.path.exists(checkpoint):  # the reference's resume ("Your own loop: two calls")
             saved = torch.load(checkpoint, weights_only=True)
             model.load_state_dict(saved["model"])
             optimizer.load_state_dict(saved["optimizer"])
+            scheduler.load_state_dict(saved["scheduler"])
             start_epoch, start_step = saved["sampler"]["epoch"], saved["step"]
             sampler.set_epoch(start_epoch)
             lockstep.resume(sampler, saved["sampler"], start_step)
         ddp = lockstep.DistributedDataParallel(model, hierarchical_all_reduce=False)
         loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
-        recovery = lockstep.InPlaceRecovery(ddp, optimizer, sampler)
+        recovery = lockstep.InPlaceRecovery(ddp, optimizer, sampler, scheduler=scheduler)
         if start_step:
             recovery.step_count = start_step
         log = open(os.path.join(args.directory, f"samples-{pid}.jsonl"), "a", buffering=1)
@@ -71,6 +73,7 @@ def main():
                 try:
                     for inputs, targets, ids in loader:
                         recovery.step(lambda: nn.functional.cross_entropy(ddp(inputs), targets).backward())
+                        scheduler.step()
                         step, world = recovery.step_count, sampler.num_replicas
                         log.write(json.dumps({"step": step, "epoch": epoch, "ids": ids.tolist(), "world": world})
                                   + "\n")
@@ -91,7 +94,8 @@ def main():
                         if step == args.max_steps:
                             if sampler.rank == 0:
                                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                            "sampler": sampler.state_dict(), "step": step}, checkpoint)
+                                            "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
+                                            "step": step}, checkpoint)
                             recovery.group.stop()
                             return
                     done = True
