@@ -80,14 +80,26 @@ def test_in_place_recovery_in_a_plain_loop(tmp_path):
     """lockstep.InPlaceRecovery in a script's own loop: 3 ranks, rank 2 killed after step 3; the two others go on
     in their processes, every sample of each epoch once. With alarms instead (the same size), the parameters equal
     a run without, bit for bit."""
-    killed, alarmed, quiet = (str(tmp_path / name) for name in ("killed", "alarmed", "quiet"))
-    for d in (killed, alarmed, quiet):
+    killed, alarmed, quiet, rolled = (str(tmp_path / name) for name in ("killed", "alarmed", "quiet", "rolled"))
+    for d in (killed, alarmed, quiet, rolled):
         os.makedirs(d)
     runs = [_start_ranks(LOOP, 3, killed, "--die-at", "3", "--die-rank", "2"),
-            _start_ranks(LOOP, 2, alarmed, "--alarms", "3"), _start_ranks(LOOP, 2, quiet)]
+            _start_ranks(LOOP, 2, alarmed, "--alarms", "3"), _start_ranks(LOOP, 2, quiet),
+            _start_ranks(LOOP, 2, rolled, "--commit-fails-at", "5", "--commit-fails-rank", "1")]
     assert _finish(runs[0], killed_ok=True) == [0, 0, -signal.SIGKILL]
-    for procs in runs[1:]:
+    for procs in runs[1:3]:
         _finish(procs)
+    # Rank 1's commit of step 5 completed and then failed: rank 0 had committed 5 and loses step 6; rank 1 applies 5
+    # itself (roll forward) and returns from step(), so the script's scheduler.step() and log ran for step 5 on both
+    # ranks (when step() raised instead, rank 1's LR schedule fell a step behind and the parameters differed)
+    outputs = [proc.communicate(timeout=300)[0] for proc in runs[3]]
+    assert [proc.returncode for proc in runs[3]] == [0, 0], _without_cxx_frames("\n".join(outputs))
+    assert "re-formed after step 5, rolled forward: True" in outputs[1], _without_cxx_frames(outputs[1])
+    assert "re-formed after step 5, rolled forward: False" in outputs[0], _without_cxx_frames(outputs[0])
+    _each_sample_once(rolled)
+    got = torch.load(os.path.join(rolled, "final.pt"), weights_only=True)
+    want = torch.load(os.path.join(quiet, "final.pt"), weights_only=True)
+    assert all(torch.equal(got[k], want[k]) for k in want)
     records = []
     for name in (n for n in os.listdir(killed) if n.startswith("samples-")):
         with open(os.path.join(killed, name)) as f:

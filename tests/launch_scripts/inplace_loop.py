@@ -1,7 +1,7 @@
 """A plain training loop with ``lockstep.InPlaceRecovery`` (docs/preemptible.md, "Your own loop").
 
 Arguments: OUT_DIR [--alarms N] [--die-at STEP --die-rank R] [--pause-at STEP --pause-rank R] [--hold-at-world W]
-[--max-steps N]
+[--max-steps N] [--commit-fails-at STEP --commit-fails-rank R]
 Every rank logs {"step", "epoch", "ids", "world"} per step to OUT_DIR/samples-<pid>.jsonl and "time step world pid"
 to OUT_DIR/progress-<pid>.txt; rank 0 saves the final parameters to OUT_DIR/final.pt. ``--alarms N``: rank 0 raises
 the in-place alarm after each step until the group re-formed N times (same size). ``--die-at``: launch rank R kills
@@ -9,7 +9,9 @@ itself (SIGKILL) after step STEP. ``--pause-at``: launch rank R writes OUT_DIR/p
 test kills its node). ``--hold-at-world W``: the first step at world size W (in each generation) is held, up to 120
 s, until a node waits to join in place (the next step boundary admits it). ``--max-steps N``: a clean stop after step
 N, rank 0 saving OUT_DIR/ckpt.pt (model, optimizer, LR scheduler, sampler, step); a run that finds one resumes from
-it (the reference a lost-and-back run is compared with). A process that joins a running job in place runs this same
+it (the reference a lost-and-back run is compared with). ``--commit-fails-at``: launch rank R's commit of step
+STEP completes (the others commit it) and then reports a failure, as a link that broke right after would: R rejoins,
+the others fail their next step, and R applies step STEP itself (roll forward). A process that joins a running job in place runs this same
 script: nothing in it differs.
 """
 
@@ -20,12 +22,27 @@ import signal
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lockstep
 
 N, BATCH, EPOCHS = 48, 2, 2
+
+
+def _fail_after_the_next_commit() -> None:
+    """The next one-element all-reduce (this step's commit) completes, then raises as a broken link would."""
+    real = dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        if tensor.numel() != 1:
+            return real(tensor, *args, **kwargs)
+        dist.all_reduce = real
+        real(tensor, *args, **kwargs)
+        raise dist.DistError("inplace_loop.py: the commit completed here, then the link broke (injected)")
+
+    dist.all_reduce = all_reduce
 
 
 def main():
@@ -38,6 +55,8 @@ def main():
     p.add_argument("--pause-rank", type=int, default=None)
     p.add_argument("--hold-at-world", type=int, default=None)
     p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--commit-fails-at", type=int, default=None)
+    p.add_argument("--commit-fails-rank", type=int, default=None)
     args = p.parse_args()
     env = lockstep.init()
     launch_rank, pid = env.rank, os.getpid()
@@ -72,6 +91,9 @@ def main():
             while not done:
                 try:
                     for inputs, targets, ids in loader:
+                        if args.commit_fails_at == recovery.step_count + 1 and launch_rank == args.commit_fails_rank:
+                            _fail_after_the_next_commit()
+                            args.commit_fails_at = None
                         recovery.step(lambda: nn.functional.cross_entropy(ddp(inputs), targets).backward())
                         scheduler.step()
                         step, world = recovery.step_count, sampler.num_replicas
@@ -99,8 +121,10 @@ def main():
                             recovery.group.stop()
                             return
                     done = True
-                except lockstep.PeerLost:
-                    pass  # the group re-formed: iterate the loader again, from the last committed position
+                except lockstep.PeerLost as lost:  # the group re-formed: iterate the loader again, from the last
+                    # committed position
+                    print(f"re-formed after step {lost.outcome.committed}, rolled forward: "
+                          f"{lost.outcome.rolled_forward}", flush=True)
         recovery.group.stop()
         if sampler.rank == 0:
             torch.save(ddp.module.state_dict(), os.path.join(args.directory, "final.pt"))

@@ -628,13 +628,15 @@ class InPlaceRecovery:
         scheduler: an LR scheduler stepped by the script, if any: a node that joins takes its state too.
 
     Call ``set_epoch(epoch)`` instead of the sampler's at each epoch's start. ``step(fn)`` runs ``fn()`` (this
-    step's forward and backward passes), commits, then steps the optimizer and zeroes the gradients. When a peer
-    is lost it raises ``PeerLost`` once the group re-formed, the model was re-bound and the sampler re-dealt:
-    start the DataLoader's iteration again (docs/preemptible.md). A node that comes back joins at the next step
-    boundary: the next ``step`` (before ``fn``) or ``set_epoch`` admits it and hands it this job's state over the
-    group; ``step`` then raises ``PeersJoined``, a ``PeerLost``. In the joining process (the same script, started by
-    ``lockstep launch`` on that node) this constructor receives the state, and ``set_epoch`` leaves the epochs the
-    job had finished empty (it returns False for them) and resumes the current one where the others stand.
+    step's forward and backward passes), commits, then steps the optimizer and zeroes the gradients. When a peer is
+    lost it raises ``PeerLost`` once the group re-formed, the model was re-bound and the sampler re-dealt: start the
+    DataLoader's iteration again (docs/preemptible.md). Where this step was applied all the same (the others had
+    committed it: roll forward), ``step`` returns, and the next ``step`` raises before its ``fn``. A node that comes
+    back joins at the next step boundary: the next ``step`` (before ``fn``) or ``set_epoch`` admits it and hands it
+    this job's state over the group; ``step`` then raises ``PeersJoined``, a ``PeerLost``. In the joining process
+    (the same script, started by ``lockstep launch`` on that node) this constructor receives the state, and
+    ``set_epoch`` leaves the epochs the job had finished empty (it returns False for them) and resumes the current
+    one where the others stand.
     """
 
     def __init__(self, ddp, optimizer: torch.optim.Optimizer, sampler, group: InPlaceGroup | None = None, *,
@@ -645,6 +647,7 @@ class InPlaceRecovery:
         self._sampler_state = sampler.state_dict()  # the position the last committed step left
         self._report: Regrouped | None = None
         self._handed: dict | None = None  # a newcomer: the job's sampler state, until ``set_epoch`` reaches its epoch
+        self._rolled_forward: Regrouped | None = None  # a re-formation after an applied step: raised at the next step
         self.group.accept_joins()  # a node that comes back joins at a step boundary (launch/rendezvous.py)
         if self.group.joined is not None:  # this process is such a node: the others wait in ``_take_over`` now
             self._take_over(self.group.joined)
@@ -653,6 +656,7 @@ class InPlaceRecovery:
         """``sampler.set_epoch(epoch)``, noting the epoch's start (or resumed position) as the committed one.
         False (the loader then yields nothing) in a process that joined the job after it finished ``epoch``."""
         handed, self._handed = self._handed, None
+        self._rolled_forward = None  # a new epoch's loader is dealt at the new size: nothing to iterate again
         if handed is not None and epoch < handed["epoch"]:
             self._handed = handed
             self.sampler.set_epoch(epoch)
@@ -668,6 +672,9 @@ class InPlaceRecovery:
         return True
 
     def step(self, fn: Callable[[], object]) -> object:
+        if self._rolled_forward is not None:  # the last step was applied and the group re-formed meanwhile
+            applied, self._rolled_forward = self._rolled_forward, None
+            raise PeerLost(applied)  # this batch was dealt at the old layout: iterate the loader again
         if self.group.grow_due:  # the last step's commit said nodes wait: admit them at this boundary, before fn
             outcome = self._grow()
             if outcome is not None:
@@ -690,8 +697,12 @@ class InPlaceRecovery:
             self.group.report(self._report, self.step_count)
             self._report = None
         if regrouped is not None:
+            # This rank applied the step the others had committed (roll forward). It returns as they did, so that
+            # the script's code after step() (its scheduler.step(), its counters) runs for this step here too; the
+            # next step() raises PeerLost before its fn. Raising now skipped that code on this rank alone: its LR
+            # schedule fell one step behind the others'.
             self._regrouped(regrouped, rolled_back=False)
-            raise PeerLost(regrouped)
+            self._rolled_forward = regrouped
         return result
 
     def _grow(self) -> Regrouped | None:
