@@ -136,6 +136,12 @@ def test_report_names_the_rank_that_said_why_when_the_first_to_exit_said_nothing
         "nothing to stderr",
         "  rank 0's last words on stderr:",
         "    wine.py: runs/wine holds checkpoints of another run"]
+    # On a loaded machine the silent rank's interpreter took seconds to exit after rank 0's words (seen: a quiet
+    # full run, 3 workers): words 6 s old are still why; a minute old, they are not
+    os.utime(logs.last_dest.stderrs[0], (now - 6, now - 6))
+    assert failure_report(ChildFailedError("wine.py", failures), logs).rank == 0
+    os.utime(logs.last_dest.stderrs[0], (now - 60, now - 60))
+    assert failure_report(ChildFailedError("wine.py", failures), logs).rank == 1
     failures[0].exitcode = 2  # both exited alike in one second: the rank that said why is the first failure
     text = str(failure_report(ChildFailedError("wine.py", failures), logs)).splitlines()
     assert text[0].endswith(", pid 100) failed: exit code 2") and text[1] == "  also failed: rank 1 (exit code 2)", text

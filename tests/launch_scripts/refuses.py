@@ -10,8 +10,7 @@ dist.init_process_group("gloo")
 dist.barrier()
 if dist.get_rank() == 0:
     print("refuses.py: /tmp/out holds checkpoints of another run: continue it with --resume", file=sys.stderr, flush=True)
-# Rank 0's words are on disk before any rank exits: on a loaded machine rank 1, 50 ms ahead, was seen to exit and
-# have rank 0 stopped (SIGTERM) before it had printed, and the report rightly named a silent rank 1.
+# Rank 0's words are on disk before any rank exits (as wine.py's are: it prints before its ranks leave).
 dist.barrier()
 if dist.get_rank() == 1:
     time.sleep(0.05)  # after rank 0: in torch's whole-second timestamps the ranks tie, or rank 0 comes first

@@ -147,6 +147,12 @@ def _other_failures(error: ChildFailedError, logs: RankLogsSpecs, rank: int, own
     return out
 
 
+# How long before the silent rank's exit the stopped rank's last words may be and still be why: the exit of a rank
+# that printed its reason and the silent one's are moments apart, but on a loaded machine the silent rank's
+# interpreter took 2-3 s to exit after the words (2 s was the window, and the report named the silent rank).
+SAID_WHY_WINDOW_S = 10.0
+
+
 def _stderr_of(logs: RankLogsSpecs, rank: int, failure: ProcessFailure) -> tuple[str | None, list[str]]:
     """The path of a rank's stderr file and its last 400 lines, its own "[rankN]: " prefix taken off."""
     path = logs.last_dest.stderrs.get(failure.local_rank) or None if logs.last_dest is not None else None
@@ -157,7 +163,8 @@ def _said_why(error: ChildFailedError, logs: RankLogsSpecs, rank: int,
               failure: ProcessFailure) -> tuple[int, ProcessFailure] | None:
     """The rank that said why the job stops, where ``rank`` exited first with a code of its own and said nothing:
     every rank of examples/wine.py exits 2 on another run's --out, rank 0 alone prints why, and the launcher
-    may stop rank 0 (SIGTERM) as it exits. That rank exited alike, or was stopped within 2 s of its words."""
+    may stop rank 0 (SIGTERM) as it exits. That rank exited alike, or was stopped within ``SAID_WHY_WINDOW_S`` of
+    its words."""
     if failure.exitcode <= 0 or _error_file_traceback(failure) or last_words(_stderr_of(logs, rank, failure)[1]):
         return None
     for r, f in sorted(error.failures.items(), key=lambda item: (item[1].timestamp, item[0])):
@@ -166,7 +173,7 @@ def _said_why(error: ChildFailedError, logs: RankLogsSpecs, rank: int,
         if r == rank or not words or lost_peer(exception_line(lines, r) or words[-1]) is not None:
             continue
         try:
-            recent = os.stat(path).st_mtime >= failure.timestamp - 2 if path else False
+            recent = os.stat(path).st_mtime >= failure.timestamp - SAID_WHY_WINDOW_S if path else False
         except OSError:
             recent = False
         if f.exitcode == failure.exitcode or (f.exitcode == -signal.SIGTERM and recent):
