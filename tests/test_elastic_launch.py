@@ -26,6 +26,7 @@ import time
 import netns
 import pytest
 import torch
+from test_inplace_loopback import each_sample_once  # launch_scripts/inplace_loop.py: each sample once per epoch
 from test_launch_network import _family_tree  # pid and all its descendants, from /proc
 from test_multinode import Launch, clean_env
 
@@ -573,13 +574,7 @@ def test_in_place_a_plain_loop_grows_back_in_place(tmp_path):
     assert grow_s < 60  # the goal is 10 s (printed above); a loaded 2-core machine gets slack
     grow_step = max(s for _, s, w, _ in rows if w == 2)
     assert (int(line.group(2)), int(line.group(3))) == (2, 4) and int(line.group(1)) == grow_step
-    records = []
-    for name in (n for n in os.listdir(grown) if n.startswith("samples-")):
-        with open(os.path.join(grown, name)) as f:
-            records += [json.loads(x) for x in f]
-    for epoch in (0, 1):
-        ids = [i for r in records if r["epoch"] == epoch for i in r["ids"]]
-        assert sorted(ids) == list(range(48)), f"epoch {epoch}: a sample twice or none"
+    each_sample_once(grown)
     for nproc, limit in ((4, ["--max-steps", str(K)]), (2, ["--max-steps", str(grow_step)]), (4, [])):
         done = subprocess.run([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", str(nproc), LOOP, clean,
                                *limit], env=clean_env(), cwd=HERE, capture_output=True, text=True, timeout=300)

@@ -96,17 +96,11 @@ def test_in_place_recovery_in_a_plain_loop(tmp_path):
     assert [proc.returncode for proc in runs[3]] == [0, 0], _without_cxx_frames("\n".join(outputs))
     assert "re-formed after step 5, rolled forward: True" in outputs[1], _without_cxx_frames(outputs[1])
     assert "re-formed after step 5, rolled forward: False" in outputs[0], _without_cxx_frames(outputs[0])
-    _each_sample_once(rolled)
+    each_sample_once(rolled)
     got = torch.load(os.path.join(rolled, "final.pt"), weights_only=True)
     want = torch.load(os.path.join(quiet, "final.pt"), weights_only=True)
     assert all(torch.equal(got[k], want[k]) for k in want)
-    records = []
-    for name in (n for n in os.listdir(killed) if n.startswith("samples-")):
-        with open(os.path.join(killed, name)) as f:
-            records += [json.loads(line) for line in f]
-    for epoch in (0, 1):
-        ids = [i for r in records if r["epoch"] == epoch for i in r["ids"]]
-        assert sorted(ids) == list(range(48)), f"epoch {epoch}: a sample twice or none"
+    records = each_sample_once(killed)
     assert {r["world"] for r in records if r["step"] > 3} == {2}
     got, want = (torch.load(os.path.join(d, "final.pt"), weights_only=True) for d in (alarmed, quiet))
     assert all(torch.equal(got[k], want[k]) for k in want)
@@ -121,7 +115,9 @@ def _rows(directory: str) -> list[tuple[float, int, int, int]]:
     return sorted(rows)
 
 
-def _each_sample_once(directory: str, epochs: int = 2, n: int = 48) -> None:
+def each_sample_once(directory: str, epochs: int = 2, n: int = 48) -> list[dict]:
+    """launch_scripts/inplace_loop.py's per-step records in ``directory``, every process's; asserts each epoch saw
+    each sample exactly once."""
     records = []
     for name in (n for n in os.listdir(directory) if n.startswith("samples-")):
         with open(os.path.join(directory, name)) as f:
@@ -129,6 +125,7 @@ def _each_sample_once(directory: str, epochs: int = 2, n: int = 48) -> None:
     for epoch in range(epochs):
         ids = [i for r in records if r["epoch"] == epoch for i in r["ids"]]
         assert sorted(ids) == list(range(n)), f"epoch {epoch}: a sample twice or none"
+    return records
 
 
 def _start_newcomer(directory: str, port: int, base: int) -> subprocess.Popen:
@@ -179,7 +176,7 @@ def test_a_plain_loop_takes_a_newcomer_in_place_and_equals_clean_stops_and_resum
     assert {w for _, _, w, p in rows if p == newcomer.pid} == {2}
     with open(os.path.join(grown, f"samples-{newcomer.pid}.jsonl")) as f:
         assert {json.loads(line)["epoch"] for line in f} == {1}  # epoch 0 was done when it joined: nothing there
-    _each_sample_once(grown)
+    each_sample_once(grown)
     for size, extra in ((1, ["--max-steps", str(grow_step)]), (2, [])):
         _finish(_start_ranks(LOOP, size, clean, *extra))
     got, want = (torch.load(os.path.join(d, "final.pt"), weights_only=True) for d in (grown, clean))
