@@ -556,6 +556,24 @@ class _Slot:
     shape: tuple[int, ...]
 
 
+def hand_over(group: InPlaceGroup, outcome: Regrouped, live_state: Callable[[], dict],
+              adopt: Callable[[dict], None], resize: Callable[[Regrouped], None], seed: int,
+              step: Callable[[], int]) -> None:
+    """Every rank of a grown group (the survivors at the step boundary, the newcomers at their start; the Trainer
+    and ``InPlaceRecovery`` alike): the same collectives in the same order. Rank 0's ``live_state()`` reaches every
+    rank (``broadcast_state``); the newcomers ``adopt`` it; all ``resize`` to the new group; a newcomer's RNG is
+    then derived from (``seed``, the adopted ``step()``, its rank), as a resume at the larger size gives a rank that
+    did not exist (train/resize.py)."""
+    state = broadcast_state(live_state() if dist.get_rank() == 0 else None)
+    assert isinstance(state, dict)
+    if outcome.newcomer:
+        adopt(state)  # its replicas now equal rank 0's; rebind's check at the first forward says so
+    resize(outcome)
+    if outcome.newcomer:
+        group.joined = None
+        derived_rng_state(seed, step(), outcome.rank)
+
+
 def broadcast_state(state: object | None, src: int = 0) -> object:
     """``state`` of group rank ``src`` (nested dicts, lists and tuples of tensors and plain values) on every rank.
 
@@ -714,18 +732,11 @@ class InPlaceRecovery:
         return outcome
 
     def _take_over(self, outcome: Regrouped) -> None:
-        """Every rank of a grown group, the survivors at the boundary and the newcomers in the constructor: the same
-        collectives in the same order. Rank 0's state reaches every rank (``broadcast_state``); the newcomers adopt
-        it; all re-bind and re-deal at the new size."""
-        state = broadcast_state(self._live_state() if dist.get_rank() == 0 else None)
-        assert isinstance(state, dict)
-        if outcome.newcomer:
-            self._adopt(state)
-        self._regrouped(outcome, rolled_back=False)
-        if outcome.newcomer:
-            self.group.joined = None
-            # as the Trainer's newcomers (a resume at a larger size gives a rank that did not exist this stream)
-            derived_rng_state(self.sampler.seed, self.step_count, outcome.rank)
+        """``hand_over``, the survivors at the boundary and the newcomers in the constructor: all re-bind and
+        re-deal at the new size."""
+        hand_over(self.group, outcome, self._live_state, self._adopt,
+                  lambda regrouped: self._regrouped(regrouped, rolled_back=False), self.sampler.seed,
+                  lambda: self.step_count)
 
     def _live_state(self) -> dict:
         """What a newcomer needs to take the next step as if it had trained all along (rank 0's): no tensor is

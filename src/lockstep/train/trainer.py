@@ -35,7 +35,7 @@ from lockstep.train.departures import explain_departure, next_fit
 from lockstep.train.epoch_meter import EpochMeter
 from lockstep.train.evaluate import evaluate
 from lockstep.train.faults import install_kill_hooks, kill_point_from_env
-from lockstep.train.inplace import InPlaceGroup, PeerLost, Regrouped, broadcast_state
+from lockstep.train.inplace import InPlaceGroup, PeerLost, Regrouped, hand_over
 from lockstep.train.inplace import wanted as inplace_wanted
 from lockstep.train.loggers import open_run_loggers
 from lockstep.train.metrics import MetricsLog, comm_report
@@ -48,7 +48,7 @@ from lockstep.train.preempt import (
     leave_marker,
 )
 from lockstep.train.progress import epoch_line, nothing_left_line, progress_bar, resumed_line, step_postfix
-from lockstep.train.resize import accum_steps_for, batches_done_at, derived_rng_state
+from lockstep.train.resize import accum_steps_for, batches_done_at
 from lockstep.train.run_identity import claim_checkpoint_dir
 from lockstep.train.stragglers import BLOCKS, find_straggler, gather_epoch, straggler_line
 from lockstep.train.zero import sharded_optimizer
@@ -429,19 +429,11 @@ class Trainer:
         return True
 
     def _take_over(self, outcome: Regrouped) -> None:
-        """Every rank of a grown group, the survivors after their step and the newcomers in fit(): the same
-        collectives in the same order. Rank 0's state reaches every rank (``broadcast_state``: parameters and
-        buffers, optimizer, scheduler, scaler, step, data position); the newcomers adopt it; all resize."""
-        state = broadcast_state(self._live_state() if dist.get_rank() == 0 else None)
-        assert isinstance(state, dict)
-        if outcome.newcomer:
-            self._adopt(state)  # its replicas now equal rank 0's; rebind's check at the first forward says so
-        self._resize(outcome)
-        if outcome.newcomer:
-            assert self._inplace is not None
-            self._inplace.joined = None
-            # as a resume at the larger size gives a rank that did not exist (train/resize.py)
-            derived_rng_state(self.config.seed, self.step, self.rank)
+        """``hand_over``, the survivors after their step and the newcomers in fit(): rank 0's parameters and
+        buffers, optimizer, scheduler, scaler, step and data position reach every rank; all resize."""
+        assert self._inplace is not None
+        hand_over(self._inplace, outcome, self._live_state, self._adopt, self._resize, self.config.seed,
+                  lambda: self.step)
 
     def _live_state(self) -> dict:
         """What a newcomer needs to take the next step as if it had trained all along (rank 0's)."""
