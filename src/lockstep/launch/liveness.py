@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler
@@ -36,35 +37,32 @@ def connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return store
 
 
-def answers(host: str, port: int, timeout_s: float) -> bool:
-    """Whether the store at host:port answers within ``timeout_s`` (on a thread: a silent peer blocks the call)."""
-    answered = threading.Event()
+def _on_a_thread(timeout_s: float, probe: Callable[[], bool]) -> bool:
+    """Whether ``probe()`` returned True within ``timeout_s``, run on a daemon thread: a store call to a silent
+    peer blocks without a bound, and the caller must not."""
+    done = threading.Event()
 
-    def probe() -> None:
+    def run() -> None:
         try:
-            connect(host, port, timeout_s).add("lockstep/probe", 1)
-            answered.set()
+            if probe():
+                done.set()
         except Exception:
             pass
 
-    threading.Thread(target=probe, daemon=True).start()
-    return answered.wait(timeout_s)
+    threading.Thread(target=run, daemon=True).start()
+    return done.wait(timeout_s)
+
+
+def answers(host: str, port: int, timeout_s: float) -> bool:
+    """Whether the store at host:port answers within ``timeout_s``."""
+    return _on_a_thread(timeout_s, lambda: connect(host, port, timeout_s).add("lockstep/probe", 1) > 0)
 
 
 def holds(host: str, port: int, key: str, timeout_s: float = 2.0) -> bool:
-    """Whether the store at host:port answers within ``timeout_s`` and holds ``key`` (on a thread, as ``answers``;
-    a plain connect first: a TCPStore client logs every refused try)."""
-    found = threading.Event()
-
-    def probe() -> None:
-        try:
-            if accepts(host, port, timeout_s) and connect(host, port, timeout_s).check([key]):
-                found.set()
-        except Exception:
-            pass
-
-    threading.Thread(target=probe, daemon=True).start()
-    return found.wait(timeout_s)
+    """Whether the store at host:port answers within ``timeout_s`` and holds ``key`` (a plain connect first: a
+    TCPStore client logs every refused try)."""
+    return _on_a_thread(timeout_s,
+                        lambda: accepts(host, port, timeout_s) and connect(host, port, timeout_s).check([key]))
 
 
 def worker_pids() -> list[int]:
