@@ -9,6 +9,8 @@ every iteration times one step of each entry in a rotating order, each after a b
     forward            the module's forward alone (autograd on)
     compute            forward + backward + SGD step, no DDP
     allreduce          one blocking all-reduce of a flat fp32 buffer of the gradients' bytes (checks the shaping)
+    allreduce_fp16     the same numel in fp16: the fp16 rows' all-reduce (gloo sums fp16 on the CPU, so it takes
+                       more than half the fp32 one)
     floor              compute, then that all-reduce, then the step: compute-then-send, nothing overlapped
     torch, torch_fp16  torch's DDP (25 MB buckets), and with its fp16_compress_hook
     torch_powersgd     torch's PowerSGD hook (rank 1) in one bucket: it issues collectives from future callbacks,
@@ -25,7 +27,7 @@ every iteration times one step of each entry in a rotating order, each after a b
 A DDP step can start sending only after its forward, so its limit is max(compute, forward + all-reduce)
 (the *DDP limit*); a step that also overlapped the next forward with the wire could reach max(compute,
 all-reduce) (the *wire limit*). Each contender is reported as a ratio to both and to torch's DDP with the
-same hook; fp16 rows use limits with the all-reduce halved. PowerSGD rows use the fp32 limits (their wire
+same hook; fp16 rows use limits with the measured fp16 all-reduce. PowerSGD rows use the fp32 limits (their wire
 is a few hundred KB). Figures: median of per-block medians; ratios: median of per-block ratios [min-max],
 paired in time so a shared machine's drift cancels. Below 500 Mbit/s the steps take seconds, so unless
 ``--blocks`` / ``--block-steps`` are given, those rates run 2 blocks of 2 (said in the output).
@@ -37,7 +39,9 @@ paired in time so a shared machine's drift cancels. Below 500 Mbit/s the steps t
 ``DIR/<rate>/<model>/<contender>/trace.json``: lockstep's from its own recorder (``lockstep.diagnostics.trace``,
 every rank; also summary.json and timeline.png), attached to the timed model for one extra step; torch's and
 floor's on rank 0 from a fresh model whose comm hook wraps torch's (a Python hook instead of torch's built-in
-C++ all-reduce) and records each bucket's issue and completion (its future's ``then``).
+C++ all-reduce) and records each bucket's issue and completion (its future's ``then``). With ``--trace`` each
+contender also runs one more step with node 0's veth counter sampled every 0.5 ms (``wire_account.py``): the
+results say how long the wire idled in that step and in which phase (forward, backward, optimizer step).
 
 After the timing, each entry runs once more between two reads of node 0's veth counter (``tx_bytes``, rank 0):
 the bytes node 0 sent over the link in that call (TCP/IP headers included), reported beside the gradients' bytes.
@@ -63,11 +67,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import wire_account
 from ddp_step import Transformer, _Floor, _step, _summarise, cnn
 from torch import nn
+from wire_account import WireSampler
 
 REPO = Path(__file__).resolve().parents[1]
-MEASURES = ("forward", "compute", "allreduce")
+MEASURES = ("forward", "compute", "allreduce", "allreduce_fp16")
 CONTENDERS = ("floor", "torch", "torch_fp16", "torch_powersgd", "lockstep", "lockstep_flat", "lockstep_auto",
               "lockstep_fp16", "lockstep_powersgd", "lockstep_overlap", "lockstep_zero2", "lockstep_zero2_flat")
 # ZeRO-2 (issue #36): its parameters' all-gathers are waited for in the next forward, so it is timed as the
@@ -130,18 +136,22 @@ def link_table(block_ms: dict[str, list[float]], nbytes: float | None = None, wo
 
     ``block_ms`` holds ``forward``, ``compute``, ``allreduce`` and any contenders, each a list with one
     median per block. Per block: DDP limit = max(compute, forward + all-reduce), wire limit = max(compute,
-    all-reduce), and the fp16 pair with the all-reduce halved. Each contender's ratios are taken block by
-    block (paired in time) and given as median, min and max; ``torch`` is the ratio to the torch contender
-    with the same hook, where it ran. ``nbytes`` (the gradients'): each contender's ``plan_ms`` too.
+    all-reduce), and the fp16 pair with the measured fp16 all-reduce (``allreduce_fp16``; half the fp32 one
+    where absent). Each contender's ratios are taken block by block (paired in time) and given as median, min
+    and max; ``torch`` is the ratio to the torch contender with the same hook, where it ran. ``nbytes`` (the
+    gradients'): each contender's ``plan_ms`` too.
     """
     fwd, comp, ar = block_ms["forward"], block_ms["compute"], block_ms["allreduce"]
+    # the fp16 rows' all-reduce: measured where it ran (gloo sums fp16 on the CPU, which halving the fp32 time
+    # leaves out), else half the fp32 one
+    ar16 = block_ms.get("allreduce_fp16") or [a / 2 for a in ar]
     limits = {
         "ddp": [max(c, f + a) for f, c, a in zip(fwd, comp, ar)],
         "wire": [max(c, a) for c, a in zip(comp, ar)],
-        "ddp_fp16": [max(c, f + a / 2) for f, c, a in zip(fwd, comp, ar)],
-        "wire_fp16": [max(c, a / 2) for c, a in zip(comp, ar)],
+        "ddp_fp16": [max(c, f + a) for f, c, a in zip(fwd, comp, ar16)],
+        "wire_fp16": [max(c, a) for c, a in zip(comp, ar16)],
     }
-    out: dict = {"measured_ms": {k: statistics.median(block_ms[k]) for k in MEASURES},
+    out: dict = {"measured_ms": {k: statistics.median(block_ms[k]) for k in MEASURES if k in block_ms},
                  "limits_ms": {k: statistics.median(v) for k, v in limits.items()}, "contenders": {}}
     for name in [n for n in CONTENDERS if n in block_ms] + sorted((n for n in block_ms if cap_of(n)), key=cap_of):
         blocks = block_ms[name]
@@ -187,10 +197,12 @@ def _ratio_cell(r: dict | None) -> str:
 def markdown_section(title: str, table: dict) -> list[str]:
     """One rate and model: the measured parts and limits on one line, then a row per contender."""
     m, lim = table["measured_ms"], table["limits_ms"]
+    fp16 = (f"the fp16 all-reduce {m['allreduce_fp16']:.1f} ms, {m['allreduce_fp16'] / m['allreduce']:.2f} x the "
+            "fp32 one" if "allreduce_fp16" in m else "all-reduce halved")
     lines = [f"### {title}", "",
              f"forward {m['forward']:.1f} ms, compute {m['compute']:.1f} ms, all-reduce {m['allreduce']:.1f} ms; "
              f"DDP limit max(compute, forward + all-reduce) {lim['ddp']:.1f} ms, wire limit max(compute, all-reduce) "
-             f"{lim['wire']:.1f} ms (fp16, all-reduce halved: {lim['ddp_fp16']:.1f} / {lim['wire_fp16']:.1f} ms)", "",
+             f"{lim['wire']:.1f} ms (fp16, {fp16}: {lim['ddp_fp16']:.1f} / {lim['wire_fp16']:.1f} ms)", "",
              "| contender | ms | x DDP limit | x wire limit | x torch (same hook) | limits | plan ms (measured/plan) |",
              "|---|---|---|---|---|---|---|"]
     for name, row in table["contenders"].items():
@@ -269,11 +281,11 @@ def _runner(name: str, model, opt, x, y, flat: torch.Tensor) -> Callable[[], flo
     def forward() -> None:
         model(x)
 
-    def allreduce() -> None:
-        dist.all_reduce(flat)
-
-    if name in ("forward", "allreduce"):
-        return forward if name == "forward" else allreduce
+    flat16 = flat.to(torch.float16) if name == "allreduce_fp16" else None
+    if name == "forward":
+        return forward
+    if name in ("allreduce", "allreduce_fp16"):
+        return lambda: dist.all_reduce(flat if flat16 is None else flat16)
     if name == "lockstep_overlap" or name in ZERO2:
         return lambda: _overlapped_steps(model, opt, x, y)
     return lambda: _step(model, opt, x, y)
@@ -341,7 +353,7 @@ def _measure_model(kind: str, cfg: dict, rank: int) -> dict:
     numel = sum(p.numel() for p in params)
     flat = torch.zeros(numel)
     entries = (*MEASURES, *cfg["contenders"])
-    built = {name: _build(name, build) for name in entries if name != "allreduce"}
+    built = {name: _build(name, build) for name in entries if not name.startswith("allreduce")}
     runs = {name: _runner(name, *built.get(name, (None, None)), x, y, flat) for name in entries}
     for name, run in runs.items():
         _warm_up(name, built.get(name, (None, None))[0], run, cfg["warmup"])
@@ -359,6 +371,7 @@ def _measure_model(kind: str, cfg: dict, rank: int) -> dict:
             result[key] = tuned.result
     if cfg.get("trace"):
         _trace_all(kind, built, x, y, cfg, rank)
+        result["wire"] = _wire_accounts(built, x, y, cfg, rank)
     return result
 
 
@@ -403,6 +416,30 @@ def _trace_all(kind: str, built: dict, x, y, cfg: dict, rank: int) -> None:
             _trace_lockstep(name, *built[name], x, y, out_dir)
         else:
             _trace_fresh(name, MODELS[kind][0], x, y, cfg["warmup"], out_dir if rank == 0 else None)
+
+
+def _wire_accounts(built: dict, x, y, cfg: dict, rank: int) -> dict:
+    """One more step of each contender, node 0's ``tx_bytes`` sampled through it on rank 0 (wire_account): where
+    the wire idled, per phase of that step. The overlapped steps run one step first, so that the sampled one's
+    forward waits for the buckets before it as in a loop; their last buckets land after the sampling."""
+    counter = Path("/sys/class/net") / os.environ.get("GLOO_SOCKET_IFNAME", "") / "statistics" / "tx_bytes"
+    accounts = {}
+    for name in cfg["contenders"]:
+        model, opt = built[name]
+        steady = name == "lockstep_overlap" or name in ZERO2
+        if steady:
+            _step(model, opt, x, y, finish=False)
+        dist.barrier()
+        sampler = WireSampler(counter).start() if rank == 0 else None
+        spans: list = []
+        _traced_step(model, opt, x, y, spans)
+        samples = sampler.stop() if sampler is not None else []
+        if steady:
+            model.finish_step()
+        if rank == 0:
+            phases = sorted(((n, a, b) for n, _, a, b, _ in spans), key=lambda p: p[1])
+            accounts[name] = wire_account.account(samples, rate_bits(cfg["rate"]), phases)
+    return accounts
 
 
 def _trace_lockstep(name: str, model, opt, x, y, out_dir: Path) -> None:
@@ -551,6 +588,11 @@ def _rate_markdown(rate: str, r: dict, args) -> list[str]:
         lines += markdown_section(f"{rate}, {kind} ({res['params'] / 1e6:.2f}M parameters in {res['tensors']} tensors)",
                                   res["table"])
         lines += [_shaping_line(rate, res, world_size) + ".", _link_bytes_line(res), ""]
+        if res.get("wire"):
+            lines += ["Where the wire idled: one more step of each, node 0's tx_bytes sampled every "
+                      f"{wire_account.SAMPLE_S * 1e3:g} ms (an interval that carried < {wire_account.IDLE_SHARE:.0%} "
+                      "of the rate is idle; torch's backward includes its final wait):", "",
+                      *wire_account.markdown(res["wire"]), ""]
         for key, said in (("auto", "lockstep_auto chose"), ("default_trials", "lockstep's default went to the trials "
                                                                              "(the link verdict) and chose")):
             auto = res.get(key) or {}
@@ -641,8 +683,8 @@ def _write(args, results: dict, notes: list[str], load_before, started) -> None:
              "A shared machine (other engineers' tests run beside it): load average (1/5/15 min) before "
              f"{' / '.join(f'{v:.2f}' for v in load_before)}, after {' / '.join(f'{v:.2f}' for v in load_after)}. "
              "ms: median of per-block medians; ratios: median of per-block ratios [min-max]. DDP limit = max(compute, "
-             "forward + all-reduce), wire limit = max(compute, all-reduce); fp16 rows use their own (all-reduce "
-             "halved); x torch compares with torch's DDP with the same hook.", ""]
+             "forward + all-reduce), wire limit = max(compute, all-reduce); fp16 rows use their own (the "
+             "fp16 all-reduce as measured); x torch compares with torch's DDP with the same hook.", ""]
     lines += [f"{note}." for note in notes] + ([""] if notes else [])
     for rate, r in results.items():
         lines += _rate_markdown(rate, r, args)

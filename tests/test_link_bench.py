@@ -4,6 +4,8 @@ each rate); its skip message is not tested here (the tests run as root)."""
 
 from __future__ import annotations
 
+import itertools
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -140,3 +142,51 @@ def test_link_bytes_line_gives_each_entry_as_a_multiple_of_the_gradients(link):
     assert "lockstep's default was hierarchical here" in line
     assert line.endswith("allreduce 61.5 MB (1.50 x), lockstep 41.1 MB (1.00 x), lockstep_flat 61.5 MB (1.50 x).")
     assert "lockstep_flat" in link.CONTENDERS  # the flat ring beside the hierarchical default
+
+
+def test_the_fp16_limits_use_the_measured_fp16_all_reduce_where_it_ran(link):
+    # gloo sums fp16 on the CPU: at 1 Gbit/s the MLP's 20.5 MB fp16 all-reduce is longer than half the fp32 one
+    table = link.link_table({**BLOCKS, "allreduce_fp16": [190.0, 209.0]})
+    assert table["measured_ms"]["allreduce_fp16"] == pytest.approx(199.5)
+    assert table["limits_ms"]["ddp_fp16"] == pytest.approx((42 + 190 + 46.2 + 209) / 2)
+    assert table["limits_ms"]["wire_fp16"] == pytest.approx((190 + 209) / 2)
+    assert table["limits_ms"]["ddp"] == pytest.approx((387.0 + 425.7) / 2)  # the fp32 limits unchanged
+    text = "\n".join(link.markdown_section("t", table))
+    assert "the fp16 all-reduce 199.5 ms, 0.55 x the fp32 one" in text, text
+
+
+@pytest.fixture(scope="module")
+def wire_account(link):
+    import wire_account as module  # link.py imported it from benchmarks/
+    return module
+
+
+def test_the_wire_account_splits_the_idle_time_by_phase(wire_account):
+    # 1 Gbit/s, a sample each ms: 125 kB per ms while busy. Busy from 10 to 50 ms; a 300-byte heartbeat at 55 ms
+    # is idle (< 5% of the rate); phases forward 0-10, backward 10-60, optimizer step 60-65.
+    samples, sent = [], 0
+    for ms in range(0, 66):
+        samples.append((ms / 1e3, sent))
+        sent += 125_000 if 10 <= ms < 50 else (300 if ms == 55 else 0)
+    phases = [("forward", 0.0, 0.010), ("backward", 0.010, 0.060), ("optimizer step", 0.060, 0.065)]
+    acc = wire_account.account(samples, 1e9, phases)
+    assert acc["step_ms"] == pytest.approx(65.0)
+    assert acc["idle_ms"] == pytest.approx(25.0)
+    assert acc["idle_by_phase_ms"] == pytest.approx({"forward": 10.0, "backward": 10.0, "optimizer step": 5.0})
+    assert [tuple(round(v, 6) for v in s) for s in acc["stretches_ms"]] == [(0.0, 10.0), (50.0, 15.0)]
+    row = wire_account.markdown({"torch": acc})[-1]
+    assert row == "| torch | 65.0 | 25.0 | 10 / 10 / 5 | 0+10, 50+15 |", row
+
+
+def test_the_wire_sampler_reads_the_counter_until_stopped(wire_account, tmp_path):
+    counter = tmp_path / "tx_bytes"
+    counter.write_text("100\n")
+    sampler = wire_account.WireSampler(counter, sample_s=0.001).start()
+    import time
+    time.sleep(0.02)
+    (tmp_path / "next").write_text("5000\n")
+    os.replace(tmp_path / "next", counter)  # whole, as sysfs gives it
+    time.sleep(0.02)
+    samples = sampler.stop()
+    assert samples[0][1] == 100 and samples[-1][1] == 5000 and len(samples) > 5
+    assert all(a[0] <= b[0] for a, b in itertools.pairwise(samples))
