@@ -25,7 +25,10 @@ if START_METHOD not in ("forkserver", "spawn"):
     raise ValueError(f"LOCKSTEP_TEST_START must be forkserver or spawn, got {START_METHOD!r}")
 if START_METHOD == "forkserver":
     # Imported once in the server, before any rank: no thread, no process group, no CUDA context exists there yet.
-    mp.set_forkserver_preload(["torch", "torch.distributed", "lockstep.ddp"])
+    # torch._dynamo too: torch.optim imports it at a rank's first optimizer (Optimizer.add_param_group is wrapped
+    # by torch._disable_dynamo), ~1.1 CPU-s in every rank that builds one; preloaded, four files' ranks took
+    # 68.7 CPU-s instead of 86.9 (test_ddp_parity, test_zero2, test_comm_hooks, test_memory; it starts no thread).
+    mp.set_forkserver_preload(["torch", "torch.distributed", "lockstep.ddp", "torch._dynamo"])
 
 
 def _child(fn, rank, world_size, port, args, result_queue, backend, timeout_s, init, env, parent):
