@@ -1,7 +1,10 @@
 """Real faults under `lockstep launch`: kill -9 at chosen points, preemption by SIGTERM, a rank that fails or leaves.
 
 Every run is the Trainer in tests/fault_scripts/train.py on 2 gloo workers (15 steps, a
-checkpoint every 2). A kill run sets LOCKSTEP_TEST_KILL_AT (lockstep.train.faults) so one
+checkpoint every 2), under `lockstep launch`, but for the two that the others are compared
+with (the uninterrupted reference and the preemption's last resume: about the Trainer, not
+the launcher), whose ranks are forked from tests/dist_utils.py's forkserver
+(tests/script_ranks.py). A kill run sets LOCKSTEP_TEST_KILL_AT (lockstep.train.faults) so one
 worker SIGKILLs itself at an exact point: inside forward, inside backward with a bucket's
 all-reduce in flight, after the optimizer's update, or while rank 0 writes a checkpoint
 (temporary just opened, 64 KiB written, written but not renamed, renamed without its
@@ -11,8 +14,9 @@ optimizer state, sampler position; and the per-step sample ids, attempt by attem
 show no step skipped and every step's data equal to the uninterrupted run's.
 
 Cost: each kill run starts 5 processes that import torch (~15-20 s on 2 idle cores, more
-under load). The default run draws LOCKSTEP_KILL_RUNS=2 points (one in training, one in a
-checkpoint write); LOCKSTEP_KILL_RUNS=10 draws every phase at least once (a release, or a change to checkpoints).
+under load); a launch costs ~7 CPU-s, a forked run ~1. The default run draws
+LOCKSTEP_KILL_RUNS=2 points (one in training, one in a checkpoint write);
+LOCKSTEP_KILL_RUNS=10 draws every phase at least once (a release, or a change to checkpoints).
 LOCKSTEP_KILL_SEED picks the draw (printed; default fixed).
 """
 
@@ -30,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from script_ranks import run_script
 
 from lockstep.train.faults import PHASES
 
@@ -95,13 +100,23 @@ def launch(directory, *script_args, max_restarts=0, env=None, signal_when=None, 
             "dir": str(directory)}
 
 
+def run_forked(directory, *script_args):
+    """The fault script on 2 ranks forked from the forkserver, not launched: for the runs the others are compared
+    with ("rc" is 0 when every rank finished)."""
+    os.makedirs(directory, exist_ok=True)
+    start = time.monotonic()
+    done = run_script(SCRIPT, 2, str(directory), *script_args, log_dir=str(directory), timeout_s=300,
+                      drop=("LOCKSTEP_TEST_KILL_AT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"))
+    return {**done, "elapsed_s": time.monotonic() - start, "dir": str(directory)}
+
+
 def _preemption_chain(root):
-    """A: SIGTERM to worker rank 1; B: resume, SIGTERM to the launcher; C: resume to the end."""
+    """A: SIGTERM to worker rank 1; B: resume, SIGTERM to the launcher; C: resume to the end (forked)."""
     d = os.path.join(root, "preempt")
     a = launch(d, "--step-sleep", "0.3",
                signal_when=(r"step 3 done rank=1 ", lambda proc, line: int(re.search(r"pid=(\d+)", line)[1])))
     b = launch(d, "--resume", "--step-sleep", "0.3", signal_when=(r"step 9 done rank=0 ", lambda proc, line: proc.pid))
-    c = launch(d, "--resume")
+    c = run_forked(d, "--resume")
     return {"a": a, "b": b, "c": c, "dir": d}
 
 
@@ -110,7 +125,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     points = draw_kill_points(KILL_SEED, KILL_RUNS)
     print(f"\nkill points (LOCKSTEP_KILL_SEED={KILL_SEED}, LOCKSTEP_KILL_RUNS={KILL_RUNS}): {points}")
-    jobs = {"ref": lambda: launch(root / "ref")}
+    jobs = {"ref": lambda: run_forked(root / "ref")}
     for i, point in enumerate(points):
         jobs[f"kill{i}"] = (lambda i=i, point=point: launch(
             root / f"kill{i}", max_restarts=MAX_RESTARTS, env=clean_env(LOCKSTEP_TEST_KILL_AT=point)))

@@ -1,18 +1,26 @@
 """In-place recovery on loopback, no root needed (issue #37): the group re-formed ten times in the same processes
 (nothing leaks, nothing changes), ``lockstep.InPlaceRecovery`` in a script's own loop, and an error that comes back
 after every re-formation. The runs of a test go side by side: each mostly waits (steps that sleep past the
-watcher's poll, a killed rank's loss noticed). The namespace runs are in test_elastic_launch.py."""
+watcher's poll, a killed rank's loss noticed). The runs under test are fresh processes (``python script`` with the
+launcher's variables: real exit codes); the runs they are compared with (no faults) are forked from
+tests/dist_utils.py's forkserver (tests/script_ranks.py: ~0.5 CPU-s a rank instead of ~3.5). The namespace runs
+are in test_elastic_launch.py."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from dist_utils import run_ranks
+from script_ranks import run_script
 from test_multinode import clean_env
 
 from lockstep.process_group import free_port
@@ -40,6 +48,15 @@ def _start_ranks(script: str, world_size: int, directory: str, *extra: str,
             for r in range(world_size)]
 
 
+def _reference(script: str, world_size: int, directory: str, *extra: str) -> None:
+    """A run without faults that a test compares with, on ``world_size`` forked ranks (in-place recovery on, as the
+    fresh ones); raises with the ranks' tracebacks and output if one failed. Tests run it on a thread beside their
+    fresh ranks, whose output they read meanwhile (a full pipe would stall them)."""
+    done = run_script(script, world_size, directory, *extra, log_dir=directory, env={"LOCKSTEP_INPLACE": "1"},
+                      drop=("TORCHELASTIC_RUN_ID", "GLOO_SOCKET_IFNAME"), timeout_s=300)  # clean_env's
+    assert done["rc"] == 0, f"reference {os.path.basename(script)} {extra}: {_without_cxx_frames(done['err'])}"
+
+
 def _finish(procs: list[subprocess.Popen], killed_ok: bool = False) -> list[int]:
     """Each rank's exit code; each must be 0 (or SIGKILL where ``killed_ok``: a rank the run kills itself)."""
     codes = []
@@ -59,10 +76,11 @@ def test_in_place_ten_recoveries_in_one_process_leak_nothing_and_change_nothing(
     os.makedirs(quiet)
     # each step waits out more than the watcher's poll (BEAT_S, 0.2 s), so every alarm re-forms the group at the
     # next step: on a quiet machine steps of a few ms let 3 alarms span the whole run
-    runs = [_start_ranks(INPLACE, 2, alarmed, "--alarms", "10", "--epochs", "4", "--step-sleep", "0.5"),
-            _start_ranks(INPLACE, 2, quiet, "--epochs", "4")]
-    for procs in runs:
+    procs = _start_ranks(INPLACE, 2, alarmed, "--alarms", "10", "--epochs", "4", "--step-sleep", "0.5")
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(_reference, INPLACE, 2, quiet, "--epochs", "4")
         _finish(procs)
+        reference.result()
     for name in (n for n in os.listdir(alarmed) if n.startswith("resources-")):
         with open(os.path.join(alarmed, name)) as f:
             rows = [line.split() for line in f]  # step world generation threads sockets fds rss_mib
@@ -84,16 +102,18 @@ def test_in_place_recovery_in_a_plain_loop(tmp_path):
     for d in (killed, alarmed, quiet, rolled):
         os.makedirs(d)
     runs = [_start_ranks(LOOP, 3, killed, "--die-at", "3", "--die-rank", "2"),
-            _start_ranks(LOOP, 2, alarmed, "--alarms", "3"), _start_ranks(LOOP, 2, quiet),
+            _start_ranks(LOOP, 2, alarmed, "--alarms", "3"),
             _start_ranks(LOOP, 2, rolled, "--commit-fails-at", "5", "--commit-fails-rank", "1")]
-    assert _finish(runs[0], killed_ok=True) == [0, 0, -signal.SIGKILL]
-    for procs in runs[1:3]:
-        _finish(procs)
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(_reference, LOOP, 2, quiet)
+        assert _finish(runs[0], killed_ok=True) == [0, 0, -signal.SIGKILL]
+        _finish(runs[1])
+        outputs = [proc.communicate(timeout=300)[0] for proc in runs[2]]
+        reference.result()
     # Rank 1's commit of step 5 completed and then failed: rank 0 had committed 5 and loses step 6; rank 1 applies 5
     # itself (roll forward) and returns from step(), so the script's scheduler.step() and log ran for step 5 on both
     # ranks (when step() raised instead, rank 1's LR schedule fell a step behind and the parameters differed)
-    outputs = [proc.communicate(timeout=300)[0] for proc in runs[3]]
-    assert [proc.returncode for proc in runs[3]] == [0, 0], _without_cxx_frames("\n".join(outputs))
+    assert [proc.returncode for proc in runs[2]] == [0, 0], _without_cxx_frames("\n".join(outputs))
     assert "re-formed after step 5, rolled forward: True" in outputs[1], _without_cxx_frames(outputs[1])
     assert "re-formed after step 5, rolled forward: False" in outputs[0], _without_cxx_frames(outputs[0])
     each_sample_once(rolled)
@@ -154,15 +174,16 @@ def test_a_plain_loop_takes_a_newcomer_in_place_and_equals_clean_stops_and_resum
         os.makedirs(d)
     port = free_port()
     procs = _start_ranks(LOOP, 2, grown, "--die-at", "13", "--die-rank", "1", "--hold-at-world", "1", port=port)
-    reference = _start_ranks(LOOP, 2, clean, "--max-steps", "13")  # side by side: its first stop needs no result
-    deadline = time.monotonic() + 120
-    while not any(w == 1 for _, _, w, _ in _rows(grown)):  # rank 0 holds its first step at world size 1
-        assert time.monotonic() < deadline and procs[0].poll() is None, _without_cxx_frames(procs[0].stdout.read())
-        time.sleep(0.1)
-    started = time.time()
-    newcomer = _start_newcomer(grown, port, base=2)
-    assert _finish([*procs, newcomer], killed_ok=True) == [0, -signal.SIGKILL, 0]
-    _finish(reference)
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(_reference, LOOP, 2, clean, "--max-steps", "13")  # its first stop needs no result
+        deadline = time.monotonic() + 120
+        while not any(w == 1 for _, _, w, _ in _rows(grown)):  # rank 0 holds its first step at world size 1
+            assert time.monotonic() < deadline and procs[0].poll() is None, _without_cxx_frames(procs[0].stdout.read())
+            time.sleep(0.1)
+        started = time.time()
+        newcomer = _start_newcomer(grown, port, base=2)
+        assert _finish([*procs, newcomer], killed_ok=True) == [0, -signal.SIGKILL, 0]
+        reference.result()
     rows = _rows(grown)
     grow_step = max(s for _, s, w, _ in rows if w == 1)
     first = min(t for t, s, w, p in rows if w == 2 and p == newcomer.pid)
@@ -178,7 +199,7 @@ def test_a_plain_loop_takes_a_newcomer_in_place_and_equals_clean_stops_and_resum
         assert {json.loads(line)["epoch"] for line in f} == {1}  # epoch 0 was done when it joined: nothing there
     each_sample_once(grown)
     for size, extra in ((1, ["--max-steps", str(grow_step)]), (2, [])):
-        _finish(_start_ranks(LOOP, size, clean, *extra))
+        _reference(LOOP, size, clean, *extra)
     got, want = (torch.load(os.path.join(d, "final.pt"), weights_only=True) for d in (grown, clean))
     assert all(torch.equal(got[k], want[k]) for k in want)
 
@@ -204,11 +225,17 @@ dist.destroy_process_group()
 """
 
 
+def _repeating_error(rank: int, world_size: int) -> str:
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(REPEATING_ERROR, {"__name__": "__main__"})
+    return printed.getvalue()
+
+
 def test_an_error_that_repeats_after_every_re_formation_is_raised():
     """A gloo error that is a bug (it comes back at the same step) must not re-form the group for ever."""
-    done = subprocess.run([sys.executable, "-c", REPEATING_ERROR], env=clean_env(), cwd=HERE, capture_output=True,
-                          text=True, timeout=120)
-    lines = done.stdout.splitlines()
-    assert lines[:3] == ["re-formed 1 1 0", "re-formed 2 1 0", "re-formed 3 1 0"], done.stdout + done.stderr
+    [printed] = run_ranks(_repeating_error, 1, init=False, timeout_s=120)  # forked: one rank makes its own group
+    lines = printed.splitlines()
+    assert lines[:3] == ["re-formed 1 1 0", "re-formed 2 1 0", "re-formed 3 1 0"], printed
     assert lines[3] == ("lockstep: in-place recovery: re-formed 3 times at step 0 without a step done; the error is "
                         "not a lost peer")

@@ -1,0 +1,57 @@
+"""Run a worker script's ranks forked from dist_utils' forkserver, for the reference runs a test compares against.
+
+A reference run (the uninterrupted job a killed one must equal, the run without alarms) is about what the script
+computes, not about a fresh interpreter or a launcher: forked, a rank skips importing torch again (~1.3 CPU-s of
+the ~3 each fresh rank costs). The runs under test stay fresh processes started as their tests say (a launcher,
+or ``python script`` with the launcher's variables), so that their exit codes are real processes'.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from dist_utils import run_ranks
+
+
+def _run_script(rank: int, world_size: int, script: str, argv: list[str], log: str, drop: tuple[str, ...]) -> None:
+    # As `python script argv...` runs it: its own argv, its folder first on sys.path, run as __main__; its
+    # output to a file per rank (a forked rank writes to wherever the forkserver's stdout went)
+    for name in drop:  # a forked rank starts from the caller's environment (run_ranks)
+        os.environ.pop(name, None)
+    with open(log.format(rank=rank), "a") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def run_script(script: str, world_size: int, *argv: str, log_dir: str, env: dict | None = None,
+               drop: tuple[str, ...] = (), timeout_s: float = 240.0) -> dict:
+    """``python script argv...`` on ``world_size`` forked ranks (RANK, WORLD_SIZE, MASTER_ADDR/PORT set, no
+    process group made for it; ``env`` added to the caller's environment, the names in ``drop`` taken out).
+    Returns {"rc": 0, or 1 when a rank failed, "err": the failing ranks' tracebacks and every rank's output};
+    each rank's output is in ``log_dir``/SCRIPT-rank{rank}.log."""
+    log = os.path.join(log_dir, f"{os.path.basename(script)}-rank{{rank}}.log")
+    try:
+        run_ranks(_run_script, world_size, args=(script, list(argv), log, tuple(drop)), init=False, env=env,
+                  timeout_s=timeout_s)
+        return {"rc": 0, "err": ""}
+    except (AssertionError, TimeoutError) as e:
+        outputs = []
+        for rank in range(world_size):
+            try:
+                with open(log.format(rank=rank)) as f:
+                    outputs.append(f"--- rank {rank}'s output\n{f.read()[-3000:]}")
+            except OSError:
+                pass
+        return {"rc": 1, "err": f"{e}\n" + "\n".join(outputs)}
