@@ -7,12 +7,27 @@ import contextlib
 import io
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from lockstep.perf.bench import cli_main, parse_size, sizes_between, summarise
 from lockstep.perf.costmodel import Link, allreduce_time_s
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@contextlib.contextmanager
+def benchmarks_importable():
+    """benchmarks/ on sys.path while a benchmark's main() runs here (its spawned ranks import it by that path):
+    in this process, which imported torch already, instead of a fresh ``python benchmarks/X.py`` (~1.2 CPU-s)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(BENCHMARKS))
 
 
 @pytest.fixture(scope="module")
@@ -79,19 +94,16 @@ def test_summary_fits_the_model_and_ratios_only_at_4mib_and_up():
     assert s["ring_over_native_median"] == pytest.approx(0.8)
 
 
-def test_ddp_step_benchmark_runs_and_reports_every_contender(tmp_path):
-    """``benchmarks/ddp_step.py`` end to end at its smallest: every asked contender timed, the paired ratios and
-    the floor written, as markdown and json."""
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_ddp_step_benchmark_runs_and_reports_every_contender(tmp_path, capsys):
+    """``benchmarks/ddp_step.py`` end to end at its smallest (its main() here, its ranks spawned as it spawns them):
+    every asked contender timed, the paired ratios and the floor written, as markdown and json."""
+    with benchmarks_importable():
+        import ddp_step
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ddp_step.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--models", "cnn", "--contenders", "compute,floor,torch,lockstep_25,lockstep_zero2,lockstep_zero2_pair",
-         "--blocks", "1", "--block-steps", "2", "--warmup", "1", "--allreduce-reps", "1", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr
+        rc = ddp_step.main(
+            ["--models", "cnn", "--contenders", "compute,floor,torch,lockstep_25,lockstep_zero2,lockstep_zero2_pair",
+             "--blocks", "1", "--block-steps", "2", "--warmup", "1", "--allreduce-reps", "1", "--out", str(tmp_path)])
+    assert rc == 0, capsys.readouterr().err
     (json_path,) = tmp_path.glob("ddp_step_*_n2_t1.json")
     result = json.loads(json_path.read_text())["results"]["cnn"]
     assert set(result["median_ms"]) == {"compute", "floor", "torch", "lockstep_25", "lockstep_zero2",
@@ -103,21 +115,21 @@ def test_ddp_step_benchmark_runs_and_reports_every_contender(tmp_path):
     assert "| cnn |" in md and "floor/torch" in md
 
 
-def test_gpu_step_benchmark_runs_on_cpu_tiny(tmp_path):
-    """``benchmarks/gpu_step.py`` (the GPU sessions' benchmark, issue #13) at tiny shapes on CPU: every contender timed,
-    the paired ratios written, and the full-size models are the shapes the issue names (GPT >= 100M parameters in
-    >= 100 tensors, ResNet-50)."""
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_gpu_step_benchmark_runs_on_cpu_tiny(tmp_path, capsys):
+    """``benchmarks/gpu_step.py`` (the GPU sessions' benchmark, issue #13) at tiny shapes on CPU (its main() here,
+    its rank spawned as it spawns it): every contender timed, the paired ratios written, and the full-size models
+    are the shapes the issue names (GPT >= 100M parameters in >= 100 tensors, ResNet-50)."""
+    with benchmarks_importable():
+        import gpu_step
 
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    proc = subprocess.run(
-        [sys.executable, str(bench / "gpu_step.py"), "--device", "cpu", "--tiny", "--contenders",
-         "compute,torch,torch_view,lockstep,lockstep_view,lockstep_alias", "--blocks", "1", "--block-steps", "2",
-         "--warmup", "1", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr
+        rc = gpu_step.main(
+            ["--device", "cpu", "--tiny", "--contenders",
+             "compute,torch,torch_view,lockstep,lockstep_view,lockstep_alias", "--blocks", "1", "--block-steps", "2",
+             "--warmup", "1", "--out", str(tmp_path)])
+        assert rc == 0, capsys.readouterr().err
+        with pytest.raises(SystemExit) as bad:
+            gpu_step.main(["--models", "vgg", "--out", ""])
+    assert bad.value.code == 2 and "unknown model 'vgg'" in capsys.readouterr().err
     (json_path,) = tmp_path.glob("gpu_step_*_cpu_n1_tiny.json")
     results = json.loads(json_path.read_text())["results"]
     assert set(results) == {"gpt", "resnet50"}
@@ -125,19 +137,11 @@ def test_gpu_step_benchmark_runs_on_cpu_tiny(tmp_path):
         assert set(r["median_ms"]) == {"compute", "torch", "torch_view", "lockstep", "lockstep_view", "lockstep_alias"}
         assert {"lockstep/torch", "lockstep_view/torch_view", "torch/compute"} <= set(r["ratios"])
     assert "lockstep_view/torch_view" in json_path.with_suffix(".md").read_text()
-    sys.path.insert(0, str(bench))
-    try:
-        from gpu_step import GPT, resnet50
-    finally:
-        sys.path.remove(str(bench))
     with torch.device("meta"):  # shapes only
-        gpt, resnet = GPT(), resnet50()
+        gpt, resnet = gpu_step.GPT(), gpu_step.resnet50()
     for model, (numel, tensors) in ((gpt, (124_475_904, 148)), (resnet, (25_557_032, 161))):
         params = list(model.parameters())
         assert (sum(p.numel() for p in params), len(params)) == (numel, tensors)
-    bad = subprocess.run([sys.executable, str(bench / "gpu_step.py"), "--models", "vgg", "--out", ""],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "unknown model 'vgg'" in bad.stderr
 
 
 def test_bench_says_where_its_results_go_before_it_runs(bench_run, tmp_path, monkeypatch, capsys):
