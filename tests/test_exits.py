@@ -26,8 +26,8 @@ from lockstep.process_group import free_port
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "exit_scripts", "train_then_exit.py")
 RUNS = int(os.environ.get("LOCKSTEP_EXIT_RUNS", "3"))
-# Runs at once: CI's long loops use 2 (each run's three interpreters start one after the other, so two
-# runs side by side take ~14 s where two in a row take ~19 s; the crowding also varies exit timing).
+# Runs at once: CI's long loops use 2, for the crowding, which varies exit timing (two runs side by side took ~14 s
+# where two in a row took ~19 s while the script built a torch.optim optimizer; now ~7 s either way, quiet).
 JOBS = int(os.environ.get("LOCKSTEP_EXIT_JOBS", "1"))
 # torchrun beside this interpreter; a venv made with --system-site-packages has none of its own, and then
 # the same entry point (torch.distributed.run:main) runs through the interpreter.
@@ -93,8 +93,8 @@ def _loop(launcher: str, ending: str, runs: int) -> list[str]:
     return [o for o in outcomes if o is not None]
 
 
-# A run costs ~7-9 s here (three interpreters import torch), more on a loaded machine; the file-wide 300 s limit would cut
-# longer loops (LOCKSTEP_EXIT_RUNS=50) short, so the limit grows with the number of runs.
+# A run costs ~3.5 s here (three interpreters import torch: ~3.5 CPU-s), more on a loaded machine; the file-wide 300 s
+# limit would cut longer loops (LOCKSTEP_EXIT_RUNS=50) short, so the limit grows with the number of runs.
 @pytest.mark.timeout(60 + 30 * RUNS)
 @pytest.mark.parametrize(
     "launcher, ending",
