@@ -1,11 +1,13 @@
 """A trace window the run never closes is written when the run ends, and one that never opened says so.
 
-Real 2-rank jobs under ``lockstep launch`` of a tiny script (``trace_scripts/train_and_end.py``), the cases
-of issue #28, item 3 (there with ``examples/debugging.py``, whose transformer only makes it slower): the
-default window 5..10 and 10 steps (the window's closing forward never comes) and LOCKSTEP_TRACE_STEPS=2:20
-and 6 steps, both written at ``lockstep.shutdown()``; a run that ends at interpreter exit, that raises on
-every rank with and without ``lockstep.shutdown()`` in ``finally``, and one that never reaches its window.
-Three jobs at a time.
+Real 2-rank jobs of a tiny script (``trace_scripts/train_and_end.py``), the cases of issue #28, item 3 (there
+with ``examples/debugging.py``, whose transformer only makes it slower): the default window 5..10 and 10 steps
+(the window's closing forward never comes) and LOCKSTEP_TRACE_STEPS=2:20 and 6 steps, both written at
+``lockstep.shutdown()``; a run that ends at interpreter exit, that raises on every rank with and without
+``lockstep.shutdown()`` in ``finally``, and one that never reaches its window. The runs that end at exit or fail
+are fresh processes under ``lockstep launch`` (atexit and the launcher stopping the other rank are part of what
+they show), three jobs at a time; the two that end in ``lockstep.shutdown()`` run the same script on ranks forked
+from dist_utils' forkserver meanwhile (``script_ranks.run_script``: no launcher, no torch import of their own).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from script_ranks import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "tests" / "trace_scripts" / "train_and_end.py")
@@ -30,9 +33,10 @@ CASES = {  # name -> (LOCKSTEP_TRACE_STEPS or None, script and its arguments)
     "raise": ("2:20", [TINY, "raise", "6"]),
     "finally": ("2:20", [TINY, "finally", "6"]),
 }
+FORKED = ("steps_10", "steps_6")  # closed by lockstep.shutdown(): nothing in them needs a fresh process
 
 
-def _run(name: str, tmp: Path) -> dict:
+def _launch(name: str, tmp: Path) -> tuple[int, str]:
     steps, args = CASES[name]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "LOCKSTEP_TRACE": str(tmp / name)}
@@ -41,8 +45,25 @@ def _run(name: str, tmp: Path) -> dict:
         env["LOCKSTEP_TRACE_STEPS"] = steps
     r = subprocess.run([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", *args], cwd=tmp, env=env,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    out = {"rc": r.returncode, "output": r.stdout, "dir_exists": (tmp / name).exists(),
-           "trace_lines": [line for line in r.stdout.splitlines() if "lockstep trace:" in line]}
+    return r.returncode, r.stdout
+
+
+def _fork(name: str, tmp: Path) -> tuple[int, str]:
+    """The script on 2 ranks forked from the forkserver (script_ranks), as ``python SCRIPT ARGS`` runs it."""
+    steps, (script, *argv) = CASES[name]
+    logs = tmp / f"{name}-logs"
+    logs.mkdir()
+    env = {"LOCKSTEP_TRACE": str(tmp / name), **({"LOCKSTEP_TRACE_STEPS": steps} if steps else {})}
+    r = run_script(script, 2, *argv, log_dir=str(logs), env=env, drop=() if steps else ("LOCKSTEP_TRACE_STEPS",),
+                   timeout_s=300)
+    if r["rc"]:  # a rank raised or hung: its tracebacks and every rank's output
+        return r["rc"], r["err"]
+    return 0, "".join((logs / f"{os.path.basename(script)}-rank{rank}.log").read_text() for rank in range(2))
+
+
+def _result(name: str, tmp: Path, rc: int, output: str) -> dict:
+    out = {"rc": rc, "output": output, "dir_exists": (tmp / name).exists(),
+           "trace_lines": [line for line in output.splitlines() if "lockstep trace:" in line]}
     for f in ("trace.json", "summary.json"):
         path = tmp / name / f
         out[f] = json.loads(path.read_text()) if path.exists() else None
@@ -54,8 +75,10 @@ def _run(name: str, tmp: Path) -> dict:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trace_end")
     with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {name: pool.submit(_run, name, tmp) for name in CASES}
-    return {name: f.result() for name, f in futures.items()}
+        futures = {name: pool.submit(_launch, name, tmp) for name in CASES if name not in FORKED}
+        done = {name: _fork(name, tmp) for name in FORKED}
+        done.update({name: f.result() for name, f in futures.items()})
+    return {name: _result(name, tmp, *done[name]) for name in CASES}
 
 
 def _steps(run: dict, rank: int) -> list[int]:
