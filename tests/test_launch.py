@@ -78,7 +78,8 @@ def runs(tmp_path_factory):
             "lonely_node": ["--nnodes", "2", "--master-addr", "localhost", "--master-port", str(free_port),
                             "--rdzv-timeout", "3", "--nproc-per-node", "1", script("allreduce.py")],
             "end_to_end": ["--nproc-per-node", "2", script("allreduce.py"), "--flag", "x"],
-            "log_rank": ["--nproc-per-node", "2", "--log-rank", "0", script("allreduce.py")],
+            # the filter is the launcher's: a worker without torch shows it as well (report_env.py)
+            "log_rank": ["--nproc-per-node", "2", "--log-rank", "0", script("report_env.py")],
             "taken_port": ["--nproc-per-node", "2", "--master-port", str(port), script("allreduce.py")],
             "restart_once": ["--nproc-per-node", "2", "--max-restarts", "1", script("flaky.py"), str(tmp / "once"), "1"],
             "exhausted": ["--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(tmp / "exhausted_logs"),
@@ -114,16 +115,28 @@ def test_two_ranks_allreduce_end_to_end_with_rank_prefixes(runs):
 def test_log_rank_shows_only_that_rank(runs):
     proc, _ = runs["log_rank"]
     assert proc.returncode == 0, proc.stderr
-    assert "[rank0]: allreduce rank=0 world=2" in proc.stdout
-    assert "[rank0]: stderr line from rank 0" in proc.stderr
+    assert "[rank0]: report_env rank=0 world=2" in proc.stdout
+    assert "[rank0]: report_env stderr rank=0" in proc.stderr
     assert "rank1" not in proc.stdout + proc.stderr and "rank=1" not in proc.stdout
 
 
 # ---------------------------------------------------------------- failures
 
 
-def test_failing_worker_exits_nonzero_fast_with_one_report(tmp_path):
-    proc, elapsed_s = run_launch(["--nproc-per-node", "2", "--log-dir", str(tmp_path), script("raises.py")], timeout_s=60)
+@pytest.fixture(scope="module")
+def failing(tmp_path_factory):
+    """raises.py on 2 workers, alone (its time is asserted): rank 1 raises, rank 0's all-reduce then fails.
+
+    One launch for the two tests below: the report's form, and what stays off the console (test_launch_reports'
+    theme, asserted here to start these three interpreters once).
+    """
+    log_dir = tmp_path_factory.mktemp("failing_logs")
+    proc, elapsed_s = run_launch(["--nproc-per-node", "2", "--log-dir", str(log_dir), script("raises.py")], 60)
+    return proc, elapsed_s, log_dir
+
+
+def test_failing_worker_exits_nonzero_fast_with_one_report(failing):
+    proc, elapsed_s, tmp_path = failing
     assert proc.returncode != 0
     # Not gloo's 30-minute timeout nor a rendezvous timeout (300 s): ~5 s alone, 39.5 s in a quiet full run while
     # another file started five 2-node launches beside it (three interpreters to start here, at load ~15)
@@ -143,6 +156,21 @@ def test_failing_worker_exits_nonzero_fast_with_one_report(tmp_path):
     stderr_logs = list(tmp_path.glob("*/attempt_0/1/stderr.log"))
     assert len(stderr_logs) == 1 and "worker exploded on purpose" in stderr_logs[0].read_text()
     assert f"full logs: {stderr_logs[0].parent.parent}" in text
+
+
+def test_a_peers_follow_on_error_and_torchs_stop_lines_stay_off_the_console(failing):
+    # issue #34 item 6: rank 1 raises; rank 0's all_reduce then fails on the closed connection. Its gloo traceback
+    # ("Connection closed by peer ... GLHF!") followed the real one as if it were a second cause, and torch's
+    # unprefixed "Sending process N closing signal SIGTERM" line came with it.
+    proc, _, _ = failing
+    assert proc.returncode == 1, proc.stderr
+    assert "GLHF" not in proc.stderr and "closing signal" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr  # rank 1's, the cause
+    lines = proc.stderr.splitlines()
+    start = [i for i, line in enumerate(lines) if line.startswith("lockstep launch: worker rank")]
+    assert len(start) == 1, proc.stderr
+    report = "\n".join(lines[start[0]:])
+    assert report.startswith("lockstep launch: worker rank 1 (local rank 1") and "exploded on purpose" in report
 
 
 def test_report_names_the_cause_when_two_failures_share_a_second(tmp_path):
