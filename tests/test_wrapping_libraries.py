@@ -1,63 +1,49 @@
 """Accelerate / Lightning / Fabric with lockstep's DDP swapped in train bit-identically to torch's DDP (2 CPU ranks).
 
-Each case runs the same script twice (IMPL=torch, IMPL=lockstep) under the library's own launcher and
-compares every rank's final state_dict with torch.equal; cases whose torch run is the same (accelerate's two ways of
-switching lockstep on, Lightning's two strategies) share it. Skipped when the library is not installed.
-Cost of the default level on 2 cores with nothing else running: ~130 s (accelerate 3 launches ~20 s, Lightning
-4 fits x 2 ~30 s, Fabric ~40 s, Transformers' Trainer ~35 s); LOCKSTEP_FULL's cases ~85 s more under load, the compiled
-cases ~100 s more (LOCKSTEP_COMPILED_LIBRARIES=1).
+Each case is one launch under the library's own launcher (IMPL=lockstep,torch, library_scripts/common.py): the script
+trains with lockstep's DDP in the fresh processes, gives the libraries torch's class back, trains again with torch's,
+and the test compares every rank's final state_dict with torch.equal. Skipped when the library is not installed.
+Cost of the default level: 49 CPU-s in 20 processes, ~60 s on 2 busy cores (95 CPU-s in 28 processes with a launch per
+DDP; 2026-11-26); LOCKSTEP_FULL's cases ~35 s more, the compiled cases ~30 s more (LOCKSTEP_COMPILED_LIBRARIES=1).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import run_ranks
 from levels import full_only
 
 HERE = Path(__file__).resolve().parent / "library_scripts"
 PY = sys.executable
-# The compiled cases (accelerate's --dynamo_backend, Fabric with a compiled model) cost ~100 s more: set the
+# The compiled cases (accelerate's --dynamo_backend, Fabric with a compiled model) cost ~30 s more: set the
 # variable; tests/test_compile.py covers both orders of torch.compile in every run.
 _COMPILED = pytest.mark.skipif(os.environ.get("LOCKSTEP_COMPILED_LIBRARIES") != "1",
-                               reason="about 100 s: set LOCKSTEP_COMPILED_LIBRARIES=1")
+                               reason="about 30 s: set LOCKSTEP_COMPILED_LIBRARIES=1")
 
 
-# torch's own DDP can abort a rank at exit (gloo's thread freeing a work while the interpreter finalises:
-# lockstep.ddp.lifetime); seen once in CI under accelerate with dynamo. The reference run is then run again, once.
-_INCUMBENT_EXIT_ABORT = "terminate called without an active exception"
+def _require(library: str) -> None:
+    # Not pytest.importorskip: that imports the library into pytest's process, which never uses it (Lightning ~4 CPU-s).
+    if importlib.util.find_spec(library) is None:
+        pytest.skip(f"{library} is not installed")
 
 
-def _run(cmd: list[str], env: dict[str, str], timeout: int = 400) -> None:
-    full = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+def _run_both(cmd: list[str], env: dict[str, str], out: Path, timeout: int = 400) -> None:
+    """One launch of ``cmd`` that trains with lockstep's DDP and then with torch's in the same processes
+    (IMPL=lockstep,torch, library_scripts/common.py): ``out`` gets ``lockstep*.pt`` and ``torch*.pt``, and the
+    checkpoints under ``lockstep/`` and ``torch/``. It must exit 0: no retry. (A torch-only reference run could abort
+    at exit, "terminate called without an active exception", gloo's worker freeing a work as the interpreter
+    finalised; lockstep's run in the same processes settles gloo's workers at exit, torch's included:
+    lockstep.ddp.lifetime.)"""
+    full = {**os.environ, "OMP_NUM_THREADS": "1", **env, "IMPL": "lockstep,torch", "OUT": str(out)}
     proc = subprocess.run(cmd, cwd=HERE, env=full, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 and env.get("IMPL") == "torch" and _INCUMBENT_EXIT_ABORT in proc.stderr:
-        print(f"torch's DDP aborted at exit ({_INCUMBENT_EXIT_ABORT!r}); its reference run is repeated once", file=sys.stderr)
-        if env.get("CKPT_DIR"):
-            shutil.rmtree(env["CKPT_DIR"], ignore_errors=True)  # from scratch: the scripts resume from their own checkpoints
-        proc = subprocess.run(cmd, cwd=HERE, env=full, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-
-
-_REFERENCES: dict[tuple, Path] = {}
-
-
-def _torch_reference(tmp_path_factory, cmd: list[str], env: dict[str, str], out: str) -> Path:
-    """torch's DDP run of ``cmd`` with ``env``, once per session: cases that differ only in how lockstep's class is
-    switched on (accelerate's use_as_torch_ddp() and LOCKSTEP_AS_TORCH_DDP=1, Lightning's two strategies) compare
-    against the same run, which saves a launch. Returns its folder: ``OUT`` is ``out`` there, ``CKPT_DIR``
-    ``torch/``."""
-    key = (*cmd, *sorted(env.items()))
-    if key not in _REFERENCES:
-        folder = tmp_path_factory.mktemp("torch_reference")
-        _run(cmd, {**env, "IMPL": "torch", "OUT": str(folder / out), "CKPT_DIR": str(folder / "torch")})
-        _REFERENCES[key] = folder
-    return _REFERENCES[key]
 
 
 def _assert_identical(a: Path, b: Path, may_fail: tuple[str, ...] = ()) -> dict:
@@ -75,27 +61,30 @@ def _assert_identical(a: Path, b: Path, may_fail: tuple[str, ...] = ()) -> dict:
     return rb
 
 
-# Loads every checkpoint file in a process where ``import lockstep`` fails: a pickled lockstep class
-# would raise there, and a "module." key would mean the wrapper's names leaked into the file.
-_LOAD_WITHOUT_LOCKSTEP = """
-import sys, pathlib
-sys.modules["lockstep"] = None
-import torch
-from safetensors.torch import load_file
-files = [p for p in pathlib.Path(sys.argv[1]).rglob("*") if p.suffix in (".ckpt", ".bin", ".pt", ".pth", ".safetensors")]
-assert files, "no checkpoint file under " + sys.argv[1]
-for p in files:
-    obj = load_file(p) if p.suffix == ".safetensors" else torch.load(p, weights_only=False)
-    sd = obj.get("state_dict", obj) if isinstance(obj, dict) else {}
-    bad = [k for k in sd if isinstance(k, str) and k.startswith("module.")]
-    assert not bad, (str(p), bad[:3])
-print(len(files), "files loaded")
-"""
+def _load_without_lockstep(rank: int, world_size: int, directory: str) -> str:
+    """Loads every checkpoint file in a process where ``import lockstep`` fails: a pickled lockstep class would raise
+    there, and a "module." key would mean the wrapper's names leaked into the file. Runs in a rank of run_ranks
+    (forked from its forkserver, which imported lockstep.ddp: every lockstep module is dropped first)."""
+    for name in [n for n in sys.modules if n == "lockstep" or n.startswith("lockstep.")]:
+        del sys.modules[name]
+    sys.modules["lockstep"] = None  # type: ignore[assignment]  # import lockstep (and lockstep.x) now raises
+    from safetensors.torch import load_file
+
+    suffixes = (".ckpt", ".bin", ".pt", ".pth", ".safetensors")
+    files = [p for p in Path(directory).rglob("*") if p.suffix in suffixes]
+    assert files, "no checkpoint file under " + directory
+    for p in files:
+        obj = load_file(p) if p.suffix == ".safetensors" else torch.load(p, weights_only=False)
+        sd = obj.get("state_dict", obj) if isinstance(obj, dict) else {}
+        bad = [k for k in sd if isinstance(k, str) and k.startswith("module.")]
+        assert not bad, (str(p), bad[:3])
+    assert not any(n == "lockstep" or n.startswith("lockstep.") for n, m in sys.modules.items() if m is not None)
+    return f"{len(files)} files loaded"
 
 
 def _loads_without_lockstep(directory: Path) -> None:
-    proc = subprocess.run([PY, "-c", _LOAD_WITHOUT_LOCKSTEP, str(directory)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "files loaded" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    (said,) = run_ranks(_load_without_lockstep, world_size=1, args=(str(directory),), init=False, timeout_s=120)
+    assert said.endswith("files loaded"), said
 
 
 @pytest.mark.parametrize("env_hook, comm_hook, dynamo", [
@@ -105,8 +94,8 @@ def _loads_without_lockstep(directory: Path) -> None:
     pytest.param(False, "no", "aot_eager", marks=_COMPILED),
 ],
                          ids=["use_as_torch_ddp", "env_var", "fp16_comm_hook", "dynamo_backend"])
-def test_accelerate_bit_identical(tmp_path, tmp_path_factory, env_hook, comm_hook, dynamo):
-    pytest.importorskip("accelerate")
+def test_accelerate_bit_identical(tmp_path, env_hook, comm_hook, dynamo):
+    _require("accelerate")
     launch = [PY, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
               "--mixed_precision", "no", "--dynamo_backend", dynamo, "accelerate_run.py"]
     # --dynamo_backend: accelerate compiles the wrapped model, torch.compile(DDP(m)) (lockstep.ddp.compiled). The
@@ -114,27 +103,24 @@ def test_accelerate_bit_identical(tmp_path, tmp_path_factory, env_hook, comm_hoo
     cap = {"BUCKET_CAP_MB": "25"} if dynamo != "no" else {}
     # JOIN=1: uneven inputs under Join, BatchNorm buffers included in the comparison. COMM_HOOK=fp16:
     # accelerate registers torch's fp16_compress_hook, which lockstep's reducer runs itself (ddp/fused_compress).
-    common = {"JOIN": "1", "COMM_HOOK": comm_hook, **cap}
-    reference = _torch_reference(tmp_path_factory, launch, common, "torch.pt")  # one for both switches
+    # LOCKSTEP_AS_TORCH_DDP=1: the startup hook switches lockstep's run on; torch's run then undoes it.
     extra = {"LOCKSTEP_AS_TORCH_DDP": "1"} if env_hook else {}
-    _run(launch, {**common, "IMPL": "lockstep", "OUT": str(tmp_path / "lockstep.pt"),
-                  "CKPT_DIR": str(tmp_path / "lockstep"), **extra})
+    _run_both(launch, {"JOIN": "1", "COMM_HOOK": comm_hook, **cap, **extra}, tmp_path)
     # Under accelerate's dynamo the resumed run does not reproduce the first, with torch's DDP as with lockstep's
     # (accelerate's save_state/load_state with a compiled model): that check must then agree, not hold.
-    report = _assert_identical(reference / "torch.pt", tmp_path / "lockstep.pt", may_fail=("resumed_equal",) if dynamo != "no" else ())
+    may_fail = ("resumed_equal",) if dynamo != "no" else ()
+    report = _assert_identical(tmp_path / "torch.pt", tmp_path / "lockstep.pt", may_fail=may_fail)
     assert report["hook_path"] == ("fused" if comm_hook == "fp16" else "none"), report
     _loads_without_lockstep(tmp_path / "lockstep")
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=full_only("~25 s, Lightning's stock strategy")),
                                       "lockstep_ddp"])
-def test_lightning_bit_identical(tmp_path, tmp_path_factory, strategy):
-    pytest.importorskip("lightning")
-    reference = _torch_reference(tmp_path_factory, [PY, "lightning_run.py"], {"STRATEGY": "ddp"}, "torch")
-    _run([PY, "lightning_run.py"], {"IMPL": "lockstep", "STRATEGY": strategy, "OUT": str(tmp_path / "lockstep"),
-                                    "CKPT_DIR": str(tmp_path / "lockstep")})
+def test_lightning_bit_identical(tmp_path, strategy):
+    _require("lightning")
+    _run_both([PY, "lightning_run.py"], {"STRATEGY": strategy}, tmp_path)  # torch's run: Lightning's "ddp"
     for rank in (0, 1):
-        _assert_identical(reference / f"torch.rank{rank}.pt", tmp_path / f"lockstep.rank{rank}.pt")
+        _assert_identical(tmp_path / f"torch.rank{rank}.pt", tmp_path / f"lockstep.rank{rank}.pt")
     _loads_without_lockstep(tmp_path / "lockstep")
 
 
@@ -143,10 +129,9 @@ def test_lightning_bit_identical(tmp_path, tmp_path_factory, strategy):
 def test_hf_trainer_bit_identical(tmp_path, grad_ckpt):
     """Transformers' Trainer (through Accelerate, with its own DDP arguments) on a tiny Llama built from its config:
     the straight run and a resume from its step-8 checkpoint end bit-identical to torch's DDP."""
-    pytest.importorskip("transformers")
-    for impl in ("torch", "lockstep"):
-        _run([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "hf_trainer_run.py"],
-             {"IMPL": impl, "GRAD_CKPT": grad_ckpt, "OUT": str(tmp_path / f"{impl}.pt"), "CKPT_DIR": str(tmp_path / impl)})
+    _require("transformers")
+    torchrun = [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "hf_trainer_run.py"]
+    _run_both(torchrun, {"GRAD_CKPT": grad_ckpt}, tmp_path)
     report = _assert_identical(tmp_path / "torch.pt", tmp_path / "lockstep.pt")
     # Trainer's own choice of DDP arguments: find_unused_parameters unless activation checkpointing is on
     assert report["setup"] == ({"find_unused": False, "checkpointing": True} if grad_ckpt == "1"
@@ -157,9 +142,8 @@ def test_hf_trainer_bit_identical(tmp_path, grad_ckpt):
 
 @pytest.mark.parametrize("compile_", ["0", pytest.param("1", marks=_COMPILED)], ids=["eager", "compiled"])
 def test_fabric_bit_identical(tmp_path, compile_):
-    pytest.importorskip("lightning")
-    for impl in ("torch", "lockstep"):
-        # COMPILE=1: a compiled model given to setup, which wraps it and compiles the wrapper (lockstep.ddp.compiled)
-        _run([PY, "fabric_run.py"], {"IMPL": impl, "OUT": str(tmp_path / impl), "COMPILE": compile_})
+    _require("lightning")
+    # COMPILE=1: a compiled model given to setup, which wraps it and compiles the wrapper (lockstep.ddp.compiled)
+    _run_both([PY, "fabric_run.py"], {"COMPILE": compile_}, tmp_path)
     for rank in (0, 1):
         _assert_identical(tmp_path / f"torch.rank{rank}.pt", tmp_path / f"lockstep.rank{rank}.pt")

@@ -1,6 +1,6 @@
-"""Accelerate 1.15 on 2 CPU ranks with torch's DDP or lockstep's (IMPL=torch|lockstep).
+"""Accelerate 1.15 on 2 CPU ranks with torch's DDP or lockstep's (IMPL=torch|lockstep|lockstep,torch).
 
-    IMPL=lockstep OUT=/tmp/acc_lockstep.pt accelerate launch --multi_gpu --num_processes 2 accelerate_run.py
+    IMPL=lockstep,torch OUT=/tmp/acc accelerate launch --multi_gpu --num_processes 2 accelerate_run.py
     (accelerate launch --cpu with 2 processes wants mpirun; --multi_gpu uses torchrun's launcher and works on
     CPU-only machines; or: torchrun --nproc_per_node 2 accelerate_run.py)
 
@@ -8,25 +8,28 @@ Covers: prepare, accumulate() with 2 micro-batches (no_sync under the hood), cli
 no_sync + trigger_sync_in_backward (reaches model.reducer.prepare_for_backward([])),
 save_state / load_state (resume reproduces the same end state), save_model (keys without
 "module."), unwrap_model, Join([model]) with uneven inputs (accelerate.join_uneven_inputs is a no-op on CPU),
---dynamo_backend (accelerate then compiles the wrapped model; BUCKET_CAP_MB overrides the 0.002 MB buckets). Rank 0 writes the final
-parameters to $OUT; compare_results.py compares torch's and lockstep's bit for bit.
+--dynamo_backend (accelerate then compiles the wrapped model; BUCKET_CAP_MB overrides the 0.002 MB buckets).
+Rank 0 writes each run's final state to $OUT/<impl>.pt (checkpoints under $OUT/<impl>/); the test compares them bit for
+bit. With IMPL=lockstep,torch both runs share the processes (and the process group): accelerate's shared state is
+reset between them, and end_training() comes after the last, with lockstep's model alive.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
-from common import IMPL, check_ddp_class, digits, make_model, maybe_use_lockstep, save_result  # noqa: E402
+from common import OUT, RUNS, check_ddp_class, digits, make_model, out_path, save_result, switch_to  # noqa: E402
 
-maybe_use_lockstep()
+switch_to(RUNS[0])  # before accelerate is imported, as a script that calls use_as_torch_ddp() at its top
 
 from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import DistributedDataParallelKwargs, set_seed  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -51,8 +54,12 @@ def train_steps(acc, model, opt, batches, steps):
         done += 1
 
 
-def main() -> None:
-    out = os.environ.get("OUT", f"/tmp/accelerate_{IMPL}.pt")
+def prepare(impl):
+    switch_to(impl)
+    # A second run in the same processes starts from a fresh Accelerator: the shared state is cleared, the process
+    # group (PartialState) kept.
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
     set_seed(0)
     # several buckets even for this small model; COMM_HOOK=fp16|bf16|power_sgd|batched_power_sgd picks accelerate's hook
     from accelerate.utils import DDPCommunicationHookType
@@ -69,9 +76,11 @@ def main() -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, opt, loader = acc.prepare(model, opt, loader)
-    ddp = getattr(model, "_orig_mod", model)  # --dynamo_backend: accelerate compiles the wrapped model
-    cls = check_ddp_class(ddp)
-    batches = list(loader)  # the per-rank shards, in order
+    return acc, model, opt, list(loader)  # the per-rank shards, in order
+
+
+def train_save_resume(acc, model, ddp, opt, batches, ckpt) -> dict:
+    """Steps, a no_sync pair, save_state, more steps, load_state and the same steps again, save_model: the checks."""
     train_steps(acc, model, opt, batches, STEPS_A)
 
     # no_sync + trigger_sync_in_backward: two forwards, the second backward synchronises the sum.
@@ -86,10 +95,6 @@ def main() -> None:
     opt.step()
     opt.zero_grad()
 
-    ckpt = os.environ.get("CKPT_DIR") or tempfile.mkdtemp(prefix=f"acc_{IMPL}_")
-    from accelerate.utils import broadcast_object_list
-
-    ckpt = broadcast_object_list([ckpt])[0]
     acc.save_state(os.path.join(ckpt, "state"))
     rest = batches[2 * STEPS_A + 2 :]
     train_steps(acc, model, opt, rest, STEPS_B)
@@ -106,26 +111,38 @@ def main() -> None:
 
     saved = load_file(os.path.join(ckpt, "model", "model.safetensors"))
     saved_keys_ok = sorted(saved) == sorted(k for k in second_end) and all(torch.equal(saved[k], second_end[k]) for k in saved)
-    wrapped_keys = list(ddp.state_dict())
-    prefix_ok = all(k.startswith("module.") for k in wrapped_keys)
+    prefix_ok = all(k.startswith("module.") for k in ddp.state_dict())
+    return {"resumed_equal": resumed_equal, "saved_keys_ok": saved_keys_ok, "prefix_ok": prefix_ok}
 
-    # Uneven inputs (JOIN=1): rank 1 gets one batch fewer; Join shadows the missing collectives. accelerate's own
-    # join_uneven_inputs is a no-op on CPU (multi_device is GPU/XPU/... only), so torch's Join is used directly.
-    # Parameters and BatchNorm buffers stay bit-identical to torch's (buffers come from the highest rank
-    # still training, as torch's).
-    before_join = {}
-    if os.environ.get("JOIN", "0") == "1":
-        from torch.distributed.algorithms.join import Join
 
-        before_join = {f"before_join.{k}": v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
-        with Join([ddp]):
-            n = 3 if acc.process_index == 0 else 2
-            for i in range(n):
-                xj, yj = batches[i]
-                loss = loss_fn(model(xj), yj)
-                acc.backward(loss)
-                opt.step()
-                opt.zero_grad()
+def join_uneven(acc, model, ddp, opt, batches) -> dict:
+    """Uneven inputs (JOIN=1): rank 1 gets one batch fewer; Join shadows the missing collectives. Returns the state
+    before it. accelerate's own join_uneven_inputs is a no-op on CPU (multi_device is GPU/XPU/... only), so torch's
+    Join is used directly. Parameters and BatchNorm buffers stay bit-identical to torch's (buffers come from the
+    highest rank still training, as torch's)."""
+    if os.environ.get("JOIN", "0") != "1":
+        return {}
+    from torch.distributed.algorithms.join import Join
+
+    loss_fn = torch.nn.CrossEntropyLoss()
+    before_join = {f"before_join.{k}": v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+    with Join([ddp]):
+        n = 3 if acc.process_index == 0 else 2
+        for i in range(n):
+            xj, yj = batches[i]
+            loss = loss_fn(model(xj), yj)
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+    return before_join
+
+
+def run(impl: str):
+    acc, model, opt, batches = prepare(impl)
+    ddp = getattr(model, "_orig_mod", model)  # --dynamo_backend: accelerate compiles the wrapped model
+    cls = check_ddp_class(ddp)
+    checks = train_save_resume(acc, model, ddp, opt, batches, os.path.join(OUT, impl))
+    before_join = join_uneven(acc, model, ddp, opt, batches)
     # Every rank's state: rank 0's buffers are never overwritten by a broadcast, the other ranks' show when it ran.
     from accelerate.utils import gather_object
 
@@ -139,12 +156,22 @@ def main() -> None:
         # How lockstep's reducer runs the registered hook: "fused" (run by the reducer itself), "called", "none".
         hook_path = ("none" if getattr(reducer, "comm_hook", None) is None
                      else "fused" if getattr(reducer, "fused", None) is not None else "called")
-        report = {"class": cls, "resumed_equal": resumed_equal, "saved_keys_ok": saved_keys_ok, "prefix_ok": prefix_ok,
-                  "hook_path": hook_path}
-        print("REPORT", report, flush=True)
-        save_result(out, {**final, "__report__": report})
+        report = {"class": cls, **checks, "hook_path": hook_path}
+        print("REPORT", impl, report, flush=True)
+        save_result(out_path(impl), {**final, "__report__": report})
     acc.wait_for_everyone()
-    acc.end_training()
+    return acc
+
+
+def main() -> None:
+    accs = {impl: run(impl) for impl in RUNS}  # each holds its prepared model
+    if len(accs) > 1:
+        # torch's DDP goes while the group lives, lockstep's stays to the end as in a run of its own: torch's DDP
+        # freed after destroy_process_group frees the group, whose destructor joins gloo's workers holding the GIL
+        # (a worker still letting go of a work waits for it for good: hangs seen in test_examples' combined run).
+        accs.pop("torch").free_memory()
+        gc.collect()
+    next(iter(accs.values())).end_training()
 
 
 if __name__ == "__main__":

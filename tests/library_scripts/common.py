@@ -1,15 +1,23 @@
-"""Shared bits of accelerate_run.py / lightning_run.py: the IMPL switch, data, model, result files."""
+"""Shared bits of the library scripts: the IMPL switch, data, model, result files.
+
+``IMPL=lockstep,torch`` trains twice in the same launched processes: lockstep's DDP first (fresh processes, as a user
+runs it), then torch's as the reference, after ``use_as_torch_ddp(False)`` gave the libraries torch's class back. One
+launch instead of two: a launch costs ~1.5 CPU-s a process (~5 with Lightning), a second training a fraction of that.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from torch import nn
 
-IMPL = os.environ.get("IMPL", "torch")
-if IMPL not in ("torch", "lockstep"):
-    raise SystemExit(f"IMPL must be torch or lockstep, got {IMPL!r}")
+RUNS = tuple(os.environ.get("IMPL", "torch").split(","))
+if not RUNS or any(impl not in ("torch", "lockstep") for impl in RUNS) or len(set(RUNS)) != len(RUNS):
+    raise SystemExit(f"IMPL must be torch, lockstep or both comma-separated, got {os.environ.get('IMPL')!r}")
+IMPL = RUNS[0]  # the run under way: switch_to() moves it on, check_ddp_class() reads it
+OUT = os.environ.get("OUT") or f"/tmp/{os.path.splitext(os.path.basename(sys.argv[0]))[0]}"
 
 
 def maybe_use_lockstep() -> None:
@@ -19,6 +27,34 @@ def maybe_use_lockstep() -> None:
 
         lockstep.use_as_torch_ddp()
     # with LOCKSTEP_AS_TORCH_DDP=1 nothing is called here: lockstep's torch.backends entry point does it at `import torch`
+
+
+def switch_to(impl: str) -> None:
+    """The next run trains with ``impl``'s DDP; torch's takes back every name lockstep's took (the hook's too)."""
+    global IMPL
+    IMPL = impl
+    if impl == "lockstep":
+        maybe_use_lockstep()
+    elif "lockstep.integrations.torch_ddp" in sys.modules:
+        from lockstep.integrations.torch_ddp import KNOWN_LIBRARIES, TORCH_DDP, use_as_torch_ddp
+
+        use_as_torch_ddp(False)
+        # A library module imported after the patch took lockstep's class by name (Lightning's strategies, from
+        # torch.nn.parallel.distributed): the undo restores only the names it replaced, so those are given back here.
+        from lockstep.ddp.wrapper import DistributedDataParallel
+
+        for name, module in list(sys.modules.items()):
+            took = getattr(module, "DistributedDataParallel", None) is DistributedDataParallel
+            if took and name.split(".")[0] in KNOWN_LIBRARIES:
+                module.DistributedDataParallel = TORCH_DDP
+    is_torch = torch.nn.parallel.DistributedDataParallel.__module__ == "torch.nn.parallel.distributed"
+    assert is_torch == (impl == "torch"), torch.nn.parallel.DistributedDataParallel
+
+
+def out_path(impl: str, suffix: str = ".pt") -> str:
+    """Where ``impl``'s run writes its result: ``$OUT/<impl><suffix>``; its checkpoints go under ``$OUT/<impl>/``."""
+    os.makedirs(OUT, exist_ok=True)
+    return os.path.join(OUT, impl + suffix)
 
 
 def digits(n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,9 @@
-"""Lightning Fabric, 2 CPU ranks, IMPL=torch|lockstep: setup, no_backward_sync accumulation, clip, save/load.
-COMPILE=1: the model is torch.compile'd (aot_eager) before setup; Fabric compiles the wrapped model again.
+"""Lightning Fabric, 2 CPU ranks, IMPL=torch|lockstep|lockstep,torch: setup, no_backward_sync accumulation, clip,
+save/load. COMPILE=1: the model is torch.compile'd (aot_eager) before setup; Fabric compiles the wrapped model again.
+IMPL=lockstep,torch: one launch, lockstep's run then torch's, each set up afresh by the same Fabric. Each rank writes
+each run's final state_dict to $OUT/<impl>.rank<r>.pt.
 
-    IMPL=lockstep OUT=/tmp/fab_lockstep python checks/fabric_run.py
+    IMPL=lockstep,torch OUT=/tmp/fab python tests/library_scripts/fabric_run.py
 """
 import os
 import sys
@@ -10,14 +12,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 
 torch.set_num_threads(1)
-from common import IMPL, check_ddp_class, digits, make_model, maybe_use_lockstep, save_result
+from common import OUT, RUNS, check_ddp_class, digits, make_model, out_path, save_result, switch_to
 
-maybe_use_lockstep()
+switch_to(RUNS[0])  # before Lightning is imported, as a script that calls use_as_torch_ddp() at its top
 from lightning.fabric import Fabric
 
-if __name__ == "__main__":
-    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
-    fabric.launch()
+
+def run(fabric: Fabric, impl: str) -> None:
+    switch_to(impl)
     fabric.seed_everything(0)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -38,8 +40,15 @@ if __name__ == "__main__":
             fabric.clip_gradients(model, opt, max_norm=0.5)
             opt.step()
             opt.zero_grad()
-    path = os.path.join("/tmp", f"fabric_{IMPL}.ckpt")
+    path = os.path.join(OUT, f"{impl}.ckpt")
     fabric.save(path, {"model": model, "opt": opt})
     fabric.load(path, {"model": model, "opt": opt})
-    save_result(f"{os.environ.get('OUT', '/tmp/fab_' + IMPL)}.rank{fabric.global_rank}.pt",
-                {**model.state_dict(), "__report__": {"class": cls}})
+    save_result(out_path(impl, f".rank{fabric.global_rank}.pt"), {**model.state_dict(), "__report__": {"class": cls}})
+
+
+if __name__ == "__main__":
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    fabric.launch()
+    os.makedirs(OUT, exist_ok=True)
+    for impl in RUNS:
+        run(fabric, impl)

@@ -3,6 +3,7 @@
     IMPL=torch    STRATEGY=ddp          python lightning_run.py   # torch's DDP
     IMPL=lockstep STRATEGY=ddp          python lightning_run.py   # use_as_torch_ddp() (or LOCKSTEP_AS_TORCH_DDP=1)
     IMPL=lockstep STRATEGY=lockstep_ddp python lightning_run.py   # the registered strategy
+    IMPL=lockstep,torch STRATEGY=...    python lightning_run.py   # lockstep's, then torch's ("ddp"), same processes
 
 Lightning's "ddp" launcher re-runs this script for rank 1 (popen). Three fits in one process group:
   1. automatic optimization, accumulate_grad_batches=2, gradient_clip_val, BatchNorm buffers;
@@ -12,27 +13,27 @@ Lightning's "ddp" launcher re-runs this script for rank 1 (popen). Three fits in
      reducer.prepare_for_backward), two synchronised micro-batches per step, clip_gradients;
   4. the same with static_graph=True (post_backward -> reducer._delay_all_reduce()).
 Teardown of every fit reaches model._get_ddp_logging_data().
-Each rank writes its final state_dicts to $OUT.rank<r>.pt; compare_results.py compares bit for bit.
+Each rank writes each run's final state_dicts to $OUT/<impl>.rank<r>.pt (checkpoints under $OUT/<impl>/); the test
+compares them bit for bit. IMPL=lockstep,torch: eight fits in one process group, the last four with torch's DDP.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
-from common import IMPL, check_ddp_class, digits, make_model, maybe_use_lockstep, save_result  # noqa: E402
+from common import OUT, RUNS, check_ddp_class, digits, make_model, out_path, save_result, switch_to  # noqa: E402
 
-maybe_use_lockstep()
+switch_to(RUNS[0])  # before Lightning is imported, as a script that calls use_as_torch_ddp() at its top
 
 import lightning.pytorch as pl  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-STRATEGY = os.environ.get("STRATEGY", "ddp")
+STRATEGY = os.environ.get("STRATEGY", "ddp")  # lockstep's run's; torch's is "ddp"
 if STRATEGY.startswith("lockstep"):
     import lockstep.integrations.lightning  # noqa: F401  (registers "lockstep_ddp")
 
@@ -79,21 +80,21 @@ def loader():
     return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=False)
 
 
-def make_strategy(**ddp_kwargs):
+def make_strategy(strategy, **ddp_kwargs):
     if not ddp_kwargs:
-        return STRATEGY
-    if STRATEGY == "lockstep_ddp":
+        return strategy
+    if strategy == "lockstep_ddp":
         return lockstep.integrations.lightning.LockstepDDPStrategy(**ddp_kwargs)
     from lightning.pytorch.strategies import DDPStrategy
 
     return DDPStrategy(**ddp_kwargs)
 
 
-def trainer(strategy=None, **kw):
+def trainer(strategy, **kw):
     return pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=strategy or STRATEGY,
+        strategy=strategy,
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
@@ -108,23 +109,24 @@ def state(module):
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def main() -> None:
-    out = os.environ.get("OUT", f"/tmp/lightning_{IMPL}_{STRATEGY}")
+def run(impl: str) -> None:
+    switch_to(impl)
+    strategy = STRATEGY if impl == "lockstep" else "ddp"
     pl.seed_everything(0, workers=True)
-    ckpt_dir = os.environ.get("CKPT_DIR") or os.path.join(tempfile.gettempdir(), f"pl_{IMPL}_{STRATEGY}")
+    ckpt_dir = os.path.join(OUT, impl)
     os.makedirs(ckpt_dir, exist_ok=True)
     ckpt = os.path.join(ckpt_dir, "auto.ckpt")
 
     # 1. automatic optimization with gradient accumulation and clipping
     model = Auto()
-    t1 = trainer(max_steps=6, accumulate_grad_batches=2, gradient_clip_val=0.5)
+    t1 = trainer(strategy, max_steps=6, accumulate_grad_batches=2, gradient_clip_val=0.5)
     t1.fit(model, loader())
     t1.save_checkpoint(ckpt)
     result = {f"auto.{k}": v for k, v in state(model).items()}
 
     # 2. resume from the checkpoint
     model2 = Auto()
-    t2 = trainer(max_steps=10, accumulate_grad_batches=2, gradient_clip_val=0.5)
+    t2 = trainer(strategy, max_steps=10, accumulate_grad_batches=2, gradient_clip_val=0.5)
     t2.fit(model2, loader(), ckpt_path=ckpt)
     result.update({f"resumed.{k}": v for k, v in state(model2).items()})
     # loading the checkpoint back into a fresh module gives fit 1's end state
@@ -134,21 +136,27 @@ def main() -> None:
 
     # 3. manual optimization
     model3 = Manual()
-    t3 = trainer(max_steps=8)
+    t3 = trainer(strategy, max_steps=8)
     t3.fit(model3, loader())
     result.update({f"manual.{k}": v for k, v in state(model3).items()})
 
     # 4. manual optimization with static_graph=True (Lightning calls reducer._delay_all_reduce() once)
     model4 = Manual()
-    t4 = trainer(strategy=make_strategy(static_graph=True), max_steps=8)
+    t4 = trainer(make_strategy(strategy, static_graph=True), max_steps=8)
     t4.fit(model4, loader())
     result.update({f"manual_static.{k}": v for k, v in state(model4).items()})
 
     rank = t3.global_rank
-    report = {"class": [m.seen_class for m in (model, model2, model3, model4)], "load_ok": load_ok, "strategy": STRATEGY}
+    classes = [m.seen_class for m in (model, model2, model3, model4)]
+    report = {"class": classes, "load_ok": load_ok, "strategy": strategy}
     if rank == 0:
-        print("REPORT", report, flush=True)
-    save_result(f"{out}.rank{rank}.pt", {**result, "__report__": report})
+        print("REPORT", impl, report, flush=True)
+    save_result(out_path(impl, f".rank{rank}.pt"), {**result, "__report__": report})
+
+
+def main() -> None:
+    for impl in RUNS:
+        run(impl)
 
 
 if __name__ == "__main__":
