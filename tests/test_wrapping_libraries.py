@@ -90,7 +90,7 @@ def _loads_without_lockstep(directory: Path) -> None:
 @pytest.mark.parametrize("env_hook, comm_hook, dynamo", [
     (False, "no", "no"),
     (True, "no", "no"),
-    pytest.param(False, "fp16", "no", marks=full_only("~25 s, a comm hook through accelerate")),
+    pytest.param(False, "fp16", "no", marks=full_only("~10 s, a comm hook through accelerate")),
     pytest.param(False, "no", "aot_eager", marks=_COMPILED),
 ],
                          ids=["use_as_torch_ddp", "env_var", "fp16_comm_hook", "dynamo_backend"])
@@ -114,7 +114,7 @@ def test_accelerate_bit_identical(tmp_path, env_hook, comm_hook, dynamo):
     _loads_without_lockstep(tmp_path / "lockstep")
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=full_only("~25 s, Lightning's stock strategy")),
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=full_only("~15 s, Lightning's stock strategy")),
                                       "lockstep_ddp"])
 def test_lightning_bit_identical(tmp_path, strategy):
     _require("lightning")
@@ -124,7 +124,7 @@ def test_lightning_bit_identical(tmp_path, strategy):
     _loads_without_lockstep(tmp_path / "lockstep")
 
 
-@pytest.mark.parametrize("grad_ckpt", ["0", pytest.param("1", marks=full_only("~35 s, a second Trainer run"))],
+@pytest.mark.parametrize("grad_ckpt", ["0", pytest.param("1", marks=full_only("~20 s, a second Trainer run"))],
                          ids=["find_unused", "activation_checkpointing"])
 def test_hf_trainer_bit_identical(tmp_path, grad_ckpt):
     """Transformers' Trainer (through Accelerate, with its own DDP arguments) on a tiny Llama built from its config:
