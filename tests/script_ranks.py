@@ -15,11 +15,15 @@ import sys
 from dist_utils import run_ranks
 
 
-def _run_script(rank: int, world_size: int, script: str, argv: list[str], log: str, drop: tuple[str, ...]) -> None:
+def _run_script(rank: int, world_size: int, script: str, argv: list[str], log: str, drop: tuple[str, ...],
+                nproc_per_node: int | None = None) -> None:
     # As `python script argv...` runs it: its own argv, its folder first on sys.path, run as __main__; its
     # output to a file per rank (a forked rank writes to wherever the forkserver's stdout went)
     for name in drop:  # a forked rank starts from the caller's environment (run_ranks)
         os.environ.pop(name, None)
+    if nproc_per_node:  # lockstep launch's node variables: GROUP_RANK and LOCAL_WORLD_SIZE decide the hierarchy
+        os.environ.update(LOCAL_RANK=str(rank % nproc_per_node), LOCAL_WORLD_SIZE=str(nproc_per_node),
+                          GROUP_RANK=str(rank // nproc_per_node), GROUP_WORLD_SIZE=str(world_size // nproc_per_node))
     with open(log.format(rank=rank), "a") as f:
         os.dup2(f.fileno(), 1)
         os.dup2(f.fileno(), 2)
@@ -36,15 +40,17 @@ def _run_script(rank: int, world_size: int, script: str, argv: list[str], log: s
 
 
 def run_script(script: str, world_size: int, *argv: str, log_dir: str, env: dict | None = None,
-               drop: tuple[str, ...] = (), timeout_s: float = 240.0) -> dict:
+               drop: tuple[str, ...] = (), timeout_s: float = 240.0, nproc_per_node: int | None = None) -> dict:
     """``python script argv...`` on ``world_size`` forked ranks (RANK, WORLD_SIZE, MASTER_ADDR/PORT set, no
     process group made for it; ``env`` added to the caller's environment, the names in ``drop`` taken out).
+    ``nproc_per_node``: the ranks laid out as nodes of that many, with the variables lockstep launch sets
+    (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE), so that 2 x 2 sums hierarchically as launched.
     Returns {"rc": 0, or 1 when a rank failed, "err": the failing ranks' tracebacks and every rank's output};
     each rank's output is in ``log_dir``/SCRIPT-rank{rank}.log."""
     log = os.path.join(log_dir, f"{os.path.basename(script)}-rank{{rank}}.log")
     try:
-        run_ranks(_run_script, world_size, args=(script, list(argv), log, tuple(drop)), init=False, env=env,
-                  timeout_s=timeout_s)
+        run_ranks(_run_script, world_size, args=(script, list(argv), log, tuple(drop), nproc_per_node),
+                  init=False, env=env, timeout_s=timeout_s)
         return {"rc": 0, "err": ""}
     except (AssertionError, TimeoutError) as e:
         outputs = []

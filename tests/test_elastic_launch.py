@@ -18,6 +18,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ import pytest
 import torch
 from test_inplace_loopback import each_sample_once  # launch_scripts/inplace_loop.py: each sample once per epoch
 from test_launch_network import _family_tree  # pid and all its descendants, from /proc
-from test_multinode import Launch, clean_env
+from test_multinode import Launch, clean_env, run_forked
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "launch_scripts", "elastic_train.py")
@@ -317,17 +318,23 @@ def _lose_node_in_place(directory: str, nproc: int, kill_step: int | None = None
             "last_step_before": max(s for _, s, _, _ in before)}
 
 
-def _clean_stop_and_resume(directory: str, nproc: int, step: int) -> dict:
-    """The reference: 2 nodes x ``nproc`` stopped cleanly after ``step`` (fixed --nnodes 2), resumed on one node."""
-    port = 29600 + random.randrange(300)
-    with netns.two_nodes() as (a, b):
-        pair = [Launch(n.command(_inplace_argv(r, nproc, port, directory, "--max-steps", str(step), nnodes="2")),
-                       clean_env()) for r, n in enumerate((a, b))]
-        for launch in pair:
-            assert launch.finish(240) == 0, launch.text()[-4000:]
-    done = subprocess.run([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", str(nproc), INPLACE,
-                           directory], env=clean_env(), cwd=HERE, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+# A reference's folder after each sequence of clean stops run so far, by that sequence: a test whose reference
+# begins as an earlier one's (the 2 x 2 stop at K of the mid-step kill and of the grow-back) starts from a copy.
+_CLEAN_SO_FAR: dict[tuple[tuple[int, int, int | None], ...], str] = {}
+
+
+def _clean_stops(directory: str, stops: list[tuple[int, int, int | None]]) -> dict:
+    """The reference: (nodes, ranks per node, --max-steps) one after another in one folder, each resuming the last
+    one's checkpoint; forked ranks laid out as those nodes (test_multinode.run_forked: 2 x 2 sums hierarchically
+    as when launched in two namespaces with a fixed --nnodes 2), bit for bit with the launched runs."""
+    done = next((n for n in range(len(stops), 0, -1) if tuple(stops[:n]) in _CLEAN_SO_FAR), 0)
+    if done:
+        shutil.copytree(_CLEAN_SO_FAR[tuple(stops[:done])], directory, dirs_exist_ok=True)
+    for n in range(done, len(stops)):
+        nodes, nproc, steps = stops[n]
+        limit = ["--max-steps", str(steps)] if steps is not None else []
+        run_forked(INPLACE, nodes, nproc, directory, *limit, log_dir=directory)
+        _CLEAN_SO_FAR[tuple(stops[: n + 1])] = shutil.copytree(directory, f"{directory}.after-{n + 1}-stops")
     return _final(directory)
 
 
@@ -361,7 +368,7 @@ def test_in_place_a_node_killed_mid_step_loses_no_step_and_equals_a_clean_resume
     _check_in_place(measured, 2)
     assert measured["step"] == K  # step K + 1 was in flight: discarded on every survivor, done again at 2
     _samples_once(killed, complete=True)
-    _assert_bit_for_bit(_final(killed), _clean_stop_and_resume(clean, 2, K))
+    _assert_bit_for_bit(_final(killed), _clean_stops(clean, [(2, 2, K), (1, 2, None)]))
 
 
 @needs_netns
@@ -378,7 +385,7 @@ def test_in_place_kill_at_random_steps(tmp_path, run):
     print(f"run {run}: 2 x {nproc}, killed once step {step} was done")
     _check_in_place(measured, nproc)
     _samples_once(killed, complete=False)
-    _assert_bit_for_bit(_final(killed), _clean_stop_and_resume(clean, nproc, measured["step"]))
+    _assert_bit_for_bit(_final(killed), _clean_stops(clean, [(2, nproc, measured["step"]), (1, nproc, None)]))
 
 
 def test_in_place_line_names_the_node_the_step_the_sizes_and_the_time():
@@ -496,26 +503,6 @@ def _shrink_then_grow_in_place(directory: str, nproc: int = 2) -> dict:
             "grow_s": next(t for t, _, w, _ in rows if w == 2 * nproc and t > started) - started,
             "pids_at_4": {p for t, _, w, p in rows if w == 2 * nproc and t > started},
             "shrink_step": int(next(m for m in (re.search(LEFT_LINE, x) for x in node_a.err) if m).group(1))}
-
-
-def _clean_stops(directory: str, stops: list[tuple[int, int, int | None]]) -> dict:
-    """The reference: (nodes, ranks per node, --max-steps) one after another in one folder, each resuming the last
-    one's checkpoint; two nodes in namespaces (fixed --nnodes 2), one node on this machine."""
-    for nodes, nproc, steps in stops:
-        limit = ["--max-steps", str(steps)] if steps is not None else []
-        if nodes == 2:
-            port = 29600 + random.randrange(300)
-            with netns.two_nodes() as (a, b):
-                pair = [Launch(n.command(_inplace_argv(r, nproc, port, directory, *limit, nnodes="2")), clean_env())
-                        for r, n in enumerate((a, b))]
-                for launch in pair:
-                    assert launch.finish(240) == 0, launch.text()[-4000:]
-            continue
-        done = subprocess.run([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", str(nproc), INPLACE,
-                               directory, *limit], env=clean_env(), cwd=HERE, capture_output=True, text=True,
-                              timeout=300)
-        assert done.returncode == 0, done.stderr[-4000:]
-    return _final(directory)
 
 
 @needs_netns

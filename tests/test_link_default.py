@@ -2,48 +2,67 @@
 with tbf at 1 Gbit/s (root; skipped saying why otherwise), one rank in each. A model that one default 25 MB bucket
 holds whole goes to ``bucket_cap_mb="auto"``'s trials after its second backward, on both ranks at the same step;
 one given ``bucket_cap_mb=25`` keeps its cap; both train to the same bits (2 ranks: any layout sums a/2 + b/2).
-A 20 MB model at 200 Mbit/s, whose buckets go one at a time, is judged by its whole tail. The loopback half (a late
-peer is no slow wire) is in test_reducer.py."""
+A 20 MB model at 200 Mbit/s, whose buckets go one at a time, is judged by its whole tail (the link re-shaped while
+both ranks wait between the two: one process per rank runs both). The loopback half (a late peer is no slow wire) is
+in test_reducer.py."""
 
 import json
 import os
-import subprocess
 import sys
 
-import pytest
-
 import netns
+import pytest
+from test_multinode import Launch
+
 from lockstep.process_group import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.skipif(netns.unavailable_reason() is not None, reason=str(netns.unavailable_reason()))
 
 
-def _run(nodes, rate: str, kind: str) -> list[dict]:
-    """Both ranks of link_scripts/default_caps.py ``kind``, the link shaped at ``rate``; each rank's JSON line."""
-    for node in nodes:
-        node.shape(rate)
-    port = str(free_port())
-    procs = []
-    for rank, node in enumerate(nodes):
-        env = {**os.environ, "MASTER_ADDR": netns.ADDRS[0], "MASTER_PORT": port, "RANK": str(rank),
-               "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": node.interface, "PYTHONPATH": HERE}
-        argv = node.command([sys.executable, os.path.join(HERE, "link_scripts", "default_caps.py"), kind])
-        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-    outs = [proc.communicate(timeout=240) for proc in procs]
-    for proc, (out, err) in zip(procs, outs):
-        assert proc.returncode == 0, err[-4000:]
-    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-    for r in results:  # -n 0 -s shows them
-        print(f"{kind} at {rate}, rank {r['rank']}: the second backward's last {r['tail'][0] / 1e6:.1f} MB took "
-              f"{r['tail'][1] * 1e3:.0f} ms after it; trials chose {r['chosen']}")
+RATES = {"small": "1gbit", "serial": "200mbit"}  # each kind of link_scripts/default_caps.py, the link it runs over
+
+
+def _rank(node, rank: int, port: str, go_dir: str) -> Launch:
+    env = {**os.environ, "MASTER_ADDR": netns.ADDRS[0], "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": "2",
+           "GLOO_SOCKET_IFNAME": node.interface, "PYTHONPATH": HERE}
+    return Launch(node.command([sys.executable, os.path.join(HERE, "link_scripts", "default_caps.py"), *RATES,
+                                "--go-dir", go_dir]), env)
+
+
+def _run(nodes, go_dir: str) -> dict[str, list[dict]]:
+    """Both ranks of link_scripts/default_caps.py, one process each for every kind (an interpreter each, not one a
+    kind): the link is shaped for a kind while both ranks wait before it; each rank's JSON line per kind."""
+    results: dict[str, list[dict]] = {}
+    launches: list[Launch] = []
+    try:
+        for n, (kind, rate) in enumerate(RATES.items()):
+            for node in nodes:
+                node.shape(rate)
+            if n == 0:
+                port = str(free_port())
+                launches = [_rank(node, rank, port, go_dir) for rank, node in enumerate(nodes)]
+            else:
+                open(os.path.join(go_dir, kind), "w").close()
+            for launch in launches:
+                launch.wait_for(f'"kind": "{kind}"', 240, stream="out")
+            results[kind] = [json.loads(next(line for line in launch.out if f'"kind": "{kind}"' in line))
+                             for launch in launches]
+            for r in results[kind]:  # -n 0 -s shows them
+                print(f"{kind} at {rate}, rank {r['rank']}: the second backward's last {r['tail'][0] / 1e6:.1f} MB "
+                      f"took {r['tail'][1] * 1e3:.0f} ms after it; trials chose {r['chosen']}")
+        for launch in launches:
+            assert launch.finish(60) == 0, launch.text()[-4000:]
+    finally:
+        for launch in launches:
+            launch.proc.kill()
     return results
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
     with netns.two_nodes() as nodes:
-        return {"small": _run(nodes, "1gbit", "small"), "serial": _run(nodes, "200mbit", "serial")}
+        return _run(nodes, str(tmp_path_factory.mktemp("link_default_go")))
 
 
 @pytest.fixture(scope="module")
