@@ -131,7 +131,8 @@ def torch_reference(name: str) -> str:
     return "torch"
 
 
-def link_table(block_ms: dict[str, list[float]], nbytes: float | None = None, world_size: int = 2) -> dict:
+def link_table(block_ms: dict[str, list[float]], nbytes: float | None = None, world_size: int = 2,
+               chosen_mb: dict[str, float | None] | None = None) -> dict:
     """The limits and every contender's ratios, per block then summarised, from per-block medians in ms.
 
     ``block_ms`` holds ``forward``, ``compute``, ``allreduce`` and any contenders, each a list with one
@@ -139,7 +140,8 @@ def link_table(block_ms: dict[str, list[float]], nbytes: float | None = None, wo
     all-reduce), and the fp16 pair with the measured fp16 all-reduce (``allreduce_fp16``; half the fp32 one
     where absent). Each contender's ratios are taken block by block (paired in time) and given as median, min
     and max; ``torch`` is the ratio to the torch contender with the same hook, where it ran. ``nbytes`` (the
-    gradients'): each contender's ``plan_ms`` too.
+    gradients'): each contender's ``plan_ms`` too, with the cap in ``chosen_mb`` where a contender's trials chose
+    one (None: one bucket), else its name's or 25 MB.
     """
     fwd, comp, ar = block_ms["forward"], block_ms["compute"], block_ms["allreduce"]
     # the fp16 rows' all-reduce: measured where it ran (gloo sums fp16 on the CPU, which halving the fp32 time
@@ -164,15 +166,19 @@ def link_table(block_ms: dict[str, list[float]], nbytes: float | None = None, wo
             row["torch"] = _spread([t / r for t, r in zip(blocks, block_ms[ref])])
             row["torch_ref"] = ref
         if nbytes is not None:
-            row["plan_ms"] = plan_ms(name, out["measured_ms"], nbytes, world_size)
+            chosen = (chosen_mb or {}).get(name, 0.0)
+            cap = None if chosen == 0.0 else (ONE_BUCKET_MB if chosen is None else chosen)
+            row["plan_ms"] = plan_ms(name, out["measured_ms"], nbytes, world_size, cap)
         out["contenders"][name] = row
     return out
 
 
-def plan_ms(name: str, measured_ms: dict[str, float], nbytes: float, world_size: int) -> float | None:
+def plan_ms(name: str, measured_ms: dict[str, float], nbytes: float, world_size: int,
+            cap_mb: float | None = None) -> float | None:
     """``lockstep plan``'s step for a contender, given the measured link (a ring fitted to the all-reduce alone) and
     the measured compute: DDP's overlap for the DDPs, the overlapped optimizer step's, compute-then-send for floor,
-    half the bytes for fp16. None where the plan has no model (PowerSGD)."""
+    half the bytes for fp16. The buckets: ``cap_mb`` (what a contender's trials chose), else the name's cap or 25 MB.
+    None where the plan has no model (PowerSGD)."""
     from lockstep.perf.costmodel import Link, bytes_factor
     from lockstep.perf.plan import PlanConfig, overlapped_step_time_s, step_time_s
 
@@ -182,7 +188,7 @@ def plan_ms(name: str, measured_ms: dict[str, float], nbytes: float, world_size:
     bandwidth_gb_s = nbytes * bytes_factor(world_size, "ring") / (measured_ms["allreduce"] / 1e3) / 1e9
     cfg = PlanConfig(params=nbytes / 4, precision="fp32", optimizer="sgd", world_size=world_size,
                      link=Link("measured", 0.0, bandwidth_gb_s), compute_ms=measured_ms["compute"],
-                     bucket_cap_mb=cap_of(name) or 25.0)
+                     bucket_cap_mb=cap_mb or cap_of(name) or 25.0)
     if name == "floor":
         return step_time_s(cfg, comm_s)[0] * 1e3
     if name == "lockstep_overlap":
@@ -359,16 +365,19 @@ def _measure_model(kind: str, cfg: dict, rank: int) -> dict:
         _warm_up(name, built.get(name, (None, None))[0], run, cfg["warmup"])
     times = _time_rotation(runs, cfg["blocks"] * cfg["block_steps"])
     summary = _summarise(times, cfg["blocks"], ratios_of=())
-    result = {"params": numel, "tensors": len(params), "nbytes": numel * 4,
-              "table": link_table(summary["block_medians_ms"], numel * 4, dist.get_world_size()),
-              "block_medians_ms": summary["block_medians_ms"],
-              "link_nbytes": {name: _link_nbytes(run) for name, run in runs.items()}}
-    hier = getattr(getattr(built.get("lockstep", (None,))[0], "reducer", None), "hierarchy", None)
-    result["lockstep_hierarchical"] = hier is not None
+    result: dict = {"params": numel, "tensors": len(params), "nbytes": numel * 4}
+    chosen_mb = {}
     for name, key in (("lockstep_auto", "auto"), ("lockstep", "default_trials")):  # what the trials chose
         tuned = getattr(getattr(built.get(name, (None,))[0], "reducer", None), "tuner", None)
         if tuned is not None:
             result[key] = tuned.result
+            if "chosen_mb" in tuned.result:  # the plan then predicts the step with the chosen buckets
+                chosen_mb[name] = tuned.result["chosen_mb"]
+    result.update(table=link_table(summary["block_medians_ms"], numel * 4, dist.get_world_size(), chosen_mb),
+                  block_medians_ms=summary["block_medians_ms"],
+                  link_nbytes={name: _link_nbytes(run) for name, run in runs.items()})
+    hier = getattr(getattr(built.get("lockstep", (None,))[0], "reducer", None), "hierarchy", None)
+    result["lockstep_hierarchical"] = hier is not None
     if cfg.get("trace"):
         _trace_all(kind, built, x, y, cfg, rank)
         result["wire"] = _wire_accounts(built, x, y, cfg, rank)
@@ -420,16 +429,16 @@ def _trace_all(kind: str, built: dict, x, y, cfg: dict, rank: int) -> None:
 
 def _wire_accounts(built: dict, x, y, cfg: dict, rank: int) -> dict:
     """One more step of each contender, node 0's ``tx_bytes`` sampled through it on rank 0 (wire_account): where
-    the wire idled, per phase of that step. The overlapped steps run one step first, so that the sampled one's
-    forward waits for the buckets before it as in a loop; their last buckets land after the sampling."""
+    the wire idled, per phase of that step. The overlapped steps run one step first, back to back with the sampled
+    one, so that its forward waits for the buckets before it as in a loop; its own land after the sampling."""
     counter = Path("/sys/class/net") / os.environ.get("GLOO_SOCKET_IFNAME", "") / "statistics" / "tx_bytes"
     accounts = {}
     for name in cfg["contenders"]:
         model, opt = built[name]
         steady = name == "lockstep_overlap" or name in ZERO2
+        dist.barrier()  # before the first step: a barrier between the two would wait for the first one's buckets
         if steady:
             _step(model, opt, x, y, finish=False)
-        dist.barrier()
         sampler = WireSampler(counter).start() if rank == 0 else None
         spans: list = []
         _traced_step(model, opt, x, y, spans)

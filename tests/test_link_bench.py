@@ -190,3 +190,17 @@ def test_the_wire_sampler_reads_the_counter_until_stopped(wire_account, tmp_path
     samples = sampler.stop()
     assert samples[0][1] == 100 and samples[-1][1] == 5000 and len(samples) > 5
     assert all(a[0] <= b[0] for a, b in itertools.pairwise(samples))
+
+
+def test_the_plan_predicts_a_tuned_contender_with_the_cap_its_trials_chose(link):
+    from lockstep.perf.plan import PlanConfig, step_time_s
+
+    table = link.link_table(BLOCKS, nbytes=41.0e6, world_size=2, chosen_mb={"lockstep": 1.0})
+    m, rows = table["measured_ms"], table["contenders"]
+    cfg = PlanConfig(params=41.0e6 / 4, precision="fp32", world_size=2, compute_ms=m["compute"], bucket_cap_mb=1.0)
+    assert rows["lockstep"]["plan_ms"] == pytest.approx(step_time_s(cfg, m["allreduce"] / 1e3)[1] * 1e3)
+    assert rows["lockstep"]["plan_ms"] != rows["torch"]["plan_ms"]  # torch's 25 MB buckets
+    one = link.link_table(BLOCKS, nbytes=41.0e6, world_size=2, chosen_mb={"lockstep": None})["contenders"]
+    one_cfg = PlanConfig(params=41.0e6 / 4, precision="fp32", world_size=2, compute_ms=m["compute"],
+                         bucket_cap_mb=link.ONE_BUCKET_MB)
+    assert one["lockstep"]["plan_ms"] == pytest.approx(step_time_s(one_cfg, m["allreduce"] / 1e3)[1] * 1e3)
