@@ -286,11 +286,15 @@ def _samples_once(directory: str, complete: bool) -> None:
         assert not short if complete else len(short) <= 1, f"epoch {epoch}: steps of {short} samples"
 
 
-def _lose_node_in_place(directory: str, nproc: int, kill_step: int | None = None, pause_at: int | None = None) -> dict:
+def _lose_node_in_place(directory: str, nproc: int, kill_step: int | None = None, pause_at: int | None = None,
+                        in_final_save: bool = False) -> dict:
     """Both nodes train; node 1 is killed (every process) while paused after ``pause_at`` (the others wait in the
-    next step), or as soon as some rank finished ``kill_step``. Node 0 must go on in place and finish."""
+    next step), or in the save after the last epoch (``in_final_save``: the others wait in its collectives), or as
+    soon as some rank finished ``kill_step``. Node 0 must go on in place and finish."""
     port = 29600 + random.randrange(300)
     pause = ["--pause-at", str(pause_at), "--pause-rank", str(nproc)] if pause_at is not None else []
+    if in_final_save:
+        pause, pause_at = ["--pause-in-final-save", "--pause-rank", str(nproc)], STEPS
     with netns.two_nodes() as (a, b):
         node_a = Launch(a.command(_inplace_argv(0, nproc, port, directory, *pause)), clean_env())
         node_b = Launch(b.command(_inplace_argv(1, nproc, port, directory, *pause)), clean_env())
@@ -369,6 +373,25 @@ def test_in_place_a_node_killed_mid_step_loses_no_step_and_equals_a_clean_resume
     assert measured["step"] == K  # step K + 1 was in flight: discarded on every survivor, done again at 2
     _samples_once(killed, complete=True)
     _assert_bit_for_bit(_final(killed), _clean_stops(clean, [(2, 2, K), (1, 2, None)]))
+
+
+@needs_netns
+def test_in_place_a_node_lost_in_the_last_save_is_recovered_and_the_survivors_save(tmp_path):
+    """2 x 1: node 1 killed inside the save after the last epoch (the others wait in its gather). That save ran
+    outside the Trainer's recovery loop, so the survivor failed (PeerLeft: a random kill landed there, 2026-11-26);
+    now it re-forms, saves the last step at its own size, and the model equals a clean run's to the end."""
+    killed, clean = str(tmp_path / "killed"), str(tmp_path / "clean")
+    os.makedirs(killed)
+    os.makedirs(clean)
+    measured = _lose_node_in_place(killed, 1, in_final_save=True)
+    assert measured["worlds"] == (2, 1) and measured["step"] == STEPS, measured["line"]
+    assert "restarted" not in measured["text"] and "resumed from step" not in measured["text"]
+    got, want = _final(killed), _clean_stops(clean, [(2, 1, None)])
+    assert (got["step"], got["world_size"], want["world_size"]) == (STEPS, 1, 2)
+    for key, tensor in want["model"].items():
+        assert torch.equal(got["model"][key], tensor), key
+    for key, state in want["optimizer"]["state"].items():
+        assert all(torch.equal(got["optimizer"]["state"][key][k], v) for k, v in state.items())
 
 
 @needs_netns

@@ -3,6 +3,8 @@
 Arguments: OUT_DIR [--max-steps N] [--pause-at STEP] [--pause-rank R] [--step-sleep S] [--alarms N]
 ``--pause-at``: after step STEP, launch rank R (default 2: the first rank of node 1 when nodes run 2 each)
 writes OUT_DIR/paused and sleeps, so a test can kill node 1 while the others wait in step STEP + 1.
+``--pause-in-final-save``: rank R does so as the save after the last epoch starts (the others wait in its
+collectives).
 ``--alarms N``: rank 0 raises the in-place alarm after every step until the group re-formed N times: every rank
 drops its collectives and the group re-forms at the same size (the leak check's 10 recoveries in one process).
 ``--hold-at-world W``: the first step finished at world size W (in each generation of the in-place group: after
@@ -62,6 +64,7 @@ def main():
     p.add_argument("--epochs", type=int, default=EPOCHS)
     p.add_argument("--hold-at-world", type=int, default=None)
     p.add_argument("--refuse-joins", action="store_true")
+    p.add_argument("--pause-in-final-save", action="store_true", help="pause rank --pause-rank in the last save")
     args = p.parse_args()
     env = lockstep.init()
     launch_rank, pid = env.rank, os.getpid()
@@ -100,6 +103,16 @@ def main():
             time.sleep(args.step_sleep)
 
         trainer = Trainer(model, optimizer, nn.functional.cross_entropy, data(), None, cfg, on_step_end=on_step_end)
+        if args.pause_in_final_save and launch_rank == args.pause_rank:
+            save = trainer.save_checkpoint
+
+            def pausing_save(*a, **kw):  # the save after the last epoch: the others wait in its collectives
+                if trainer.epoch >= cfg.epochs:
+                    open(os.path.join(args.directory, "paused"), "w").close()
+                    time.sleep(3600)  # until the test kills this node
+                return save(*a, **kw)
+
+            trainer.save_checkpoint = pausing_save  # type: ignore[method-assign]
         trainer.fit()
         if trainer.rank == 0:
             print(f"done: step {trainer.step} world_size {trainer.world_size} accum {trainer.grad_accum_steps}",

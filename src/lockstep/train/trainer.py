@@ -232,12 +232,6 @@ class Trainer:
             if cfg.sample_log_path:
                 self._open_sample_log(cfg.sample_log_path)
             self._run_epochs()
-            if watch is not None:
-                watch.drain()
-            # the position, not the step: a save at an epoch's last step precedes its evaluation, and a checkpoint
-            # left there would make a finished run resume into that evaluation again and again
-            if cfg.checkpoint_dir and self._saved_at != (self.step, self.epoch):
-                self.save_checkpoint(on_error="raise" if self.preempted else None)
             if self.ddp.trace is not None and not self.ddp.trace.finished:
                 self.ddp.trace.write()  # a run shorter than the window: write what was recorded
         except BaseException as e:
@@ -259,19 +253,34 @@ class Trainer:
         return self.summary()
 
     def _run_epochs(self) -> None:
-        """The epochs left; with in-place recovery a lost peer's survivors go on from the last committed step."""
+        """The epochs left, then the last checkpoint; with in-place recovery a lost peer's survivors go on from the
+        last committed step, a peer lost during that checkpoint's collectives included (the survivors save it)."""
         if self._inplace is not None:
             self._inplace.start()  # stopped at the end of the last fit
             self._inplace.accept_joins()  # a node that comes back joins at a step boundary (``_grow``)
-        while self.epoch < self.config.epochs and not self._stopped() and not self.preempted:
+        while True:
             try:
-                if not self._train_epoch():
-                    break  # stopped mid-epoch by max_steps or preemption: no epoch summary
-                self._end_epoch()
+                while self.epoch < self.config.epochs and not self._stopped() and not self.preempted:
+                    if not self._train_epoch():
+                        break  # stopped mid-epoch by max_steps or preemption: no epoch summary
+                    self._end_epoch()
+                self._save_at_the_end()
+                if self._regrouped is not None and self._inplace is not None:  # re-formed in that save: no step
+                    self._inplace.report(self._regrouped, self.step)  # follows to say it, so say it here
+                    self._regrouped = None
+                return
             except Exception as e:
                 if self._inplace is None:
                     raise
                 self._recover(e)
+
+    def _save_at_the_end(self) -> None:
+        if self._watch is not None:
+            self._watch.drain()
+        # the position, not the step: a save at an epoch's last step precedes its evaluation, and a checkpoint
+        # left there would make a finished run resume into that evaluation again and again
+        if self.config.checkpoint_dir and self._saved_at != (self.step, self.epoch):
+            self.save_checkpoint(on_error="raise" if self.preempted else None)
 
     def _report_resume(self) -> bool:
         """Rank 0 says where the run resumed, or that nothing is left to train; False in the latter case (every
