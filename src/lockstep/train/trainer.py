@@ -265,9 +265,7 @@ class Trainer:
                         break  # stopped mid-epoch by max_steps or preemption: no epoch summary
                     self._end_epoch()
                 self._save_at_the_end()
-                if self._regrouped is not None and self._inplace is not None:  # re-formed in that save: no step
-                    self._inplace.report(self._regrouped, self.step)  # follows to say it, so say it here
-                    self._regrouped = None
+                self._report_regrouped()  # re-formed in that save: no step follows to say it
                 return
             except Exception as e:
                 if self._inplace is None:
@@ -409,7 +407,13 @@ class Trainer:
         self._snapshot()
         if regrouped is not None:  # this rank's commit failed after the others': it applied the step, now resize
             self._resize(regrouped)
-        elif self._regrouped is not None:  # the first step at the new size: the launcher's line
+        else:
+            self._report_regrouped()
+
+    def _report_regrouped(self) -> None:
+        """The launcher's line for the last re-formation, once: after the first step at the new size, or after the
+        last checkpoint where no step follows."""
+        if self._regrouped is not None and self._inplace is not None:
             self._inplace.report(self._regrouped, self.step)
             self._regrouped = None
 
