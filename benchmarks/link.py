@@ -315,9 +315,14 @@ def _overlapped_steps(model, opt, x, y) -> float:
     return elapsed
 
 
+def _tx_bytes_path() -> Path:
+    """Node 0's veth counter of bytes sent (the interface gloo uses, GLOO_SOCKET_IFNAME)."""
+    return Path("/sys/class/net") / os.environ.get("GLOO_SOCKET_IFNAME", "") / "statistics" / "tx_bytes"
+
+
 def _link_nbytes(run: Callable[[], object]) -> int:
     """Bytes node 0 sent over the link (its veth's ``tx_bytes``, read on every rank) during one ``run()``."""
-    counter = Path("/sys/class/net") / os.environ.get("GLOO_SOCKET_IFNAME", "") / "statistics" / "tx_bytes"
+    counter = _tx_bytes_path()
     dist.barrier()
     before = int(counter.read_text())
     run()
@@ -431,7 +436,7 @@ def _wire_accounts(built: dict, x, y, cfg: dict, rank: int) -> dict:
     """One more step of each contender, node 0's ``tx_bytes`` sampled through it on rank 0 (wire_account): where
     the wire idled, per phase of that step. The overlapped steps run one step first, back to back with the sampled
     one, so that its forward waits for the buckets before it as in a loop; its own land after the sampling."""
-    counter = Path("/sys/class/net") / os.environ.get("GLOO_SOCKET_IFNAME", "") / "statistics" / "tx_bytes"
+    counter = _tx_bytes_path()
     accounts = {}
     for name in cfg["contenders"]:
         model, opt = built[name]
