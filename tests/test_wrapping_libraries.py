@@ -28,6 +28,34 @@ _COMPILED = pytest.mark.skipif(os.environ.get("LOCKSTEP_COMPILED_LIBRARIES") != 
                                reason="about 30 s: set LOCKSTEP_COMPILED_LIBRARIES=1")
 
 
+def test_undo_gives_torch_class_back_to_library_modules_imported_after_the_patch():
+    """``use_as_torch_ddp(False)``: the names it replaced, and a known library's module imported after the patch
+    (Lightning's strategies take the class from torch.nn.parallel.distributed by name), hold torch's class again; a
+    user's module keeps what it imported. Before, only the replaced names were restored (the library scripts gave
+    the late ones back themselves)."""
+    import types
+
+    from lockstep.ddp.wrapper import DistributedDataParallel
+    from lockstep.integrations.torch_ddp import TORCH_DDP, use_as_torch_ddp
+
+    late, user = types.ModuleType("lightning._lockstep_late"), types.ModuleType("_lockstep_user_script")
+    try:
+        assert "torch.nn.parallel.distributed" in use_as_torch_ddp()
+        for module in (late, user):  # what `from torch.nn.parallel.distributed import DistributedDataParallel` gives
+            module.DistributedDataParallel = torch.nn.parallel.distributed.DistributedDataParallel
+            sys.modules[module.__name__] = module
+        assert late.DistributedDataParallel is DistributedDataParallel
+        restored = use_as_torch_ddp(False)
+        assert {"lightning._lockstep_late", "torch.nn.parallel", "torch.nn.parallel.distributed"} <= set(restored)
+        assert late.DistributedDataParallel is TORCH_DDP and torch.nn.parallel.DistributedDataParallel is TORCH_DDP
+        assert user.DistributedDataParallel is DistributedDataParallel
+        assert use_as_torch_ddp(False) == []  # nothing left to give back
+    finally:
+        use_as_torch_ddp(False)
+        for module in (late, user):
+            sys.modules.pop(module.__name__, None)
+
+
 def _require(library: str) -> None:
     # Not pytest.importorskip: that imports the library into pytest's process, which never uses it (Lightning ~4 CPU-s).
     if importlib.util.find_spec(library) is None:

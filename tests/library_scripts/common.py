@@ -36,17 +36,10 @@ def switch_to(impl: str) -> None:
     if impl == "lockstep":
         maybe_use_lockstep()
     elif "lockstep.integrations.torch_ddp" in sys.modules:
-        from lockstep.integrations.torch_ddp import KNOWN_LIBRARIES, TORCH_DDP, use_as_torch_ddp
+        from lockstep.integrations.torch_ddp import use_as_torch_ddp
 
+        # Also gives torch's class back to library modules imported after the patch (Lightning's strategies).
         use_as_torch_ddp(False)
-        # A library module imported after the patch took lockstep's class by name (Lightning's strategies, from
-        # torch.nn.parallel.distributed): the undo restores only the names it replaced, so those are given back here.
-        from lockstep.ddp.wrapper import DistributedDataParallel
-
-        for name, module in list(sys.modules.items()):
-            took = getattr(module, "DistributedDataParallel", None) is DistributedDataParallel
-            if took and name.split(".")[0] in KNOWN_LIBRARIES:
-                module.DistributedDataParallel = TORCH_DDP
     is_torch = torch.nn.parallel.DistributedDataParallel.__module__ == "torch.nn.parallel.distributed"
     assert is_torch == (impl == "torch"), torch.nn.parallel.DistributedDataParallel
 

@@ -11,7 +11,8 @@ Libraries construct DDP in one of two ways, and the patch covers exactly those n
   at its top): each module of the known wrapping libraries (``KNOWN_LIBRARIES``) that holds torch's
   class under that name gets lockstep's. Other modules are left alone.
 
-Undo with ``use_as_torch_ddp(False)``: every replaced name gets torch's class back. lockstep's class
+Undo with ``use_as_torch_ddp(False)``: every replaced name gets torch's class back, and so does the name in each
+known library's module imported after the patch (it took lockstep's class from torch's module). lockstep's class
 subclasses torch's, so the libraries' ``isinstance(m, DistributedDataParallel)`` checks hold either way.
 """
 
@@ -39,23 +40,36 @@ def use_as_torch_ddp(enable: bool = True) -> list[str]:
     """
     with _lock:
         if not enable:
-            restored = sorted(_patched)
-            for module_name, original in _patched.items():
-                module = sys.modules.get(module_name)
-                if module is not None and getattr(module, _NAME, None) is DistributedDataParallel:
-                    setattr(module, _NAME, original)
-            _patched.clear()
-            return restored
-        targets = ["torch.nn.parallel", "torch.nn.parallel.distributed"]
-        targets += [name for name in list(sys.modules) if name.split(".")[0] in KNOWN_LIBRARIES]
+            return _restore()
         changed = []
-        for module_name in targets:
+        for module_name in _targets():
             module = sys.modules.get(module_name)
             if module is not None and getattr(module, _NAME, None) is TORCH_DDP:
                 setattr(module, _NAME, DistributedDataParallel)
                 _patched[module_name] = TORCH_DDP
                 changed.append(module_name)
         return changed
+
+
+def _targets() -> list[str]:
+    """torch's two modules that hold the name, then every imported module of the known libraries."""
+    known = [name for name in list(sys.modules) if name.split(".")[0] in KNOWN_LIBRARIES]
+    return ["torch.nn.parallel", "torch.nn.parallel.distributed", *known]
+
+
+def _restore() -> list[str]:
+    """torch's class back under every name that holds lockstep's: the names replaced, and the name of each
+    known library's module imported after the patch, which took lockstep's class from torch's module (Lightning's
+    strategies: ``from torch.nn.parallel.distributed import DistributedDataParallel``). A user's own modules keep
+    what they imported."""
+    restored = []
+    for module_name in _targets():
+        module = sys.modules.get(module_name)
+        if module is not None and getattr(module, _NAME, None) is DistributedDataParallel:
+            setattr(module, _NAME, _patched.get(module_name, TORCH_DDP))
+            restored.append(module_name)
+    _patched.clear()
+    return sorted(restored)
 
 
 def is_active() -> bool:
