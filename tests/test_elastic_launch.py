@@ -492,6 +492,44 @@ def _lose_node_1_and_start_it_again(directory: str, nproc: int, node_0_extra: li
 
 
 @needs_netns
+@heavy  # about 60 s: node 0's steps sleep 10 s each, so that node 1's ranks wait at the boundary long enough
+def test_in_place_a_newcomers_ctrl_c_while_it_waits_to_be_admitted_is_one_line_and_the_job_goes_on(tmp_path):
+    """Node 0 alone at world size 2 (``--nnodes 1:2``); node 1's launcher joins in place, its ranks announce
+    themselves and wait for the next step boundary (node 0's rank 0 saw them: ``join-ready``); then Ctrl-C (SIGINT
+    to node 1's launcher), as a user who started the wrong machine would: node 1 says one line and exits 130 within
+    10 s, with no traceback; node 0 admits nobody (the newcomers fell silent before the boundary), prints no joined
+    or left line, and finishes its steps at world size 2 with exit 0."""
+    directory, port = str(tmp_path), 29600 + random.randrange(300)
+    with netns.two_nodes() as (a, b):
+        node_a = Launch(a.command(_inplace_argv(0, 2, port, directory, "--step-sleep", "10", "--max-steps", "4",
+                                                "--note-joins")), clean_env())
+        launches = [node_a]
+        try:
+            deadline = time.monotonic() + 240
+            while not _rows(directory) and time.monotonic() < deadline and node_a.proc.poll() is None:
+                time.sleep(0.2)
+            assert _rows(directory), "node 0 never trained a step:\n" + node_a.text()[-4000:]
+            node_b = Launch(b.command(_inplace_argv(1, 2, port, directory)), clean_env())
+            launches.append(node_b)
+            _wait_file(os.path.join(directory, "join-ready"), 120, launches)
+            stopped = time.monotonic()
+            node_b.proc.send_signal(signal.SIGINT)
+            assert node_b.finish(30) == 130, node_b.text()[-4000:]
+            took_s = time.monotonic() - stopped
+            assert node_a.finish(240) == 0, node_a.text()[-4000:]
+        finally:
+            for launch in launches:
+                if launch.proc.poll() is None:
+                    _kill_node(launch)
+    said = [line for line in node_b.err if line.startswith("lockstep launch:")]
+    assert said[-1] == "lockstep launch: stopped by Ctrl-C (SIGINT); 2 workers stopped", node_b.text()[-4000:]
+    assert "Traceback" not in node_b.text() and took_s < 10, (took_s, node_b.text()[-4000:])
+    assert not any(re.search(r"joined|left at step", line) for line in node_a.err), node_a.text()[-4000:]
+    rows = _rows(directory)
+    assert {w for _, _, w, _ in rows} == {2} and max(s for _, s, _, _ in rows) == 4, rows
+
+
+@needs_netns
 @heavy
 def test_in_place_shrink_then_grow_back_by_restart(tmp_path):
     """After an in-place shrink, node 1 starts again and the job admits no newcomer in place (``--refuse-joins``):

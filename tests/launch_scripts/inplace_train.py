@@ -12,6 +12,8 @@ each shrink to W) is held (up to 120 s) until the agent stops the
 workers (SIGTERM: a node joined; the Trainer checkpoints that step) or a node waits to join in place (the next
 step's commit admits it), so a test can grow the job back. ``--refuse-joins``: the job admits no newcomer in place
 (it withdraws what the Trainer said): a node that comes back makes every agent restart its workers.
+``--note-joins``: during ``--step-sleep`` rank 0 writes OUT_DIR/join-ready once a node's ranks all announced
+themselves and beat (its next commit would admit them).
 Every rank appends "time step world_size pid" to OUT_DIR/progress-<pid>.txt after each step, and the
 step, world size, generation, threads, sockets, descriptors and RSS (MiB) to OUT_DIR/resources-<pid>.txt
 after each generation's first step.
@@ -64,6 +66,7 @@ def main():
     p.add_argument("--epochs", type=int, default=EPOCHS)
     p.add_argument("--hold-at-world", type=int, default=None)
     p.add_argument("--refuse-joins", action="store_true")
+    p.add_argument("--note-joins", action="store_true", help="rank 0 writes OUT_DIR/join-ready in --step-sleep")
     p.add_argument("--pause-in-final-save", action="store_true", help="pause rank --pause-rank in the last save")
     args = p.parse_args()
     env = lockstep.init()
@@ -100,7 +103,12 @@ def main():
                     if getattr(getattr(trainer._inplace, "joins", None), "ready", False):
                         break  # a node waits to join in place: the next commit admits it
                     time.sleep(0.2)  # until the agent stops the workers (SIGTERM: a node joined)
-            time.sleep(args.step_sleep)
+            deadline = time.monotonic() + args.step_sleep
+            while time.monotonic() < deadline:
+                ready = getattr(getattr(trainer._inplace, "joins", None), "ready", False)
+                if args.note_joins and trainer.rank == 0 and ready:
+                    open(os.path.join(args.directory, "join-ready"), "w").close()
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
         trainer = Trainer(model, optimizer, nn.functional.cross_entropy, data(), None, cfg, on_step_end=on_step_end)
         if args.pause_in_final_save and launch_rank == args.pause_rank:
