@@ -492,6 +492,44 @@ def _lose_node_1_and_start_it_again(directory: str, nproc: int, node_0_extra: li
 
 
 @needs_netns
+@heavy  # about 70 s: the grown run, then two clean stops and resumes
+def test_in_place_a_new_node_joins_a_job_that_started_at_world_size_1(tmp_path):
+    """``--nnodes 1:2 --nproc-per-node 1``, node 0 alone: a world of one rank. A second machine started later joins
+    in place at a step boundary (node 0's process kept), as into a larger job; before, in-place recovery was off at
+    world size 1, so the new node made node 0's agent restart its worker from the last checkpoint (none here: from
+    the beginning). Bit for bit with a run stopped cleanly at the join step on 1 rank and resumed on 2."""
+    grown, clean = str(tmp_path / "grown"), str(tmp_path / "clean")
+    os.makedirs(grown)
+    os.makedirs(clean)
+    port = 29600 + random.randrange(300)
+    with netns.two_nodes() as (a, b):
+        node_a = Launch(a.command(_inplace_argv(0, 1, port, grown, "--step-sleep", "0.3")), clean_env())
+        launches = [node_a]
+        try:
+            deadline = time.monotonic() + 240
+            while not _rows(grown) and time.monotonic() < deadline and node_a.proc.poll() is None:
+                time.sleep(0.2)
+            first = _rows(grown)
+            assert first, "node 0 never trained a step:\n" + node_a.text()[-4000:]
+            node_b = Launch(b.command(_inplace_argv(1, 1, port, grown)), clean_env())
+            launches.append(node_b)
+            assert node_b.finish(300) == 0, node_b.text()[-4000:]
+            assert node_a.finish(300) == 0, node_a.text()[-4000:]
+        finally:
+            for launch in launches:
+                if launch.proc.poll() is None:
+                    _kill_node(launch)
+    line = next((m for m in (re.search(JOIN_LINE, x) for x in node_a.err) if m), None)
+    assert line is not None and (int(line.group(2)), int(line.group(3))) == (1, 2), node_a.text()[-4000:]
+    assert "joins the running job in place" in node_b.text() and "restarted" not in node_a.text()
+    rows = _rows(grown)
+    assert first[0][3] in {p for _, _, w, p in rows if w == 2}, "node 0's worker was restarted"
+    _samples_once(grown, complete=True)
+    want = _clean_stops(clean, [(1, 1, int(line.group(1))), (1, 2, None)])
+    _assert_bit_for_bit(_final(grown), want)
+
+
+@needs_netns
 @heavy  # about 60 s: node 0's steps sleep 10 s each, so that node 1's ranks wait at the boundary long enough
 def test_in_place_a_newcomers_ctrl_c_while_it_waits_to_be_admitted_is_one_line_and_the_job_goes_on(tmp_path):
     """Node 0 alone at world size 2 (``--nnodes 1:2``); node 1's launcher joins in place, its ranks announce

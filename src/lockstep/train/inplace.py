@@ -621,9 +621,10 @@ def wanted() -> bool:
     """In-place recovery is on for this process (``lockstep launch --nnodes MIN:MAX``, or LOCKSTEP_INPLACE=1).
 
     gloo only: what ends a lost peer's waits here (shutting the group's TCP sockets) is gloo's; NCCL runs keep
-    the restart path (an NCCL communicator would need its own abort, untested here)."""
-    return (os.environ.get(ENV) == "1" and dist.is_initialized() and dist.get_world_size() > 1
-            and dist.get_backend() == "gloo")
+    the restart path (an NCCL communicator would need its own abort, untested here). At any world size, one rank
+    included: a job that started with one node of one rank grows in place when a second machine comes (until
+    2026-11-26 it took the restart path, from its last checkpoint)."""
+    return os.environ.get(ENV) == "1" and dist.is_initialized() and dist.get_backend() == "gloo"
 
 
 class PeersJoined(PeerLost):
