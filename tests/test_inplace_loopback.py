@@ -36,7 +36,7 @@ def _without_cxx_frames(out: str) -> str:
 
 
 def _start_ranks(script: str, world_size: int, directory: str, *extra: str,
-                 port: int | None = None) -> list[subprocess.Popen]:
+                 port: int | None = None, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
     """``world_size`` ranks of ``script`` on loopback, in-place recovery on, started now (rank 0 serves the store
     at ``port``)."""
     port = port or free_port()
@@ -44,7 +44,7 @@ def _start_ranks(script: str, world_size: int, directory: str, *extra: str,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              env=clean_env(RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
                                            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                                           MASTER_PORT=str(port), LOCKSTEP_INPLACE="1"))
+                                           MASTER_PORT=str(port), LOCKSTEP_INPLACE="1", **(env or {})))
             for r in range(world_size)]
 
 
@@ -239,3 +239,57 @@ def test_an_error_that_repeats_after_every_re_formation_is_raised():
     assert lines[:3] == ["re-formed 1 1 0", "re-formed 2 1 0", "re-formed 3 1 0"], printed
     assert lines[3] == ("lockstep: in-place recovery: re-formed 3 times at step 0 without a step done; the error is "
                         "not a lost peer")
+
+
+def test_a_stuck_rank_is_named_by_the_hang_report_at_gloos_timeout_not_a_bare_gloo_error(tmp_path):
+    """Under in-place recovery a rank that is stuck in its own code (alive: its heartbeat goes on, so no alarm
+    re-forms the group) held the others until gloo's per-operation timeout, which ended them with "RuntimeError:
+    Application timeout caused pair closure" and a traceback (tried as a user, 2026-11-26: a --nnodes 1:2 launch
+    with one rank sleeping after step 3). Now that timeout raises the hang alarm: every rank writes its hang report,
+    which names the stuck rank and its line, and the job ends with exit 86, as after hang_timeout_s. With the
+    watchdog off (hang_timeout_s=0) the waiting rank raises a named error instead."""
+    import re
+
+    from lockstep.train.inplace import TIMEOUT_ENV
+
+    procs = _start_ranks(INPLACE, 2, str(tmp_path / "a"), "--pause-at", "3", "--pause-rank", "1",
+                         env={TIMEOUT_ENV: "6"})
+    outs = []
+    for proc in procs:
+        try:
+            outs.append(proc.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            outs.append(proc.communicate()[0] + "\n(killed by the test: still running after 120 s)")
+    assert [proc.returncode for proc in procs] == [86, 86], "\n".join(map(_without_cxx_frames, outs))
+    assert ("lockstep hang report: rank 0 waited 6 s in a collective after step 3 (gloo's timeout in an in-place "
+            "run: LOCKSTEP_INPLACE_TIMEOUT_S) while every rank still beats: a rank is stuck, not lost") in outs[0]
+    assert re.search(r"diagnosis: rank 1 has not started forward of step 4 \(.*inplace_train\.py:\d+ in on_step_end",
+                     outs[0]), _without_cxx_frames(outs[0])
+    assert "Application timeout" not in outs[0], _without_cxx_frames(outs[0])
+
+    procs = _start_ranks(INPLACE, 2, str(tmp_path / "b"), "--pause-at", "3", "--pause-rank", "1",
+                         env={TIMEOUT_ENV: "6", "LOCKSTEP_HANG_TIMEOUT_S": "0"})
+    try:
+        out = procs[0].communicate(timeout=180)[0]
+    finally:
+        procs[1].kill()
+        procs[1].communicate(timeout=30)
+    assert procs[0].returncode == 1, _without_cxx_frames(out)
+    assert ("RuntimeError: lockstep: in-place recovery: rank 0 waited 6 s in a collective after step 3 (gloo's "
+            "timeout in an in-place run: LOCKSTEP_INPLACE_TIMEOUT_S) while every rank still beats: a rank is stuck, "
+            "not lost; in-place recovery re-forms around lost ranks only") in out, _without_cxx_frames(out)
+
+
+def test_both_of_gloos_timeout_texts_are_read_as_a_timeout():
+    """The stuck-rank path above starts from gloo's timeout, which says so in two ways: the pair that waited gets
+    "Timed out waiting", and the test above may see either. Before, the first was read as a lost peer (the
+    survivors then waited 60 s to drop one rank of a node), the second as a bug in the step (raised bare)."""
+    from lockstep.train.inplace import _timed_out
+
+    assert _timed_out(RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                                   "6000ms for recv operation to complete"))
+    assert _timed_out(RuntimeError("Application timeout caused pair closure"))
+    assert not _timed_out(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by "
+                                       "peer [127.0.0.1]:41517"))
+    assert not _timed_out(ValueError("timeout"))

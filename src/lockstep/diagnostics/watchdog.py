@@ -343,6 +343,24 @@ _WATCHDOG: Watchdog | None = None
 _WATCHDOG_KEY: tuple | None = None
 
 
+def report_hang_now(reason: str) -> None:
+    """A wait ended by a bound shorter than ``hang_timeout_s`` with no peer gone (in-place recovery's gloo timeout,
+    ``LOCKSTEP_INPLACE_TIMEOUT_S``, while every rank still beats: one is stuck, not lost): raise the hang alarm now
+    with ``reason``, so that every rank writes its hang report, the stuck one's line and stacks included, and the job
+    ends with ``HANG_EXIT_CODE``, as after ``hang_timeout_s``. The watchdog's thread writes this rank's report and
+    ends the process while the caller waits here. Returns only where no watchdog runs (``hang_timeout_s=0``, one
+    rank, no TCPStore) or the report did not end the process in time: the caller then raises its own error."""
+    dog = _WATCHDOG
+    if dog is None or not dog.is_alive() or dog.exit_note is not None:
+        return
+    try:
+        if dog.store.add("alarms", 1) == 1:  # the first rank to see a stall names the reason, as in ``run``
+            dog.store.set("alarm", json.dumps({"rank": dog.rank, "reason": reason}))
+    except Exception:
+        return  # the store is gone: nobody could collect the reports
+    time.sleep(dog.tick_s + 3 * dog.grace_s + 5)  # the watchdog sees the alarm within a tick; its os._exit ends this
+
+
 def watch_for_hangs(process_group: Any, hang_timeout_s: float | None) -> bool:
     """Start (or retune) this process's watchdog for the default group's store; False when none runs.
 

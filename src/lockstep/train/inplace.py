@@ -391,6 +391,27 @@ class InPlaceGroup:
         return {"stores": stores, "node_of": node_of, "store_node": self.store_node, "next_id": next_id}
 
     # -- rejoining -----------------------------------------------------------------------------
+    def _peers_beat(self) -> bool:
+        """Every other member's heartbeat moved within ``SILENT_S``: none is what ``_decide`` would call gone."""
+        now = time.monotonic()
+        return all(now - self.seen.get(r, (None, -math.inf))[1] <= SILENT_S for r in self.members if r != self.me)
+
+    def _stuck(self, error: BaseException) -> None:
+        """gloo's timeout ended a collective and no peer was lost (every member's heartbeat went on, so no alarm
+        ended it sooner): a rank is stuck in its own code (a data loader, a debugger, a sleep). Re-forming would
+        not mend it: ``_decide`` would wait ``DECIDE_TIMEOUT_S`` for it to rejoin or fall silent, then drop one
+        rank of a node (gloo's "Timed out waiting" text took that path, its "Application timeout" one raised the
+        bare error). The hang watchdog's report names it and where it is, and ends the job (exit 86); without a
+        watchdog, this named error."""
+        from lockstep.diagnostics.watchdog import report_hang_now
+
+        reason = (f"rank {self.rank} waited {self.timeout_s:g} s in a collective after step {self.committed} "
+                  f"(gloo's timeout in an in-place run: {TIMEOUT_ENV}) while every rank still beats: a rank is stuck, "
+                  "not lost")
+        report_hang_now(reason)
+        raise RuntimeError(f"lockstep: in-place recovery: {reason}; in-place recovery re-forms around lost ranks "
+                           "only (no hang watchdog ran to say which rank and where: hang_timeout_s)") from error
+
     def is_peer_loss(self, error: BaseException) -> bool:
         """A collective that failed because of the group (a peer gone, an alarm), not a bug in the step."""
         if isinstance(error, (dist.DistError, PeerLost)):
@@ -401,6 +422,8 @@ class InPlaceGroup:
 
     def rejoin(self, error: BaseException) -> Regrouped:
         """After a failed collective: agree with the survivors on members and step, and form the next group."""
+        if _timed_out(error) and self._peers_beat():
+            self._stuck(error)  # raises: a rank is stuck, not lost
         if not self.is_peer_loss(error):
             raise error
         step, count = self._rejoins
@@ -625,6 +648,13 @@ def wanted() -> bool:
     included: a job that started with one node of one rank grows in place when a second machine comes (until
     2026-11-26 it took the restart path, from its last checkpoint)."""
     return os.environ.get(ENV) == "1" and dist.is_initialized() and dist.get_backend() == "gloo"
+
+
+def _timed_out(error: BaseException) -> bool:
+    """gloo's per-operation timeout ended the collective: "Timed out waiting ...ms for recv operation to complete"
+    on the pair that waited, "Application timeout caused pair closure" on others (torch 2.4 - 2.14)."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("timeout" in text or "timed out" in text)
 
 
 class PeersJoined(PeerLost):
