@@ -62,6 +62,13 @@ def _kill_node(launch: Launch) -> float:
     return time.time()
 
 
+def _kill_the_rest(launches: list[Launch]) -> None:
+    """Every node of ``launches`` still running, killed as ``_kill_node`` does (a test's ``finally``)."""
+    for launch in launches:
+        if launch.proc.poll() is None:
+            _kill_node(launch)
+
+
 def _wait_file(path: str, timeout_s: float, launches) -> None:
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(path):
@@ -140,9 +147,7 @@ def _node_loss(directory: str, grow: bool) -> dict:
                 assert node_b.finish(240) == 0, node_b.text()[-4000:]
             assert node_a.finish(240) == 0, node_a.text()[-4000:]
         finally:
-            for launch in launches:
-                if launch.proc.poll() is None:
-                    _kill_node(launch)
+            _kill_the_rest(launches)
     measured["text"] = node_a.text()
     return measured
 
@@ -265,6 +270,16 @@ def _wait_step(directory: str, step: int, timeout_s: float, launches) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"no step {step} in {timeout_s} s:\n" + "\n".join(x.text()[-3000:] for x in launches))
         time.sleep(0.05)
+
+
+def _wait_for_a_step(directory: str, launch: Launch, timeout_s: float = 240) -> list[tuple[float, int, int, int]]:
+    """The rows (``_rows``) once ``launch``'s workers finished a step; fails the test if none did in time."""
+    deadline = time.monotonic() + timeout_s
+    while not _rows(directory) and time.monotonic() < deadline and launch.proc.poll() is None:
+        time.sleep(0.2)
+    rows = _rows(directory)
+    assert rows, "node 0 never trained a step:\n" + launch.text()[-4000:]
+    return rows
 
 
 def _samples_once(directory: str, complete: bool) -> None:
@@ -485,9 +500,7 @@ def _lose_node_1_and_start_it_again(directory: str, nproc: int, node_0_extra: li
             assert node_b.finish(240) == 0, node_b.text()[-4000:]
             assert node_a.finish(240) == 0, node_a.text()[-4000:]
         finally:
-            for launch in launches:
-                if launch.proc.poll() is None:
-                    _kill_node(launch)
+            _kill_the_rest(launches)
     return node_a, node_b, survivors, started
 
 
@@ -506,19 +519,13 @@ def test_in_place_a_new_node_joins_a_job_that_started_at_world_size_1(tmp_path):
         node_a = Launch(a.command(_inplace_argv(0, 1, port, grown, "--step-sleep", "0.3")), clean_env())
         launches = [node_a]
         try:
-            deadline = time.monotonic() + 240
-            while not _rows(grown) and time.monotonic() < deadline and node_a.proc.poll() is None:
-                time.sleep(0.2)
-            first = _rows(grown)
-            assert first, "node 0 never trained a step:\n" + node_a.text()[-4000:]
+            first = _wait_for_a_step(grown, node_a)
             node_b = Launch(b.command(_inplace_argv(1, 1, port, grown)), clean_env())
             launches.append(node_b)
             assert node_b.finish(300) == 0, node_b.text()[-4000:]
             assert node_a.finish(300) == 0, node_a.text()[-4000:]
         finally:
-            for launch in launches:
-                if launch.proc.poll() is None:
-                    _kill_node(launch)
+            _kill_the_rest(launches)
     line = next((m for m in (re.search(JOIN_LINE, x) for x in node_a.err) if m), None)
     assert line is not None and (int(line.group(2)), int(line.group(3))) == (1, 2), node_a.text()[-4000:]
     assert "joins the running job in place" in node_b.text() and "restarted" not in node_a.text()
@@ -543,10 +550,7 @@ def test_in_place_a_newcomers_ctrl_c_while_it_waits_to_be_admitted_is_one_line_a
                                                 "--note-joins")), clean_env())
         launches = [node_a]
         try:
-            deadline = time.monotonic() + 240
-            while not _rows(directory) and time.monotonic() < deadline and node_a.proc.poll() is None:
-                time.sleep(0.2)
-            assert _rows(directory), "node 0 never trained a step:\n" + node_a.text()[-4000:]
+            _wait_for_a_step(directory, node_a)
             node_b = Launch(b.command(_inplace_argv(1, 2, port, directory)), clean_env())
             launches.append(node_b)
             _wait_file(os.path.join(directory, "join-ready"), 120, launches)
@@ -556,9 +560,7 @@ def test_in_place_a_newcomers_ctrl_c_while_it_waits_to_be_admitted_is_one_line_a
             took_s = time.monotonic() - stopped
             assert node_a.finish(240) == 0, node_a.text()[-4000:]
         finally:
-            for launch in launches:
-                if launch.proc.poll() is None:
-                    _kill_node(launch)
+            _kill_the_rest(launches)
     said = [line for line in node_b.err if line.startswith("lockstep launch:")]
     assert said[-1] == "lockstep launch: stopped by Ctrl-C (SIGINT); 2 workers stopped", node_b.text()[-4000:]
     assert "Traceback" not in node_b.text() and took_s < 10, (took_s, node_b.text()[-4000:])
@@ -700,9 +702,7 @@ def test_in_place_twice_lost_twice_back(tmp_path):
             assert launches[-1].finish(240) == 0, launches[-1].text()[-4000:]
             assert node_a.finish(240) == 0, node_a.text()[-4000:]
         finally:
-            for launch in launches:
-                if launch.proc.poll() is None:
-                    _kill_node(launch)
+            _kill_the_rest(launches)
     print("\n".join(line for line in node_a.err if "left at" in line or "joined at" in line))
     print(f"steps (lost, back, lost, back): {steps}; node 1's launch to a step at 4: {[round(t, 2) for t in times]} s")
     assert steps == [K, K + 2, K + 3, K + 5]  # each grow right after the held step: the first at 2 after the shrink
@@ -777,9 +777,7 @@ def _lose_node_0_and_start_it_again(directory: str, nproc: int, cycles: int, fir
             assert launches[-1].finish(240) == 0, launches[-1].text()[-4000:]
             assert node_b.finish(240) == 0, node_b.text()[-4000:]
         finally:
-            for launch in launches:
-                if launch.proc.poll() is None:
-                    _kill_node(launch)
+            _kill_the_rest(launches)
     measured["text"], measured["returned"] = node_b.text(), launches[2].text()
     measured["pids_b"] = {p for _, _, w, p in _rows(directory) if w == nproc}
     return measured
@@ -875,9 +873,7 @@ def test_in_place_the_store_moves_twice_node_0_lost_then_node_1(tmp_path):
             assert again.finish(120) == 1, again.text()[-4000:]
             assert launches[2].finish(240) == 0, launches[2].text()[-4000:]
         finally:
-            for launch in launches:
-                if launch.proc.poll() is None:
-                    _kill_node(launch)
+            _kill_the_rest(launches)
     assert "does not answer: the workers moved it again" in again.text(), again.text()[-3000:]
     alone = [t for t, _, w, _ in _rows(grown) if w == 1 and t > killed_at]
     print(f"node 0 back at step {joined}; node 1 killed after step {K + 3}: {alone[0] - killed_at:.2f} s to a step "
