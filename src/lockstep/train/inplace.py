@@ -392,9 +392,13 @@ class InPlaceGroup:
 
     # -- rejoining -----------------------------------------------------------------------------
     def _peers_beat(self) -> bool:
-        """Every other member's heartbeat moved within ``SILENT_S``: none is what ``_decide`` would call gone."""
+        """Every other member's heartbeat moved within ``ALARM_SILENT_S``, the watcher's own measure of a silent
+        member (not ``SILENT_S``, 1.5 s: on a loaded machine a live member's beat, read every 0.2 s, can stand that
+        long). A frozen or cut-off member stops beating, and with the default timeout (60 s) its silence raised the
+        alarm first, which shuts the sockets: that collective then fails on a closed connection, not on time."""
         now = time.monotonic()
-        return all(now - self.seen.get(r, (None, -math.inf))[1] <= SILENT_S for r in self.members if r != self.me)
+        return all(now - self.seen.get(r, (None, -math.inf))[1] <= ALARM_SILENT_S
+                   for r in self.members if r != self.me)
 
     def _stuck(self, error: BaseException) -> None:
         """gloo's timeout ended a collective and no peer was lost (every member's heartbeat went on, so no alarm
