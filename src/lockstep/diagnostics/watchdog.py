@@ -166,8 +166,7 @@ class Watchdog(threading.Thread):
                     self.report_and_exit(json.loads(self.store.get("alarm")))
                 reason = self.stall_reason()
                 if reason is not None:
-                    if self.store.add("alarms", 1) == 1:  # the first stalled rank names the reason
-                        self.store.set("alarm", json.dumps({"rank": self.rank, "reason": reason}))
+                    self.raise_alarm(reason)
                     self.report_and_exit(json.loads(self.store.get("alarm")))
         except Exception:
             # The store went away: the job is ending, or (torchrun's store) the launcher died with it.
@@ -197,6 +196,17 @@ class Watchdog(threading.Thread):
         if self.exit_note is not None:
             record.update(self.exit_note)
         self.store.set(f"p{self.rank}", json.dumps(record))
+
+    def raise_alarm(self, reason: str) -> None:
+        """Every rank's watchdog reports and ends its process at its next tick; the first rank to call names the
+        reason (a later one's stall is the same hang seen from elsewhere)."""
+        if self.store.add("alarms", 1) == 1:
+            self.store.set("alarm", json.dumps({"rank": self.rank, "reason": reason}))
+
+    def wait_for_report(self) -> None:
+        """Called after ``raise_alarm`` from another thread: this thread waits while the watchdog's thread writes this
+        rank's report and ends the process (it sees the alarm within a tick); returns only if it did not in time."""
+        time.sleep(self.tick_s + 3 * self.grace_s + 5)
 
     def stall_reason(self) -> str | None:
         p = self.progress
@@ -354,11 +364,10 @@ def report_hang_now(reason: str) -> None:
     if dog is None or not dog.is_alive() or dog.exit_note is not None:
         return
     try:
-        if dog.store.add("alarms", 1) == 1:  # the first rank to see a stall names the reason, as in ``run``
-            dog.store.set("alarm", json.dumps({"rank": dog.rank, "reason": reason}))
+        dog.raise_alarm(reason)
     except Exception:
         return  # the store is gone: nobody could collect the reports
-    time.sleep(dog.tick_s + 3 * dog.grace_s + 5)  # the watchdog sees the alarm within a tick; its os._exit ends this
+    dog.wait_for_report()
 
 
 def watch_for_hangs(process_group: Any, hang_timeout_s: float | None) -> bool:
