@@ -55,6 +55,11 @@ def resources() -> str:
     return f"{threading.active_count()} {sockets} {len(fds)} {rss_mb:.1f}"
 
 
+def joins_ready(trainer) -> bool:
+    """This rank's watcher saw a node's ranks all announced and beating: the next commit admits them."""
+    return getattr(getattr(trainer._inplace, "joins", None), "ready", False)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("directory")
@@ -100,13 +105,12 @@ def main():
                 held.append(generation)
                 deadline = time.monotonic() + 120
                 while time.monotonic() < deadline and not (trainer._watch is not None and trainer._watch.requested):
-                    if getattr(getattr(trainer._inplace, "joins", None), "ready", False):
+                    if joins_ready(trainer):
                         break  # a node waits to join in place: the next commit admits it
                     time.sleep(0.2)  # until the agent stops the workers (SIGTERM: a node joined)
             deadline = time.monotonic() + args.step_sleep
             while time.monotonic() < deadline:
-                ready = getattr(getattr(trainer._inplace, "joins", None), "ready", False)
-                if args.note_joins and trainer.rank == 0 and ready:
+                if args.note_joins and trainer.rank == 0 and joins_ready(trainer):
                     open(os.path.join(args.directory, "join-ready"), "w").close()
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lockstep.diagnostics.watchdog import report_hang_now
 from lockstep.network import accepts
 from lockstep.process_group import (
     INPLACE_BASE_KEY,
@@ -407,8 +408,6 @@ class InPlaceGroup:
         rank of a node (gloo's "Timed out waiting" text took that path, its "Application timeout" one raised the
         bare error). The hang watchdog's report names it and where it is, and ends the job (exit 86); without a
         watchdog, this named error."""
-        from lockstep.diagnostics.watchdog import report_hang_now
-
         reason = (f"rank {self.rank} waited {self.timeout_s:g} s in a collective after step {self.committed} "
                   f"(gloo's timeout in an in-place run: {TIMEOUT_ENV}) while every rank still beats: a rank is stuck, "
                   "not lost")
