@@ -30,6 +30,10 @@ INPLACE_REPORT_KEY = "lockstep/inplace/report"  # + "/<generation>": the workers
 INPLACE_ACCEPTS_JOINS_KEY = "lockstep/inplace/accepts_joins"  # the workers admit newcomers in place (the same)
 INPLACE_STORES_ENV = "LOCKSTEP_INPLACE_STORES"  # every node's standby store, for the workers (the same)
 INPLACE_TAKEOVER_KEY = "lockstep/inplace/takeover"  # the workers moved to this standby store (the same)
+# The job's id, one for all its nodes and rounds (node 0's agent makes it; a node that joins in place takes the
+# running job's): the run folder's fence (train/fence.py) tells this job's restarts from a second job by it
+JOB_ENV = "LOCKSTEP_JOB_ID"
+JOB_KEY = "lockstep/job_id"  # in the rendezvous store: node 0's agent sets it, every agent reads it
 DEFAULT_LAST_CALL_S = 5.0  # how long a round waits for more nodes once MIN joined (torchrun's default: 30)
 
 

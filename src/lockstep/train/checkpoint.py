@@ -14,6 +14,7 @@ names the parts instead of holding the optimizer's state.
 
 from __future__ import annotations
 
+import os
 import random
 import warnings
 from pathlib import Path
@@ -41,7 +42,9 @@ from lockstep.train.checkpoint_files import (  # noqa: F401  (re-exported: the p
     save_atomic,
     verify,
 )
+from lockstep.train.fence import JobFence, JobFenceError, StaleGenerationError, job_id_from_env
 from lockstep.train.preempt import note_checkpoint
+from lockstep.train.run_identity import new_run_id
 
 
 class CheckpointWarning(UserWarning):
@@ -96,6 +99,7 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
     "raise", default TrainerConfig.on_save_error) or all train on ("continue", a warning).
     """
     on_error = on_error or trainer.config.on_save_error
+    check_fence(trainer)  # a writer whose generation was passed writes nothing, not even ZeRO's parts
     mine = {"sampler": trainer.sampler.state_dict(), "rng": capture_rng_state(),
             "loss_sum": trainer._loss_sum, "loss_count": trainer._loss_count}
     stage = trainer.config.zero
@@ -143,10 +147,47 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
     return path
 
 
+def claim_folder(trainer) -> JobFence:
+    """The run folder's fence (train/fence.py), claimed by global rank 0 before anything is read or written; on
+    every rank the same ``JobFence`` (only the writer holds its lease). Raises JobFenceError on every rank where
+    another job trains into the folder. One small broadcast per fit."""
+    job = job_id_from_env()
+    verdict: list[Any] = [None, job or new_run_id()]  # rank 0's refusal, the job's id
+    if trainer.is_writer:
+        fence = JobFence(trainer.config.checkpoint_dir, verdict[1])
+        try:
+            fence.claim(f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
+        except JobFenceError as e:
+            verdict[0] = str(e)
+    dist.broadcast_object_list(verdict, src=0, group=trainer.group)
+    if verdict[0] is not None:
+        raise JobFenceError(verdict[0])
+    return fence if trainer.is_writer else JobFence(trainer.config.checkpoint_dir, verdict[1])
+
+
+def check_fence(trainer) -> None:
+    """Before a save: rank 0 asks whether its generation is still the folder's; a passed one raises
+    StaleGenerationError on every rank (whatever on_save_error says: this job must stop). One small broadcast."""
+    if trainer.fence is None:
+        return
+    verdict: list[str | None] = [None]
+    if trainer.is_writer:
+        try:
+            trainer.fence.check(trainer.step)
+        except StaleGenerationError as e:
+            verdict[0] = str(e)
+    dist.broadcast_object_list(verdict, src=0, group=trainer.group)
+    if verdict[0] is not None:
+        raise StaleGenerationError(verdict[0])
+
+
 def _payload(trainer, gathered: list) -> dict:
     """Global rank 0's checkpoint: the shared state, and every rank's own (``gathered``)."""
     scheduler, stage = trainer.scheduler, trainer.config.zero
-    return {"format": FORMAT, "run_id": trainer.run_id, "step": trainer.step, "epoch": trainer.epoch,
+    fence = trainer.fence
+    return {"format": FORMAT, "run_id": trainer.run_id, "step": trainer.step,
+            "fence": None if fence is None else {"job": fence.job, "generation": fence.generation},
+            "epoch": trainer.epoch,
             "batches_done": trainer.batches_done, "world_size": trainer.world_size,
             "global_batch": trainer.global_batch, "batch_size": trainer.config.batch_size,
             "target_epochs": trainer.config.epochs,  # what `lockstep demo --resume` trains up to

@@ -149,7 +149,8 @@ def save_atomic(payload: dict, path: str | os.PathLike, kill: KillPoint | None =
         os.replace(tmp, path)
         maybe_kill(kill, "ckpt_meta", step)
         meta = {"format": FORMAT, "file": path.name, "step": step, "nbytes": writer.nbytes,
-                "sha256": writer.sha256.hexdigest(), "run_id": payload.get("run_id")}  # run_identity.py
+                "sha256": writer.sha256.hexdigest(), "run_id": payload.get("run_id"),  # run_identity.py
+                "fence": payload.get("fence")}  # the job and generation that wrote it (fence.py)
         _write_durably(meta_path(path), (json.dumps(meta, indent=1) + "\n").encode())
     except BaseException as e:
         tmp.unlink(missing_ok=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 import warnings
@@ -35,6 +36,7 @@ from lockstep.train.departures import explain_departure, next_fit
 from lockstep.train.epoch_meter import EpochMeter
 from lockstep.train.evaluate import evaluate
 from lockstep.train.faults import install_kill_hooks, kill_point_from_env
+from lockstep.train.fence import JobFence
 from lockstep.train.inplace import InPlaceGroup, PeerLost, Regrouped, hand_over
 from lockstep.train.inplace import wanted as inplace_wanted
 from lockstep.train.loggers import open_run_loggers
@@ -175,6 +177,9 @@ class Trainer:
         self.resized_from: int | None = None  # the world size of a checkpoint resumed at another size
         # set by open_writer_files (rank 0's, on every rank); a resume adopts the checkpoint's
         self.run_id: str | None = None
+        # the run folder's fence (train/fence.py): claimed in fit() on every rank alike, held (its lease renewed)
+        # by the writer; passed on to the next writer when the group re-forms in place
+        self.fence: JobFence | None = None
         # rank 0's files checked on every rank alike (a newcomer: rank 0 checked them long ago; its run id comes in fit)
         self.metrics = MetricsLog(None, enabled=False) if self._joining() else ckpt.open_writer_files(self)
         self.save_errors: list[str] = []  # checkpoints that failed under on_save_error="continue"
@@ -203,6 +208,17 @@ class Trainer:
         """Train (resuming first if configured), evaluate each epoch, checkpoint; return a summary."""
         cfg = self.config
         self._fit = next_fit()  # names this fit's departure keys in the store (departures.py)
+        if cfg.checkpoint_dir and not self._joining():  # one job a folder: refused here while another trains into it
+            self.fence = ckpt.claim_folder(self)
+        try:
+            return self._fit_in_folder()
+        finally:
+            if self.fence is not None and self.is_writer:
+                self.fence.release()  # ended, failed or preempted: a resume (or a requeue) need not wait for the lease
+
+    def _fit_in_folder(self) -> dict:
+        """``fit`` once the folder is this job's (or it has none)."""
+        cfg = self.config
         joined = self._start_state()
         run_id = self.run_id
         assert run_id is not None  # set on every rank in __init__ (open_writer_files), replaced by a resume
@@ -454,6 +470,7 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "scaler": self.precision.state_dict(), "committed": self._committed, "global_batch": self.global_batch,
                 "run_id": self.run_id, "saved_at": self._saved_at,
+                "job": self.fence.job if self.fence is not None else None,
                 "last_checkpoint": None if self.last_checkpoint is None else str(self.last_checkpoint)}
 
     def _adopt(self, state: dict) -> None:
@@ -470,6 +487,8 @@ class Trainer:
         self.global_batch, self.run_id, self.last_checkpoint = state["global_batch"], state["run_id"], \
             state["last_checkpoint"]
         self._saved_at = None if state["saved_at"] is None else tuple(state["saved_at"])
+        if state["job"] is not None and self.config.checkpoint_dir:
+            self.fence = JobFence(self.config.checkpoint_dir, state["job"])  # the job's: a later writer advances it
 
     def _recover(self, error: Exception) -> None:
         """A collective failed: rejoin the survivors, go back to the last committed step, continue at the new size."""
@@ -490,6 +509,8 @@ class Trainer:
         cfg, saved = self.config, self._committed
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.is_writer = self.rank == 0
+        if self.is_writer and self.fence is not None:  # a new membership, a new generation: the old writer is passed
+            self.fence.advance(f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
         self.ddp.rebind(None)
         if self._watch is not None:
             self._watch.forget_pending()  # issued on the old group
