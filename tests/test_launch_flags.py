@@ -150,3 +150,14 @@ def test_two_nodes_on_one_host_meet_with_torchruns_is_host(tmp_path):
         assert p.returncode == 0, out + err
     assert "allreduce rank=0 world=2 local_rank=0 master=127.0.0.1 sum=3" in outs[0][0], outs[0]
     assert "allreduce rank=1 world=2 local_rank=0 master=127.0.0.1 sum=3" in outs[1][0], outs[1]
+
+
+def test_a_bare_launch_names_only_the_script_as_missing(capsys):
+    # script_args is argparse.REMAINDER: nothing after the script is fine, so only SCRIPT may be called required
+    # (it said "required: script, script_args"); the `lockstep` command's one-line form, as a user sees it
+    from lockstep.cli import main
+
+    assert main(["launch"]) == 2
+    assert capsys.readouterr().err == ("lockstep launch: error: the following arguments are required: script\n"
+                                       "  see lockstep launch --help\n")
+    assert flags.build_parser().parse_args([SCRIPT]).script_args == []

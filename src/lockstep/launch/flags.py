@@ -213,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--run-path", "--run_path", action="store_true", help=f"not supported: {TORCHRUN_NOT_SUPPORTED['--run-path']}")
     add("--logs-specs", "--logs_specs", default=None, help=f"not supported: {TORCHRUN_NOT_SUPPORTED['--logs-specs']}")
     add("script", help="the Python script each worker runs (a module with -m, an executable with --no-python)")
-    add("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    # Optional: a script may take no arguments. argparse marks a REMAINDER positional required (3.10-3.13 alike),
+    # so a bare `lockstep launch` said "required: script, script_args".
+    add("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script").required = False
     return p
 
 
