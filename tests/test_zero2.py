@@ -298,6 +298,7 @@ def _errors(rank: int) -> dict:
 
     attempt("stage1", lambda: ddp().zero_optimizer(torch.optim.SGD, stage=1, lr=0.1))
     attempt("stage3", lambda: ddp().zero_optimizer(torch.optim.SGD, stage=3, lr=0.1))
+    attempt("stage4", lambda: ddp().zero_optimizer(torch.optim.SGD, stage=4, lr=0.1))
     attempt("bucket_view", lambda: ddp(gradient_as_bucket_view=True).zero_optimizer(torch.optim.SGD, lr=0.1))
     attempt("lbfgs", lambda: ddp().zero_optimizer(torch.optim.LBFGS, lr=0.1))
     attempt("instance", lambda: ddp().zero_optimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)))
@@ -447,7 +448,12 @@ def test_join_with_uneven_inputs(results):
 def test_refusals_are_one_line_and_name_the_argument(results):
     e = results[0]["errors"]
     assert "lockstep.ZeroRedundancyOptimizer" in e["stage1"]
-    assert "stage must be 2" in e["stage3"]
+    # stage 3 is FSDP, named with where it lives (it said only "stage must be 2, got 3")
+    assert e["stage3"] == ("zero_optimizer: stage=3 (sharded parameters) is FSDP, which lockstep does not do: wrap "
+                           "the model in torch.distributed.fsdp (fully_shard) instead of lockstep's DDP (docs/zero.md); "
+                           "this method is stage=2"), e["stage3"]
+    assert e["stage4"] == "zero_optimizer: stage must be 2 (ZeRO-2; 1 is lockstep.ZeroRedundancyOptimizer, 3 is " \
+                          "FSDP: torch.distributed.fsdp), got 4", e["stage4"]
     assert "gradient_as_bucket_view=False" in e["bucket_view"]
     assert "LBFGS" in e["lbfgs"]
     assert "optimizer_class" in e["instance"]

@@ -489,8 +489,13 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         if stage == 1:
             raise ValueError("zero_optimizer: stage=1 is lockstep.ZeroRedundancyOptimizer(params, optimizer_class, "
                              "...) (torch's API); this method is stage=2")
+        if stage == 3:
+            raise ValueError("zero_optimizer: stage=3 (sharded parameters) is FSDP, which lockstep does not do: wrap "
+                             "the model in torch.distributed.fsdp (fully_shard) instead of lockstep's DDP "
+                             "(docs/zero.md); this method is stage=2")
         if stage != 2:
-            raise ValueError(f"zero_optimizer: stage must be 2, got {stage!r}")
+            raise ValueError(f"zero_optimizer: stage must be 2 (ZeRO-2; 1 is lockstep.ZeroRedundancyOptimizer, 3 is "
+                             f"FSDP: torch.distributed.fsdp), got {stage!r}")
         reducer = self.reducer
         if reducer.zero is not None or reducer.overlap is not None:
             raise RuntimeError("zero_optimizer: an optimizer is bound already (zero_optimizer or "
