@@ -881,3 +881,112 @@ def test_in_place_the_store_moves_twice_node_0_lost_then_node_1(tmp_path):
     assert joined == K + 2
     _samples_once(grown, complete=True)
     _assert_bit_for_bit(_final(grown), _clean_stops(clean, [(2, 1, K), (1, 1, K + 2), (1, 2, K + 3), (1, 1, None)]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One job a folder (issue #42): nodes lost and started again in either order, node 0 included. Every launcher that
+# survives a change says it in one line; a launcher started again joins the running job in place (a node that had
+# joined in place follows the store when node 0 goes, and so finds it again); the folder holds one job's
+# checkpoints, whose fence generations (train/fence.py) rise with each membership change.
+ANY_LEFT = (r"lockstep launch: node (\d) \(10\.201\.0\.\d\) left at step (\d+): world (\d+) -> (\d+) in ([\d.]+) s, "
+            r"0 steps lost$")
+ANY_JOINED = (r"lockstep launch: node (\d) \(10\.201\.0\.\d\) joined at step (\d+): world (\d+) -> (\d+) in ([\d.]+) s "
+              r"from its launch, the others paused ([\d.]+) s$")
+MOVED = r"lockstep launch: node 0 \(10\.201\.0\.1\) stopped answering; the workers moved their store to node 1"
+LOSSES = (2, 6)  # the steps after which the first and the second node to go pause (and are killed)
+
+
+def _fences(directory: str) -> list[tuple[int, str, int]]:
+    """(step, job, generation) of every checkpoint in ``directory``, by step."""
+    found = []
+    for name in os.listdir(directory):
+        if name.startswith("ckpt-") and name.endswith(".meta.json"):
+            with open(os.path.join(directory, name)) as f:
+                meta = json.load(f)
+            found.append((meta["step"], meta["fence"]["job"], meta["fence"]["generation"]))
+    return sorted(found)
+
+
+def _lose_each_node_and_start_it_again(directory: str, nproc: int, order: tuple[int, int]) -> dict:
+    """2 x ``nproc`` in place, a checkpoint every step. Node ``order[0]`` pauses after step LOSSES[0] and is killed
+    (every process); the other goes on alone and holds its first step until the first node's launcher, started
+    again with the same command, joins in place. Then node ``order[1]`` pauses after LOSSES[1], is killed, and is
+    started again the same way. Both launchers running at the end exit 0. Returns every launch's lines by role."""
+    port = 29600 + random.randrange(300)
+    hold = ["--hold-at-world", str(nproc), "--save-every", "1"]
+    pause = {node: ["--pause-at", str(LOSSES[order.index(node)]), "--pause-here"] for node in (0, 1)}
+    with netns.two_nodes() as namespaces:
+        def start(node: int, *extra: str) -> Launch:
+            return Launch(namespaces[node].command(_inplace_argv(node, nproc, port, directory, *hold, *extra)),
+                          clean_env())
+
+        launches = {0: start(0, *pause[0]), 1: start(1, *pause[1])}
+        everyone = list(launches.values())
+        seen: dict = {"left": [], "joined": [], "first": dict(launches)}
+        try:
+            for loss, node in enumerate(order):
+                other = 1 - node
+                _wait_file(os.path.join(directory, "paused"), 240, everyone)
+                _kill_node(launches[node])
+                left = _wait_lines(launches[other], ANY_LEFT, 1, INPLACE_BOUND_S + 30)[0]
+                os.remove(os.path.join(directory, "paused"))
+                seen["left"].append((int(left.group(1)), int(left.group(2))))
+                launches[node] = start(node)  # the same command, the pause already spent
+                everyone.append(launches[node])
+                joined = _wait_lines(launches[other], ANY_JOINED, loss + 1, 120)[-1]
+                seen["joined"].append((int(joined.group(1)), int(joined.group(2))))
+            for node in order:
+                assert launches[node].finish(240) == 0, launches[node].text()[-4000:]
+        finally:
+            _kill_the_rest(everyone)
+    seen["last"] = launches
+    return seen
+
+
+def _check_one_job(directory: str, clean: str, nproc: int, order: tuple[int, int], seen: dict) -> None:
+    first, second = order
+    (gone_1, lost_at_1), (gone_2, lost_at_2) = seen["left"]
+    assert (gone_1, gone_2) == order and (lost_at_1, lost_at_2) == LOSSES, seen
+    assert [node for node, _ in seen["joined"]] == list(order), seen
+    last, firsts = seen["last"], seen["first"]
+    # every launcher there at a change said it in one line: the first loss on the other node's first launch, the
+    # first return on it and on the returned launch; the second loss and return on the launch that came back
+    # first (node 1's, or node 0's when node 0 went first), and on the launch that came back last
+    survivor_1, returned_1 = firsts[second], last[first]
+    for launch, lines in ((survivor_1, [ANY_LEFT, ANY_JOINED]), (returned_1, [ANY_JOINED, ANY_LEFT, ANY_JOINED]),
+                          (last[second], [ANY_JOINED])):
+        text = "\n".join(launch.err)
+        for pattern in set(lines):
+            assert len(re.findall(pattern, text, re.M)) == lines.count(pattern), (pattern, text[-4000:])
+    if 0 in order:  # node 0 lost: the launcher that served nothing said where the store went
+        holder = survivor_1 if first == 0 else returned_1
+        assert re.search(MOVED, "\n".join(holder.err), re.M), "\n".join(holder.err)[-3000:]
+    everything = "\n".join(x.text() for x in [*firsts.values(), *last.values()])
+    assert "resumed from step" not in everything and "restarted" not in everything, everything[-4000:]
+    assert "joins the running job in place" in last[0].text() and "joins the running job in place" in last[1].text()
+    # one job's checkpoints, every step's, the generation rising with each of the four membership changes
+    fences = _fences(directory)
+    assert [s for s, _, _ in fences] == list(range(1, STEPS + 1)), fences
+    assert len({job for _, job, _ in fences}) == 1, fences
+    generations = [g for _, _, g in fences]
+    assert generations == sorted(generations) and generations[0] == 1 and generations[-1] == 5, fences
+    _samples_once(directory, complete=True)
+    joined_at = [step for _, step in seen["joined"]]
+    stops = [(2, nproc, LOSSES[0]), (1, nproc, joined_at[0]), (1, 2 * nproc, LOSSES[1]), (1, nproc, joined_at[1]),
+             (1, 2 * nproc, None)]
+    _assert_bit_for_bit(_final(directory), _clean_stops(clean, stops))
+
+
+@needs_netns
+@pytest.mark.parametrize("nproc, order", [(1, (1, 0))] + [pytest.param(n, o, marks=heavy) for n, o in
+                                                         [(2, (1, 0)), (1, (0, 1)), (2, (0, 1))]])
+def test_nodes_lost_and_started_again_in_either_order_make_one_job(tmp_path, nproc, order):
+    """Issue #42's sequence (node 1 lost and back in place, then node 0 lost and started again: it began a second
+    job into the same folder) and its mirror, at 2 x 1 (default level) and 2 x 2 (heavy): one job throughout,
+    bit for bit with the clean stops and resumes."""
+    grown, clean = str(tmp_path / "grown"), str(tmp_path / "clean")
+    os.makedirs(grown)
+    os.makedirs(clean)
+    seen = _lose_each_node_and_start_it_again(grown, nproc, order)
+    print(f"order {order}: left {seen['left']}, joined {seen['joined']}; fences {_fences(grown)}")
+    _check_one_job(grown, clean, nproc, order, seen)

@@ -3,6 +3,9 @@
 Arguments: OUT_DIR [--max-steps N] [--pause-at STEP] [--pause-rank R] [--step-sleep S] [--alarms N]
 ``--pause-at``: after step STEP, launch rank R (default 2: the first rank of node 1 when nodes run 2 each)
 writes OUT_DIR/paused and sleeps, so a test can kill node 1 while the others wait in step STEP + 1.
+``--pause-here``: the pausing rank is this launch's first (LOCAL_RANK 0), whatever its launch rank (a node that
+joined in place has ranks numbered after the others'). ``--save-every N``: a checkpoint every N steps (the
+fence's generations, train/fence.py).
 ``--pause-in-final-save``: rank R does so as the save after the last epoch starts (the others wait in its
 collectives).
 ``--alarms N``: rank 0 raises the in-place alarm after every step until the group re-formed N times: every rank
@@ -72,6 +75,8 @@ def main():
     p.add_argument("--hold-at-world", type=int, default=None)
     p.add_argument("--refuse-joins", action="store_true")
     p.add_argument("--note-joins", action="store_true", help="rank 0 writes OUT_DIR/join-ready in --step-sleep")
+    p.add_argument("--pause-here", action="store_true", help="--pause-rank is this launch's LOCAL_RANK 0")
+    p.add_argument("--save-every", type=int, default=None)
     p.add_argument("--pause-in-final-save", action="store_true", help="pause rank --pause-rank in the last save")
     args = p.parse_args()
     env = lockstep.init()
@@ -81,7 +86,8 @@ def main():
         model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
         cfg = TrainerConfig(epochs=args.epochs, batch_size=BATCH, global_batch=GLOBAL_BATCH, warmup_steps=3, seed=5,
-                            checkpoint_dir=args.directory, save_every_steps=None, keep_last=100, progress=False,
+                            checkpoint_dir=args.directory, save_every_steps=args.save_every, keep_last=100,
+                            progress=False,
                             resume=True, max_steps=args.max_steps,
                             sample_log_path=os.path.join(args.directory, f"samples-{pid}.jsonl"))
         sizes, held = [], []
@@ -98,7 +104,8 @@ def main():
                 trainer._inplace.store.delete_key(inplace.ACCEPTS_JOINS_KEY)
             if trainer.rank == 0 and generation < args.alarms:
                 trainer._inplace.raise_alarm()  # once per generation (the first raise is kept)
-            if args.pause_at == trainer.step and launch_rank == args.pause_rank:
+            pauser = os.environ.get("LOCAL_RANK") == "0" if args.pause_here else launch_rank == args.pause_rank
+            if args.pause_at == trainer.step and pauser:
                 open(os.path.join(args.directory, "paused"), "w").close()
                 time.sleep(3600)  # until the test kills this node
             if args.hold_at_world == trainer.world_size and generation not in held:  # once per re-formation

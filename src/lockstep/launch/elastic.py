@@ -135,10 +135,13 @@ def describe_in_place(record: dict, nodes: list[dict], nproc: int) -> tuple[str,
 class InPlaceReport(threading.Thread):
     """Prints a line for each in-place re-formation the workers record in their store, and hands the nodes that
     left to ``on_left`` (the rendezvous handler forgets them), those that joined to ``on_joined``. Polled every
-    0.2 s on a client of its own."""
+    0.2 s on a client of its own. ``generation`` None (a launcher that joined a running job): from the first
+    record after the newest one in the store (the workers keep its number under ``/latest``). A generation whose
+    record never came (the group re-formed again before its first step) is passed over once a later one is there.
+    """
 
     def __init__(self, host: str, port: int, nodes: list[dict], nproc: int, on_left, on_joined=None,
-                 generation: int = 1):
+                 generation: int | None = 1):
         super().__init__(name="lockstep-inplace-report", daemon=True)
         self.host, self.port, self.nodes, self.nproc, self.on_left = host, port, nodes, nproc, on_left
         self.on_joined = on_joined
@@ -150,21 +153,29 @@ class InPlaceReport(threading.Thread):
 
         try:
             store = connect(self.host, self.port, 10)
+            if self.generation is None and store.check([f"{INPLACE_REPORT_KEY}/latest"]):
+                self.generation = int(store.get(f"{INPLACE_REPORT_KEY}/latest")) + 1
             while not self.stop.wait(0.2):
-                key = f"{INPLACE_REPORT_KEY}/{self.generation}"
-                if not store.check([key]):
-                    continue
-                record = json.loads(store.get(key))
-                line, named = describe_in_place(record, self.nodes, self.nproc)
-                print(f"lockstep launch: {line}", file=sys.stderr, flush=True)
-                if record.get("joined"):
-                    if self.on_joined is not None:
-                        self.on_joined(named)
-                else:
-                    self.on_left(named)
-                self.generation += 1
+                latest = (int(store.get(f"{INPLACE_REPORT_KEY}/latest"))
+                          if store.check([f"{INPLACE_REPORT_KEY}/latest"]) else None)
+                if self.generation is None:
+                    self.generation = latest  # None until the first record after this launcher joined
+                while self.generation is not None and latest is not None and self.generation <= latest:
+                    key = f"{INPLACE_REPORT_KEY}/{self.generation}"
+                    if store.check([key]):
+                        self._say(json.loads(store.get(key)))
+                    self.generation += 1
         except Exception:  # the round ended (its store gone)
             pass
+
+    def _say(self, record: dict) -> None:
+        line, named = describe_in_place(record, self.nodes, self.nproc)
+        print(f"lockstep launch: {line}", file=sys.stderr, flush=True)
+        if record.get("joined"):
+            if self.on_joined is not None:
+                self.on_joined(named)
+        else:
+            self.on_left(named)
 
 
 def report_resume(step: int | None, world_size: int, from_world_size: int | None = None) -> None:

@@ -134,6 +134,8 @@ class LockstepRendezvous(RendezvousHandler):
         self._probe: EndpointProbe | None = None  # after a move: writes the running round into a node 0 come back
         self._token = ""  # the round's workers' store token: names this round's keys in a store moved to
         self._started_at = _process_start_time()  # the launcher's start: a join line counts from it
+        self.job_id = ""  # the job's id (``_set_job_id``; a node that joins in place takes the running job's)
+        self._store_node = 0  # the node rank whose agent serves the workers' store now (a standby after a move)
 
     # ------------------------------------------------------------------ the round
     def next_rendezvous(self) -> RendezvousInfo:
@@ -166,6 +168,7 @@ class LockstepRendezvous(RendezvousHandler):
             self._worker_store = _serve(host, 0, "workers' store (MASTER_PORT)")
             store.set("lockstep/worker_store", json.dumps({"port": self._worker_store.port, "token": uuid.uuid4().hex}))
         meta = json.loads(store.get("lockstep/worker_store"))
+        self._set_job_id()
         if not self.single:
             self._watchdog = Liveness((self.master_addr, self.master_port), f"lockstep/alive/{meta['token']}",
                                        self.node_rank, nodes, self.node_timeout_s, self._lose,
@@ -185,6 +188,15 @@ class LockstepRendezvous(RendezvousHandler):
             self._start_in_place_round(store, nodes, master, int(meta["port"]))
         return RendezvousInfo(self._round[0], self.group_rank, world_size,
                               RendezvousStoreInfo(master, int(meta["port"])))
+
+    def _set_job_id(self) -> None:
+        """The job's id for the workers (the run folder's fence, train/fence.py): made once by node 0's agent in
+        its rendezvous store, so the same for every node, round and restart of this launch; a node that joins in
+        place takes the running job's (``_join_running``)."""
+        if self.node_rank == 0:
+            self._store.compare_set(elastic.JOB_KEY, "", uuid.uuid4().hex[:12])
+        self.job_id = self._store.get(elastic.JOB_KEY).decode()
+        os.environ[elastic.JOB_ENV] = self.job_id
 
     def _before_in_place_round(self) -> RendezvousInfo | None:
         """In place, before torch's round: this node's standby store; a node that was never in torch's round joins
@@ -220,7 +232,9 @@ class LockstepRendezvous(RendezvousHandler):
                                                       self._joined_in_place)
         self._in_place_report.start()
         # a node that starts now joins these workers (``_join_running``): node 0 records them
-        self._running = {"addr": master, "port": port, "base": len(nodes) * self.nproc}
+        self._store_node = nodes[0]["node_rank"]
+        self._running = {"addr": master, "port": port, "base": len(nodes) * self.nproc, "job": self.job_id,
+                         "round_nodes": nodes, "store_node": self._store_node}
         self._publish_round()
 
     # ------------------------------------------------------------------ joining a running in-place round
@@ -233,9 +247,11 @@ class LockstepRendezvous(RendezvousHandler):
         return {**self._running, "nodes": self._last_nodes or []}
 
     def _publish_round(self) -> None:
-        """Node 0 records the running round in its store; after a move the endpoint probe writes it into a store
-        that answers at node 0's endpoint again (``_moved_to``)."""
-        if self.node_rank == 0 and self._running is not None and self._moved is None:
+        """Node 0's agent records the running round in the store it serves at the job's endpoint (--master-addr,
+        --master-port), on every change, whether the workers' store moved or not (a node 0 that came back and
+        joined serves a new one there); while node 0 is gone the lowest surviving node's endpoint probe writes it
+        into a store that answers there again (``_moved_to``)."""
+        if self.node_rank == 0 and self._running is not None:
             self._store.set(self._round_key(), json.dumps(self._running_round()))
 
     def _await_running_round(self) -> None:
@@ -247,7 +263,7 @@ class LockstepRendezvous(RendezvousHandler):
     def _find_standby(self) -> tuple[str, int] | None:
         """The liveness thread, once the store has not answered for a while: did the workers move their store
         to a standby (train/inplace.py's takeover)? The agents follow them there; None: they did not (yet)."""
-        gone = self._moved["node_rank"] if self._moved is not None else self._round_nodes[0]["node_rank"]
+        gone = self._store_node
         for node in sorted(self._last_nodes or [], key=lambda n: n["node_rank"]):
             if node["node_rank"] != gone and "standby" in node and holds(node["addr"], node["standby"],
                                                                             elastic.INPLACE_TAKEOVER_KEY):
@@ -262,7 +278,7 @@ class LockstepRendezvous(RendezvousHandler):
         old = next((n for n in self._round_nodes if n["node_rank"] == gone), {"addr": "?"})
         print(f"lockstep launch: node {gone} ({old['addr']}) stopped answering; the workers moved their store to "
               f"node {node['node_rank']} ({addr}:{port}) and go on in place", file=sys.stderr, flush=True)
-        self._moved = node
+        self._moved, self._store_node = node, node["node_rank"]
         for thread in (self._poller, self._in_place_report):
             if thread is not None:
                 thread.stop.set()
@@ -272,15 +288,17 @@ class LockstepRendezvous(RendezvousHandler):
         if self._relay is not None:
             self._relay.move(dist.PrefixStore(f"lockstep/exit/{self._token}", connect(addr, port, 10)))
         assert self._running is not None
-        self._running = {**self._running, "addr": addr, "port": port, "moved_from": gone}
+        self._running = {**self._running, "addr": addr, "port": port, "moved_from": gone,
+                         "store_node": node["node_rank"]}
         generation = self._in_place_report.generation if self._in_place_report is not None else 1
         self._in_place_report = elastic.InPlaceReport(addr, port, self._round_nodes, self.nproc, self._left_in_place,
                                                       self._joined_in_place, generation)
         self._in_place_report.start()
         lead = min(n["node_rank"] for n in self._last_nodes or [] if n["node_rank"] != gone)
-        if lead == self.node_rank:
+        if lead == self.node_rank and self.node_rank != 0:  # node 0 itself (come back) serves the endpoint's store
             self._probe = EndpointProbe((self.master_addr, self.master_port), self._round_key(), self._running_round)
             self._probe.start()
+        self._publish_round()
 
     def _join_running(self) -> RendezvousInfo | None:
         """A round runs in place and its workers admit newcomers: join it without torch's rendezvous (which would
@@ -324,9 +342,36 @@ class LockstepRendezvous(RendezvousHandler):
         print(f"lockstep launch: node {self.node_rank} joins the running job in place (workers' store "
               f"{addr}:{running['port']}); its ranks start at the others' next step boundary",
               file=sys.stderr, flush=True)
-        # a round of its own, rank 0 of 1: torch's rank assignment and exit barrier wait for nobody else
-        own = dist.PrefixStore(f"lockstep/{self._params.run_id}/joined/{uuid.uuid4().hex}", self._store)
-        return RendezvousInfo(own, 0, 1, RendezvousStoreInfo(addr, int(running["port"])))
+        self._follow_running(running, addr, int(running["port"]))
+        # a round of its own, rank 0 of 1: torch's rank assignment and exit barrier wait for nobody else; through a
+        # relay that follows the workers' store if it moves (node 0's rendezvous store may go with node 0)
+        own = dist.PrefixStore(f"lockstep/{self._params.run_id}/joined/{self._token}", self._store)
+        self._relay = _Relay(own)
+        self._round = (self._relay, 1)
+        return RendezvousInfo(self._relay, 0, 1, RendezvousStoreInfo(addr, int(running["port"])))
+
+    def _follow_running(self, running: dict, addr: str, port: int) -> None:
+        """A node that joined in place takes part as the others' agents do: the job's id for its workers, a line
+        for each membership change, following the workers' store when it moves (node 0 lost: the moved line, and
+        on the lowest surviving node the endpoint probe or, on node 0, the record in its own store), so that a
+        node that comes back later finds the running job whoever was lost."""
+        self.job_id = running.get("job") or self.job_id
+        if self.job_id:
+            os.environ[elastic.JOB_ENV] = self.job_id
+        self._token = uuid.uuid4().hex  # names this agent's own exit barrier (``_Relay``) in a store moved to
+        self._round_nodes = running.get("round_nodes") or running["nodes"]
+        self._last_nodes = sorted(running["nodes"], key=lambda n: n["node_rank"])  # this node once admitted
+        self._store_node = int(running.get("store_node", 0))
+        self._running = {k: v for k, v in running.items() if k != "nodes"}
+        self._publish_round()
+        self._in_place_report = elastic.InPlaceReport(addr, port, self._round_nodes, self.nproc, self._left_in_place,
+                                                      self._joined_in_place, generation=None)
+        self._in_place_report.start()
+        # beats in the workers' store itself (this node is in no torch round); judges no other node: the workers'
+        # own heartbeats do that. Its part is the store: gone, it finds the standby the workers moved to
+        self._watchdog = Liveness((addr, port), f"lockstep/agent_alive/{self._token}", self.node_rank, [],
+                                  self.node_timeout_s, self._lose, self._find_standby)
+        self._watchdog.start()
 
     def _check_layout(self) -> None:
         """Nodes with different --nnodes never complete torch's round (each waits for its own count): the
@@ -408,7 +453,9 @@ class LockstepRendezvous(RendezvousHandler):
         remaining = [n for n in self._last_nodes or [] if n["node_rank"] not in {m["node_rank"] for m in left}]
         self._last_nodes = remaining  # the next round's line compares with the nodes really there
         self._publish_round()  # a node that left may come back in place
-        if self._round is not None and remaining and self.node_rank == remaining[0]["node_rank"]:
+        # a joined agent's exit barrier is its own (a round of one): it checks in for nobody
+        if self._round is not None and not self.joined_in_place and remaining \
+                and self.node_rank == remaining[0]["node_rank"]:
             store, size = self._round
             for _ in left:
                 _barrier_nonblocking(store, size, _TERMINAL_STATE_SYNC_ID)
@@ -416,7 +463,8 @@ class LockstepRendezvous(RendezvousHandler):
     def _joined_in_place(self, joined: list[dict]) -> None:
         """The workers admitted ``joined``: the next round's line compares with the nodes really there; node 0
         records them as running (a second start of one of them is refused)."""
-        self._last_nodes = sorted([*(self._last_nodes or []), *joined], key=lambda n: n["node_rank"])
+        there = {n["node_rank"]: n for n in [*(self._last_nodes or []), *joined]}  # a node 0 back replaces its old self
+        self._last_nodes = [there[k] for k in sorted(there)]
         self._publish_round()
 
     def take_stop_reason(self) -> str | None:

@@ -571,6 +571,7 @@ class InPlaceGroup:
         if outcome.joined:  # from the newcomers' launcher start; and what the grow cost the others
             record["seconds"], record["paused"] = now - (outcome.joiners_t0 or now), now - outcome.alarm_at
         self.store.set(f"{REPORT_KEY}/{outcome.generation}", json.dumps(record))
+        self.store.set(f"{REPORT_KEY}/latest", str(outcome.generation))  # where a launcher that joined starts
 
 
 @dataclass(frozen=True)
