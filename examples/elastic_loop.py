@@ -8,7 +8,9 @@
 What differs from a fixed-size loop is two calls (docs/preemptible.md):
   accum = lockstep.accumulation_steps(GLOBAL_BATCH, BATCH)       # micro-batches per step at this world size
   lockstep.resume(sampler, checkpoint["sampler"], checkpoint["step"])  # the epoch goes on where it stopped
-and the checkpoint keeps the sampler's (global) state, written by rank 0 after an optimizer step.
+and the checkpoint keeps the sampler's (global) state, written by rank 0 after an optimizer step. Run again, it
+resumes from that checkpoint, rank 0 says where in one line, and a run whose checkpoint is its last step says so
+and exits 0.
 """
 
 import argparse
@@ -50,15 +52,12 @@ def main():
         accum = lockstep.accumulation_steps(GLOBAL_BATCH, BATCH)  # call 1: 8 at 1 rank, 4 at 2, 2 at 4
         step, epoch, path = 0, 0, os.path.join(args.directory, "checkpoint.pt")
         if os.path.exists(path):
-            checkpoint = torch.load(path, weights_only=True)
-            model.module.load_state_dict(checkpoint["model"])
-            optimizer.load_state_dict(checkpoint["optimizer"])
-            step, epoch = checkpoint["step"], checkpoint["epoch"]
-            sampler.set_epoch(epoch)
-            lockstep.resume(sampler, checkpoint["sampler"], step)  # call 2: at whatever world size this is
-            if env.rank == 0:
-                print(f"resumed from step {step} (epoch {epoch + 1}) at world size {env.world_size}, "
-                      f"{accum} micro-batches per step; saved by {checkpoint['sampler']['num_replicas']} ranks")
+            step, epoch = resume_from(path, model, optimizer, sampler, accum, env)
+            left = nothing_left(step, epoch, args)
+            if left:  # every rank read the same checkpoint: all of them stop here, together
+                if env.rank == 0:
+                    print(left)
+                return
 
         while epoch < args.epochs:
             sampler.set_epoch(epoch)  # keeps a resumed position when it is the epoch just loaded
@@ -85,6 +84,32 @@ def main():
                 print(f"epoch {epoch} done at step {step}, loss {loss.item():.4f}")
     finally:
         lockstep.shutdown()
+
+
+def resume_from(path, model, optimizer, sampler, accum, env):
+    """Load the checkpoint; rank 0 says where the run resumes. Returns (step, the epoch to train next)."""
+    checkpoint = torch.load(path, weights_only=True)
+    model.module.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    step, epoch = checkpoint["step"], checkpoint["epoch"]
+    sampler.set_epoch(epoch)
+    position = lockstep.resume(sampler, checkpoint["sampler"], step)  # call 2: at whatever world size this is
+    # A checkpoint written at an epoch's last step has all of it consumed: that epoch is done, the next one is due.
+    done = position >= len(sampler.dataset)
+    where = f"epoch {epoch + 1} done" if done else f"epoch {epoch + 1}, sample {position} of {len(sampler.dataset)}"
+    if env.rank == 0:
+        print(f"resumed from step {step} ({where}) out of {path}: world size {env.world_size}, {accum} micro-batches "
+              f"per step; saved by {checkpoint['sampler']['num_replicas']} ranks")
+    return step, epoch + 1 if done else epoch
+
+
+def nothing_left(step, epoch, args):
+    """Why a resumed run has nothing to train (its checkpoint is the final one), or "" when it has."""
+    if args.max_steps is not None and step >= args.max_steps:
+        return f"nothing to train: the checkpoint is at step {step}, --max-steps {args.max_steps}; raise it to go on"
+    if epoch >= args.epochs:
+        return f"nothing to train: the checkpoint finished epoch {epoch} of --epochs {args.epochs}; raise it to go on"
+    return ""
 
 
 if __name__ == "__main__":

@@ -120,11 +120,30 @@ def test_elastic_loop_goes_on_at_another_world_size(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
-    assert "resumed from step 20 (epoch 1) at world size 1, 8 micro-batches per step; saved by 2 ranks" in text
+    assert (f"resumed from step 20 (epoch 1, sample 1280 of 1792) out of {ckpt / 'checkpoint.pt'}: world size 1, "
+            "8 micro-batches per step; saved by 2 ranks") in text
     # 28 steps per epoch, kept; epochs 1-based as the Trainer prints them
     assert "epoch 1 done at step 28" in text and "epoch 2 done at step 56" in text and "epoch 0" not in text
     state = torch.load(ckpt / "checkpoint.pt", weights_only=True)
     assert state["step"] == 55 and state["sampler"]["num_replicas"] == 1
+
+
+def test_elastic_loop_run_again_resumes_from_its_final_checkpoint_and_has_nothing_to_train(tmp_path):
+    # The issue's repro: 5 epochs of 28 steps end on a checkpoint step (every 5th: 140), so the second run loads a
+    # checkpoint whose epoch is all consumed. It crashed in rank 0's epoch line (UnboundLocalError: 'loss', nothing
+    # was trained) and the launcher spent every restart on it; now it says where it resumed and that it is done.
+    ckpt = tmp_path / "ckpt"
+    command = [*LOCKSTEP_LAUNCH, "--max-restarts", "3", "examples/elastic_loop.py", str(ckpt), "--epochs", "5"]
+    assert "epoch 5 done at step 140" in _run(command)
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[rank0]: ")]
+    assert lines == [
+        f"[rank0]: resumed from step 140 (epoch 5 done) out of {ckpt / 'checkpoint.pt'}: world size 2, 4 micro-batches "
+        "per step; saved by 2 ranks",
+        "[rank0]: nothing to train: the checkpoint finished epoch 5 of --epochs 5; raise it to go on"], proc.stdout
+    assert "Traceback" not in proc.stderr and "restarting" not in proc.stderr, proc.stderr
+    assert torch.load(ckpt / "checkpoint.pt", weights_only=True)["step"] == 140  # nothing trained, nothing written
 
 
 def test_elastic_loop_names_a_directory_it_cannot_create(tmp_path):
