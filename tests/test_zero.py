@@ -14,6 +14,7 @@ shards travel in fewer broadcasts than torch's. One spawned group (~60 s on 2 co
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -187,8 +188,18 @@ def _checkpoints(rank):
     return out
 
 
+def _by_keyword(rank):
+    """Every argument by keyword, ``params=`` too, as torch's class takes them: the same bits as torch's built so."""
+    kwargs = dict(optimizer_class=torch.optim.AdamW, process_group=None, parameters_as_bucket_view=False,
+                  overlap_with_ddp=False, lr=1e-3)
+    ours, _, _ = _run(rank, lambda ps: LockstepZero(params=ps, **kwargs), steps=3)
+    theirs, _, _ = _run(rank, lambda ps: ZeroRedundancyOptimizer(params=ps, **kwargs), steps=3)
+    return _same(ours, theirs)
+
+
 def _lockstep_zero_cases(rank):
-    out = {"exact": _exactness(rank), "checkpoints": _checkpoints(rank), "slices": _slices(rank)}
+    out = {"exact": _exactness(rank), "checkpoints": _checkpoints(rank), "slices": _slices(rank),
+           "by_keyword": _by_keyword(rank)}
     for view in (False, True):  # over torch's DDP too, as a drop-in for torch's class
         ours, _, _ = _run(rank, lambda ps: LockstepZero(ps, optimizer_class=torch.optim.AdamW, lr=1e-3,
                                                         parameters_as_bucket_view=view), steps=10, model=TorchDDP(_model()))
@@ -283,6 +294,13 @@ def test_lockstep_zero_issues_fewer_collectives(all_results):
         assert ours["broadcast"] == 2 and ours["all_gather"] == ours["all_gather_into_tensor"] == 0, ours
         assert theirs["broadcast"] == (2 if view else 6), theirs  # one per rank, or one per parameter
     # Without bucket views: this small model's parameters (all under DIRECT_BYTES) go in one buffer a rank
+
+
+def test_lockstep_zero_takes_every_argument_by_keyword_as_torchs_class(all_results):
+    # the same names, kinds and defaults as torch's signature, so any call torch's class takes is taken here
+    ours, theirs = (inspect.signature(cls).parameters.values() for cls in (LockstepZero, ZeroRedundancyOptimizer))
+    assert [(p.name, p.kind, p.default) for p in ours] == [(p.name, p.kind, p.default) for p in theirs]
+    assert all(r["lockstep_zero"]["by_keyword"] for r in all_results)  # params=..., optimizer_class=...: torch's bits
 
 
 def test_overlap_with_ddp_is_refused_in_one_line():

@@ -299,6 +299,7 @@ def _errors(rank: int) -> dict:
     attempt("stage1", lambda: ddp().zero_optimizer(torch.optim.SGD, stage=1, lr=0.1))
     attempt("stage3", lambda: ddp().zero_optimizer(torch.optim.SGD, stage=3, lr=0.1))
     attempt("stage4", lambda: ddp().zero_optimizer(torch.optim.SGD, stage=4, lr=0.1))
+    attempt("params", lambda: ddp().zero_optimizer(torch.optim.SGD, params=[nn.Parameter(torch.ones(1))], lr=0.1))
     attempt("bucket_view", lambda: ddp(gradient_as_bucket_view=True).zero_optimizer(torch.optim.SGD, lr=0.1))
     attempt("lbfgs", lambda: ddp().zero_optimizer(torch.optim.LBFGS, lr=0.1))
     attempt("instance", lambda: ddp().zero_optimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)))
@@ -454,6 +455,9 @@ def test_refusals_are_one_line_and_name_the_argument(results):
                            "this method is stage=2"), e["stage3"]
     assert e["stage4"] == "zero_optimizer: stage must be 2 (ZeRO-2; 1 is lockstep.ZeroRedundancyOptimizer, 3 is " \
                           "FSDP: torch.distributed.fsdp), got 4", e["stage4"]
+    # ZeRO-1's params= given here reached SGD itself: "SGD.__init__() got multiple values for argument 'params'"
+    assert e["params"].startswith("zero_optimizer: params= is not an argument"), e["params"]
+    assert "lockstep.ZeroRedundancyOptimizer(params=..., optimizer_class=...)" in e["params"], e["params"]
     assert "gradient_as_bucket_view=False" in e["bucket_view"]
     assert "LBFGS" in e["lbfgs"]
     assert "optimizer_class" in e["instance"]

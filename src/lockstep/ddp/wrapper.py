@@ -475,7 +475,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             stage: 2 (1 is ``lockstep.ZeroRedundancyOptimizer``).
             **defaults: the optimizer's arguments (``lr=...``), one parameter group.
         """
-        self._check_zero(stage)
+        self._check_zero(stage, defaults)
         shards = ZeroShards(self.process_group, self.reducer.buckets[0].plan.device, observer_of(self.reducer))
         shards.check_hook(self.reducer.comm_hook, self.reducer.fused)
         check_optimizer_class(optimizer_class)
@@ -484,8 +484,13 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
                                         shards.finish)
         return ZeroOptimizer(shards, optimizer_class, self.reducer.params, list(self.module.parameters()), defaults)
 
-    def _check_zero(self, stage: int) -> None:
+    def _check_zero(self, stage: int, defaults: dict[str, Any]) -> None:
         """What ZeRO-2 refuses, each with a one-line reason naming the argument."""
+        if "params" in defaults:  # ZeRO-1's form: it would reach optimizer_class as a second params (a raw TypeError)
+            raise TypeError("zero_optimizer: params= is not an argument: ZeRO-2 steps the parameters of the model this "
+                            "DDP wraps (each rank its shard of the buckets); give optimizer_class and its settings "
+                            "(lr=...) only. A list of parameters is lockstep.ZeroRedundancyOptimizer(params=..., "
+                            "optimizer_class=...) (ZeRO-1)")
         if stage == 1:
             raise ValueError("zero_optimizer: stage=1 is lockstep.ZeroRedundancyOptimizer(params, optimizer_class, "
                              "...) (torch's API); this method is stage=2")
