@@ -21,8 +21,9 @@ every iteration times one step of each entry in a rotating order, each after a b
                        as torchrun sets them)
     lockstep_flat      lockstep's DDP with hierarchical_all_reduce=False: the flat ring over every rank
     lockstep_overlap   lockstep's DDP with model.overlap_optimizer_step(opt) (skipped, saying so, where it is missing)
-    lockstep_zero2     lockstep's DDP with model.zero_optimizer(SGD, stage=2): gloo's default pair (two all-reduces);
-                       lockstep_zero2_flat with reduce_scatter / all_gather (DDP's bytes); timed as lockstep_overlap
+    lockstep_zero2     lockstep's DDP with model.zero_optimizer(SGD, stage=2): gloo's default pair (two all-reduces,
+                       2 x DDP's bytes); lockstep_zero2_flat with reduce_scatter / all_gather, 1.5 x DDP's bytes on
+                       gloo (its reduce-scatter sends what a whole all-reduce sends); timed as lockstep_overlap
 
 A DDP step can start sending only after its forward, so its limit is max(compute, forward + all-reduce)
 (the *DDP limit*); a step that also overlapped the next forward with the wire could reach max(compute,
@@ -44,7 +45,8 @@ contender also runs one more step with node 0's veth counter sampled every 0.5 m
 results say how long the wire idled in that step and in which phase (forward, backward, optimizer step).
 
 After the timing, each entry runs once more between two reads of node 0's veth counter (``tx_bytes``, rank 0):
-the bytes node 0 sent over the link in that call (TCP/IP headers included), reported beside the gradients' bytes.
+the bytes node 0 sent over the link per step (TCP/IP headers included; the overlapped entries' call is
+``STEPS_PER_CALL`` steps, divided out), reported beside the gradients' bytes.
 """
 
 from __future__ import annotations
@@ -77,9 +79,14 @@ MEASURES = ("forward", "compute", "allreduce", "allreduce_fp16")
 CONTENDERS = ("floor", "torch", "torch_fp16", "torch_powersgd", "lockstep", "lockstep_flat", "lockstep_auto",
               "lockstep_fp16", "lockstep_powersgd", "lockstep_overlap", "lockstep_zero2", "lockstep_zero2_flat")
 # ZeRO-2 (issue #36): its parameters' all-gathers are waited for in the next forward, so it is timed as the
-# overlapped step is (steady-state steps back to back); _flat forces gloo's reduce_scatter / all_gather pair (the
-# bytes DDP sends), the default on gloo being two all-reduces (ddp/zero2.py says why)
+# overlapped step is (steady-state steps back to back); _flat forces gloo's reduce_scatter / all_gather pair, the
+# default on gloo being two all-reduces (ddp/zero2.py says why). Bytes a step, as a multiple of DDP's: the default 2;
+# the flat pair 1.5, not DDP's 1: gloo's reduce_scatter_tensor sends what a whole all-reduce sends, its all-gather
+# half that (2 gloo ranks on loopback, torch 2.13: 2.00 and 1.00 x the buffer against the all-reduce's 2.01;
+# benchmarks/results/link-2026-11-26-125333.md: 6.01 and 4.51 x over a three-step call)
 ZERO2 = ("lockstep_zero2", "lockstep_zero2_flat")
+# Steps one call of an entry runs (_overlapped_steps: three); the others' call is one step
+STEPS_PER_CALL = {"lockstep_overlap": 3, **dict.fromkeys(ZERO2, 3)}
 POWERSGD_START = 2  # start_powerSGD_iter: torch's needs > 1 with error feedback; warm-up adds these steps
 OVERLAP_PROBE_STEPS = 2  # overlap_optimizer_step measures the link over its first two rounds
 ONE_BUCKET_MB = 1 << 20  # a cap no model here reaches
@@ -298,7 +305,7 @@ def _runner(name: str, model, opt, x, y, flat: torch.Tensor) -> Callable[[], flo
 
 
 def _overlapped_steps(model, opt, x, y) -> float:
-    """Three steps back to back, the last two timed (per step); then ``finish_step()``.
+    """Three steps back to back (``STEPS_PER_CALL``), the last two timed (per step); then ``finish_step()``.
 
     Under overlap_optimizer_step a step returns with its buckets still on the wire and the next forward waits
     for them, so a step timed alone is too cheap, and its tail would slow whatever runs next in the rotation.
@@ -318,6 +325,11 @@ def _overlapped_steps(model, opt, x, y) -> float:
 def _tx_bytes_path() -> Path:
     """Node 0's veth counter of bytes sent (the interface gloo uses, GLOO_SOCKET_IFNAME)."""
     return Path("/sys/class/net") / os.environ.get("GLOO_SOCKET_IFNAME", "") / "statistics" / "tx_bytes"
+
+
+def per_step(nbytes_per_call: dict[str, int]) -> dict[str, int]:
+    """Bytes a call of each entry sent, as bytes a step (``STEPS_PER_CALL``): what the line compares with DDP's."""
+    return {name: round(n / STEPS_PER_CALL.get(name, 1)) for name, n in nbytes_per_call.items()}
 
 
 def _link_nbytes(run: Callable[[], object]) -> int:
@@ -380,7 +392,7 @@ def _measure_model(kind: str, cfg: dict, rank: int) -> dict:
                 chosen_mb[name] = tuned.result["chosen_mb"]
     result.update(table=link_table(summary["block_medians_ms"], numel * 4, dist.get_world_size(), chosen_mb),
                   block_medians_ms=summary["block_medians_ms"],
-                  link_nbytes={name: _link_nbytes(run) for name, run in runs.items()})
+                  link_nbytes_per_step=per_step({name: _link_nbytes(run) for name, run in runs.items()}))
     hier = getattr(getattr(built.get("lockstep", (None,))[0], "reducer", None), "hierarchy", None)
     result["lockstep_hierarchical"] = hier is not None
     if cfg.get("trace"):
@@ -617,13 +629,13 @@ def _rate_markdown(rate: str, r: dict, args) -> list[str]:
 
 
 def _link_bytes_line(res: dict) -> str:
-    """Node 0's bytes over the link in one call of each entry, as a multiple of the gradients' bytes."""
-    sent = res.get("link_nbytes") or {}
+    """Node 0's bytes over the link in one step of each entry, as a multiple of the gradients' bytes."""
+    sent = res.get("link_nbytes_per_step") or {}
     cells = [f"{name} {n / 1e6:.1f} MB ({n / res['nbytes']:.2f} x)" for name, n in sent.items()
              if name not in ("forward", "compute")]
     hier = "hierarchical" if res.get("lockstep_hierarchical") else "flat"
-    return (f"Bytes node 0 sent over the link in one call (x the gradients' {res['nbytes'] / 1e6:.1f} MB; lockstep's "
-            f"default was {hier} here; lockstep_overlap's call is three steps): " + ", ".join(cells) + ".")
+    return (f"Bytes node 0 sent over the link in one step (x the gradients' {res['nbytes'] / 1e6:.1f} MB; lockstep's "
+            f"default was {hier} here): " + ", ".join(cells) + ".")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -136,12 +136,26 @@ def test_chrome_trace_puts_compute_first_and_times_from_the_first_span(link):
 
 
 def test_link_bytes_line_gives_each_entry_as_a_multiple_of_the_gradients(link):
-    res = {"nbytes": 41_000_000, "lockstep_hierarchical": True,
-           "link_nbytes": {"forward": 0, "allreduce": 61_500_000, "lockstep": 41_100_000, "lockstep_flat": 61_500_000}}
+    res = {"nbytes": 41_000_000, "lockstep_hierarchical": True, "link_nbytes_per_step": link.per_step(
+        {"forward": 0, "allreduce": 61_500_000, "lockstep": 41_100_000, "lockstep_flat": 61_500_000})}
     line = link._link_bytes_line(res)
     assert "lockstep's default was hierarchical here" in line
     assert line.endswith("allreduce 61.5 MB (1.50 x), lockstep 41.1 MB (1.00 x), lockstep_flat 61.5 MB (1.50 x).")
     assert "lockstep_flat" in link.CONTENDERS  # the flat ring beside the hierarchical default
+
+
+def test_link_bytes_are_per_step_where_a_call_runs_three_steps(link):
+    # benchmarks/results/link-2026-11-26-125333.md's bytes a call (the 10.26M MLP, 1 rank per node): ZeRO-2's call
+    # runs three steps (_overlapped_steps), and the line gave it as 6.01 x DDP's 1.01; a step is 2.00 x (two
+    # all-reduces), the flat pair's 1.50 x (gloo's reduce-scatter sends what an all-reduce does)
+    per_call = {"forward": 0, "allreduce": 41_100_000, "lockstep": 41_400_000, "lockstep_overlap": 123_600_000,
+                "lockstep_zero2": 246_800_000, "lockstep_zero2_flat": 185_100_000}
+    res = {"nbytes": 41_049_640, "lockstep_hierarchical": False, "link_nbytes_per_step": link.per_step(per_call)}
+    line = link._link_bytes_line(res)
+    assert line.startswith("Bytes node 0 sent over the link in one step (x the gradients' 41.0 MB;"), line
+    assert line.endswith("allreduce 41.1 MB (1.00 x), lockstep 41.4 MB (1.01 x), lockstep_overlap 41.2 MB (1.00 x), "
+                         "lockstep_zero2 82.3 MB (2.00 x), lockstep_zero2_flat 61.7 MB (1.50 x)."), line
+    assert set(link.STEPS_PER_CALL) == {"lockstep_overlap", *link.ZERO2}  # the entries _runner times three steps a call
 
 
 def test_the_fp16_limits_use_the_measured_fp16_all_reduce_where_it_ran(link):
