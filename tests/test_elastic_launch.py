@@ -846,9 +846,10 @@ def test_in_place_node_0_killed_three_times_back_each_time(tmp_path):
 def test_in_place_the_store_moves_twice_node_0_lost_then_node_1(tmp_path):
     """2 x 1: node 0 killed after step K (the store moves to node 1) and back in place at K + 2; then node 1, which
     holds the store now, killed after step K + 3: node 0's rank moves the store to node 0's own standby and trains
-    on alone to the end (exit 0), bit for bit with the clean stops and resumes. Node 1's launcher started again
-    finds the job's record at node 0's endpoint pointing at its own dead store and refuses in one line rather
-    than start a second job (its agent does not follow the second move: docs/preemptible.md)."""
+    on alone, its launcher says so (the moved and left lines). Node 1's launcher started again finds the running
+    job at node 0's endpoint (node 0's launcher, come back, records it there) and joins in place; both exit 0, bit
+    for bit with the clean stops and resumes. Before issue #42, node 0's launcher, having joined, did not follow
+    the second move, and node 1 was refused."""
     grown, clean = str(tmp_path / "grown"), str(tmp_path / "clean")
     os.makedirs(grown)
     os.makedirs(clean)
@@ -863,24 +864,29 @@ def test_in_place_the_store_moves_twice_node_0_lost_then_node_1(tmp_path):
             _kill_node(launches[0])
             _wait_lines(launches[1], NODE_0_LEFT, 1, INPLACE_BOUND_S + 30)
             os.remove(paused)
-            # its steps slowed (2 s each) so that the job still runs when node 1's launcher comes back
-            launches.append(Launch(a.command(_inplace_argv(0, 1, port, grown, "--step-sleep", "2")), clean_env()))
+            launches.append(Launch(a.command(_inplace_argv(0, 1, port, grown, "--hold-at-world", "1")), clean_env()))
             joined = int(_wait_lines(launches[1], NODE_0_JOINED, 1, 120)[0].group(1))
             _wait_file(paused, 240, launches)
             killed_at = _kill_node(launches[1])
+            _wait_lines(launches[2], r"lockstep launch: node 1 \(10\.201\.0\.2\) left at step", 1, INPLACE_BOUND_S + 30)
             again = Launch(b.command(_inplace_argv(1, 1, port, grown)), clean_env())
             launches.append(again)
-            assert again.finish(120) == 1, again.text()[-4000:]
+            back = int(_wait_lines(launches[2], r"lockstep launch: node 1 \(10\.201\.0\.2\) joined at step (\d+)", 1,
+                                   120)[0].group(1))
+            assert again.finish(240) == 0, again.text()[-4000:]
             assert launches[2].finish(240) == 0, launches[2].text()[-4000:]
         finally:
             _kill_the_rest(launches)
-    assert "does not answer: the workers moved it again" in again.text(), again.text()[-3000:]
+    node_0 = "\n".join(launches[2].err)
+    assert "node 1 (10.201.0.2) stopped answering; the workers moved their store to node 0" in node_0, node_0[-3000:]
+    assert "joins the running job in place" in again.text(), again.text()[-3000:]
     alone = [t for t, _, w, _ in _rows(grown) if w == 1 and t > killed_at]
     print(f"node 0 back at step {joined}; node 1 killed after step {K + 3}: {alone[0] - killed_at:.2f} s to a step "
-          "at world size 1 on node 0")
+          f"at world size 1 on node 0; node 1 back at step {back}")
     assert joined == K + 2
     _samples_once(grown, complete=True)
-    _assert_bit_for_bit(_final(grown), _clean_stops(clean, [(2, 1, K), (1, 1, K + 2), (1, 2, K + 3), (1, 1, None)]))
+    _assert_bit_for_bit(_final(grown), _clean_stops(clean, [(2, 1, K), (1, 1, K + 2), (1, 2, K + 3), (1, 1, back),
+                                                            (1, 2, None)]))
 
 
 # ---------------------------------------------------------------------------------------------------------

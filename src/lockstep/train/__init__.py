@@ -3,6 +3,7 @@
 from lockstep.train.checkpoint_files import CheckpointSaveError
 from lockstep.train.config import TrainerConfig
 from lockstep.train.departures import PeerLeft
+from lockstep.train.fence import JobFenceError, StaleGenerationError
 from lockstep.train.preempt import REQUEUE_EXIT_CODE, Preempted
 from lockstep.train.run_identity import RunConflictError
 from lockstep.train.trainer import Trainer
@@ -10,9 +11,11 @@ from lockstep.train.trainer import Trainer
 __all__ = [
     "REQUEUE_EXIT_CODE",
     "CheckpointSaveError",
+    "JobFenceError",
     "PeerLeft",
     "Preempted",
     "RunConflictError",
+    "StaleGenerationError",
     "Trainer",
     "TrainerConfig",
 ]
