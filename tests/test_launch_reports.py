@@ -34,6 +34,8 @@ def runs(tmp_path_factory):
         # console test_a_peers_follow_on_error_and_torchs_stop_lines_stay_off_the_console asserts on there
         "missing_module": ["--nproc-per-node", "2", script("missing_module.py")],
         "early_exit": ["--nproc-per-node", "2", script("early_exit.py")],
+        # the same crash on every attempt: the second is the last
+        "repeats": ["--nproc-per-node", "2", "--max-restarts", "3", script("raises.py")],
         # torchrun's flags: --standalone, -m, --local-ranks-filter, -r/-t, and a --log-dir used twice
         "module": ["--standalone", "--nproc-per-node", "2", "--local-ranks-filter", "1", "--redirects", "3",
                    "--tee", "1", "--log-dir", str(tmp / "logs"), "-m", "launch_scripts.report_env", "--x", "1"],
@@ -78,6 +80,43 @@ def test_a_rank_that_exits_0_early_is_named_with_where_the_others_wait(runs):
     text = "\n".join(_report(proc.stderr))
     assert "rank 1 exited cleanly (exit code 0) while rank 0 was still running" in text, text
     assert "early_exit.py\", line 15" in text  # rank 0's position: its first forward, waiting for rank 1
+
+
+def test_a_failure_that_repeats_identically_ends_the_restarts_in_one_line(runs):
+    # raises.py: rank 1 raises the same RuntimeError at the same line on every attempt. All of --max-restarts 3
+    # went on it (4 attempts, ~10 s each here); now the attempt after the first restart is the last
+    proc = runs["repeats"]
+    assert proc.returncode == 1, proc.stderr  # the worker's own exit code
+    lines = proc.stderr.splitlines()
+    assert [line for line in lines if "restarting the workers" in line] == [
+        "lockstep launch: restarting the workers (restart 1 of 3) because worker rank 1 failed (exit code 1): "
+        "RuntimeError: worker exploded on purpose (lockstep launch test)"], proc.stderr
+    said = [line for line in lines if "repeated identically" in line]
+    assert said == [f"lockstep launch: rank 1's failure repeated identically after restart 1: RuntimeError: worker "
+                    f"exploded on purpose (lockstep launch test) (File \"{script('raises.py')}\", line 8, in <module>); "
+                    "not restarting again (2 of --max-restarts 3 left)"], proc.stderr
+    report = lines[lines.index(said[0]) + 1:]
+    assert report[0].startswith("  lockstep launch: worker rank 1 (local rank 1"), report
+    assert report[0].endswith("failed: exit code 1, after 1 restart(s)"), report
+
+
+def test_only_the_codes_own_failure_has_a_signature_a_lost_peer_none():
+    from lockstep.launch.repeats import failure_signature
+
+    raised = ["[rank1]: Traceback (most recent call last):", '[rank1]:   File "/w/train.py", line 9, in <module>',
+              "[rank1]:     step()", '[rank1]:   File "/w/train.py", line 4, in step',
+              "[rank1]:     raise ValueError('bad shape')", "[rank1]: ValueError: bad shape"]
+    assert failure_signature(raised, 1) == ("ValueError: bad shape", 'File "/w/train.py", line 4, in step')
+    # the same exception at another line is another failure
+    assert failure_signature([*raised[:3], raised[3].replace("line 4", "line 5"), *raised[4:]], 1)[1].endswith(
+        "line 5, in step")
+    # a collective that lost its peer, gloo's timeout, the store: what a node coming and going repeats
+    for exception in ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                      "[127.0.0.1]:5790", "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/"
+                      "unbound_buffer.cc:81] Timed out waiting 1800000ms for recv operation to complete",
+                      "torch.distributed.DistNetworkError: failed to recv, got 0 bytes"):
+        assert failure_signature([*raised[:-1], f"[rank1]: {exception}"], 1) is None, exception
+    assert failure_signature(["refuses.py: /tmp/out holds checkpoints of another run"], 0) is None  # no traceback
 
 
 def test_report_names_the_users_line_in_a_folder_named_lockstep(runs):

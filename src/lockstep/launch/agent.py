@@ -26,6 +26,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from lockstep.launch import console, elastic, orphan, rendezvous
 from lockstep.launch.output import RANK_PREFIX_TEMPLATE, LaunchError, RankLogsSpecs
+from lockstep.launch.repeats import restarts_end_on_a_repeat
 from lockstep.launch.report import WorkersStopped, checkpoint_noted, failure_report
 from lockstep.network import pick_gloo_interface, route_source_addr
 from lockstep.slurm import PREEMPT_DIR_ENV, REQUEUE_EXIT_CODE
@@ -338,6 +339,7 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
             _agent_environment(options, log_dir, {PREEMPT_DIR_ENV: preempt_dir, elastic.REPORT_ENV: "1"}),
             console.single_prefix() as shown,
             console.quiet_agent_log(logs, shown),
+            restarts_end_on_a_repeat(logs, options.max_restarts) as guard,
         ):
             results = elastic_launch(config, entrypoint)(*args)
     except SignalException as e:
@@ -348,11 +350,12 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
         handler = rendezvous.handler_for(config.run_id)
         if handler is not None and handler.lost_reason is not None:
             # The workers here were stopped because another node went silent: say that, not "killed by SIGKILL".
-            lines = str(report).splitlines()
-            text = "\n".join([f"lockstep launch: lost a node: {handler.lost_reason}; this node's workers were stopped "
-                              f"(a cut link or a dead node; --max-restarts {options.max_restarts} used up)",
-                              *("  " + line for line in lines)])
-            report = LaunchError(text, report.rank, report.exitcode, report.failures)
+            report = _headed(report, f"lockstep launch: lost a node: {handler.lost_reason}; this node's workers "
+                                     "were stopped (a cut link or a dead node; --max-restarts "
+                                     f"{options.max_restarts} used up)")
+        elif guard.line is not None:
+            # The same failure as the attempt before: the restarts left would end the same way (launch/repeats.py).
+            report = _headed(report, guard.line)
         raise report from None
     except RendezvousError as e:
         raise _rendezvous_failed(e, options, config.rdzv_endpoint) from e
@@ -361,6 +364,12 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
         if not keep_logs:
             shutil.rmtree(log_dir, ignore_errors=True)
     return dict(results or {})
+
+
+def _headed(report: LaunchError, header: str) -> LaunchError:
+    """The failure report under a line that says why it ends the job, its own lines indented beneath."""
+    text = "\n".join([header, *("  " + line for line in str(report).splitlines())])
+    return LaunchError(text, report.rank, report.exitcode, report.failures)
 
 
 def _stopped(sigval: signal.Signals, options: LaunchOptions, preempt_dir: str) -> RuntimeError | WorkersStopped:

@@ -36,7 +36,7 @@ from lockstep.slurm import CHECKPOINT_NOTE
 _CHECKPOINT_NAME = re.compile(r"ckpt-\d+\.pt")  # train/checkpoint_files.py's names (its part files do not match)
 
 
-def _error_file_traceback(failure: ProcessFailure) -> list[str]:
+def error_file_traceback(failure: ProcessFailure) -> list[str]:
     """The traceback torch's ``record`` wrote to the error file (function entrypoints), if any."""
     message = failure.message
     if isinstance(message, dict):
@@ -76,7 +76,7 @@ def _first_failure(error: ChildFailedError, logs: RankLogsSpecs) -> tuple[int, P
 _FRAME = re.compile(r'\s*File "(?P<file>[^"]+)", line \d+')
 
 
-def _innermost_frame(block: list[str]) -> str:
+def innermost_frame(block: list[str]) -> str:
     """The traceback's innermost frame in the user's code (not torch's, not lockstep's, not an installed
     package's, not the stdlib's), judged by where those really are (lockstep.code_paths), never by a folder's
     name: a user's script in a clone named ``lockstep`` is the user's."""
@@ -88,7 +88,7 @@ def _innermost_frame(block: list[str]) -> str:
 def _error_text(failure: ProcessFailure, stderr_lines: list[str], shown: bool) -> tuple[list[str], bool]:
     """The failed rank's real exception: torch's error file (written by @record and function entry points) when
     there is one, else the traceback in its stderr. Returns (lines, whether the console already showed them)."""
-    from_file = _error_file_traceback(failure)
+    from_file = error_file_traceback(failure)
     block = traceback_block(stderr_lines)
     # the console keeps a KeyboardInterrupt's traceback off (launch/console.py): the report shows it itself
     shown = shown and bool(block) and block[-1].strip() != "KeyboardInterrupt"
@@ -165,7 +165,7 @@ def _said_why(error: ChildFailedError, logs: RankLogsSpecs, rank: int,
     every rank of examples/wine.py exits 2 on another run's --out, rank 0 alone prints why, and the launcher
     may stop rank 0 (SIGTERM) as it exits. That rank exited alike, or was stopped within ``SAID_WHY_WINDOW_S`` of
     its words."""
-    if failure.exitcode <= 0 or _error_file_traceback(failure) or last_words(_stderr_of(logs, rank, failure)[1]):
+    if failure.exitcode <= 0 or error_file_traceback(failure) or last_words(_stderr_of(logs, rank, failure)[1]):
         return None
     for r, f in sorted(error.failures.items(), key=lambda item: (item[1].timestamp, item[0])):
         path, lines = _stderr_of(logs, r, f)
@@ -226,7 +226,7 @@ def _error_lines(rank: int, text: list[str], on_console: bool, lines: list[str],
     out = []
     if text and on_console:
         out.append(f"  {text[-1].strip()}")
-        where = _innermost_frame(text)
+        where = innermost_frame(text)
         if where:
             out.append(f"    {where}")
         out.append("  (the full traceback is above)")
