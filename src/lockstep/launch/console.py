@@ -12,20 +12,26 @@ Ctrl-C the workers' lines stay off the console (``Console.mute``): every rank's 
 a peer's follow-on gloo error, a watchdog's report on the peer that vanished are the consequences of the stop,
 not news, and the launcher says in one line that it stopped them. torch's agent's own lines about stopping
 the workers, and its dump of a failure, are filtered from its loggers (``quiet_agent_log``). The log files keep
-every worker's bytes unchanged.
+every worker's bytes unchanged. torch's C++ warnings (c10d's store dumps, its hostname warning: ``native_log``)
+stay off the console: a worker's are dropped here (its log file keeps them), the launcher process's own go to
+``launcher-HOST-PID.log`` in the log folder, as does torch's warning that a rendezvous keep-alive failed (the
+survivors of a lost node 0 go on without it, and say so in one line).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+from lockstep.launch.native_log import NativeRecords, native_records_to
 from lockstep.launch.output import RankLogsSpecs, lost_peer
 
 _REPEATED = re.compile(r"^(\[rank(\d+)\]: )\[rank\2\]:? ", re.MULTILINE)
@@ -44,8 +50,8 @@ class _Console:
     """Wraps one stream; ``shown`` (traceback text -> first rank that printed it) is shared by stdout and stderr."""
 
     def __init__(self, stream: Any, shown: dict[tuple[str, ...], str], lock: threading.Lock,
-                 muted: threading.Event) -> None:
-        self._stream, self._shown, self._lock, self._muted = stream, shown, lock, muted
+                 muted: threading.Event, native: NativeRecords) -> None:
+        self._stream, self._shown, self._lock, self._muted, self._native = stream, shown, lock, muted, native
         self._held: dict[str, list[tuple[str, str]]] = {}  # rank -> (line as written, its text without prefix)
         self._after_follow_on: set[str] = set()  # ranks whose follow-on traceback was said in one line
 
@@ -58,6 +64,8 @@ class _Console:
             return len(text)  # a worker's line after a Ctrl-C: in its log file only
         rank, body = match.groups()
         with self._lock:
+            if self._native.take(rank, body):
+                return len(text)  # a C++ warning record (c10d's): in the rank's log file only
             if rank in self._after_follow_on:
                 if not body.strip() or body.startswith(_CHAINED):
                     return len(text)  # the chain's connecting lines after a follow-on said in one line
@@ -119,7 +127,8 @@ def single_prefix() -> Iterator[Console]:
     shown: dict[tuple[str, ...], str] = {}
     lock = threading.Lock()
     console = Console()
-    wrapped = _Console(saved[0], shown, lock, console.muted), _Console(saved[1], shown, lock, console.muted)
+    native = NativeRecords()  # per rank, shared by stdout and stderr as the lock is
+    wrapped = tuple(_Console(stream, shown, lock, console.muted, native) for stream in saved)
     sys.stdout, sys.stderr = wrapped
     try:
         yield console
@@ -160,17 +169,46 @@ class _AgentLogFilter(logging.Filter):
 
 
 _AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
+_RENDEZVOUS_LOGGER = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+
+
+class _KeepAliveToFile(logging.Filter):
+    """torch's rendezvous warns each time a keep-alive to its store fails (node 0's store, once node 0 is lost):
+    to the launcher's file, not the console (in place, the survivors go on without that store)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "failed to send a keep-alive heartbeat" not in str(record.msg):
+            return True
+        with contextlib.suppress(OSError), open(self.path, "a") as f:
+            f.write(f"{record.levelname} {record.name}: {record.getMessage()}\n")
+        return False
+
+
+def launcher_log_path(log_dir: str) -> str:
+    """The launcher process's own file in the log folder (one per launcher, should nodes share the folder)."""
+    return os.path.join(log_dir, f"launcher-{socket.gethostname()}-{os.getpid()}.log")
 
 
 @contextlib.contextmanager
 def quiet_agent_log(logs: RankLogsSpecs | None = None, shown: Console | None = None) -> Iterator[None]:
-    """torch's agent logs through these loggers while it runs: ``_AgentLogFilter`` keeps its noise off."""
-    loggers = [logging.getLogger(name) for name in _AGENT_LOGGERS]
+    """torch's agent logs through these loggers while it runs: ``_AgentLogFilter`` keeps its noise off. With
+    ``logs``, this process's C++ warnings and torch's failed keep-alives go to ``launcher_log_path`` there."""
     log_filter = _AgentLogFilter(logs, shown)
-    for logger in loggers:
-        logger.addFilter(log_filter)
-    try:
-        yield
-    finally:
-        for logger in loggers:
-            logger.removeFilter(log_filter)
+    filters: list[tuple[logging.Logger, logging.Filter]] = [(logging.getLogger(name), log_filter)
+                                                           for name in _AGENT_LOGGERS]
+    with contextlib.ExitStack() as stack:
+        if logs is not None:
+            path = launcher_log_path(logs.root_log_dir)
+            stack.enter_context(native_records_to(path))
+            filters.append((logging.getLogger(_RENDEZVOUS_LOGGER), _KeepAliveToFile(path)))
+        for logger, f in filters:
+            logger.addFilter(f)
+        try:
+            yield
+        finally:
+            for logger, f in filters:
+                logger.removeFilter(f)
