@@ -995,4 +995,8 @@ def test_nodes_lost_and_started_again_in_either_order_make_one_job(tmp_path, npr
     os.makedirs(clean)
     seen = _lose_each_node_and_start_it_again(grown, nproc, order)
     print(f"order {order}: left {seen['left']}, joined {seen['joined']}; fences {_fences(grown)}")
+    for role, launches in (("first", seen["first"]), ("again", seen["last"])):
+        for node, launch in sorted(launches.items()):
+            said = [line for line in launch.err if re.search(r"^lockstep launch: node \d", line)]
+            print(f"  node {node} ({role} launch, exit {launch.proc.returncode}): " + " | ".join(said))
     _check_one_job(grown, clean, nproc, order, seen)
