@@ -353,8 +353,7 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
             report = _headed(report, f"lockstep launch: lost a node: {handler.lost_reason}; this node's workers "
                                      "were stopped (a cut link or a dead node; --max-restarts "
                                      f"{options.max_restarts} used up)")
-        elif guard.line is not None:
-            # The same failure as the attempt before: the restarts left would end the same way (launch/repeats.py).
+        elif guard.line is not None:  # the attempt before failed the same way (launch/repeats.py): no more restarts
             report = _headed(report, guard.line)
         raise report from None
     except RendezvousError as e:
