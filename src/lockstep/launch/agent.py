@@ -285,7 +285,8 @@ def _agent_environment(
         updates["OMP_NUM_THREADS"] = "1"
     # torch's launch_agent sets this variable and installs handlers for these signals without undoing
     # either; launch_function runs in the caller's process, whose Ctrl-C must behave as before afterwards.
-    saved = {k: os.environ.get(k) for k in updates}
+    # and the job's id, which the rendezvous handler sets once the round knows it (launch/rendezvous.py)
+    saved = {k: os.environ.get(k) for k in [*updates, elastic.JOB_ENV]}
     handled = [getattr(signal, name) for name in _SIGNALS_TO_HANDLE.split(",") if hasattr(signal, name)]
     in_main_thread = threading.current_thread() is threading.main_thread()
     saved_handlers = {sig: signal.getsignal(sig) for sig in handled} if in_main_thread else {}
