@@ -28,14 +28,16 @@ STACK = ["Exception raised from sendBytes at /w/torch/csrc/distributed/c10d/Util
          "<omitting python frames>",
          "frame #18: <unknown function> + 0x1098ec (0x7fc102d278ec in /lib/x86_64-linux-gnu/libc.so.6)",
          ""]
-HOSTNAME = "[W1129 02:50:10.112632881 socket.cpp:207] [c10d] The hostname of the client socket cannot be retrieved. err=-3"
+HOSTNAME = ("[W1129 02:50:10.112632881 socket.cpp:207] [c10d] The hostname of the client socket cannot be retrieved. "
+            "err=-3")
 # What reaching the console would show: c10's record line, its stack, the hostname warning
 NATIVE_MARKS = ("TCPStore.cpp", "Exception raised from", "frame #", "The hostname of the client socket")
 
 
 def test_a_record_is_its_warning_line_its_stack_and_the_blank_line_that_ends_it():
     records = NativeRecords()
-    lines = ["before", RECORD, *STACK, "after", HOSTNAME, "next", "", "[E1129 02:51:38.1 ProcessGroupGloo.cpp:1] an error"]
+    error = "[E1129 02:51:38.1 ProcessGroupGloo.cpp:1] an error"
+    lines = ["before", RECORD, *STACK, "after", HOSTNAME, "next", "", error]
     taken = [line for line in lines if records.take("fd2", line)]
     assert taken == [RECORD, *STACK, HOSTNAME]  # a blank line ends a stack only; an error record is news
     # a rank's: c10 puts its own "[rankN]:" before the record once the group exists; sources keep their own state
