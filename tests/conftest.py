@@ -32,7 +32,7 @@ TIMING = {"test_hang.py", "test_trainer_features.py", "test_collectives.py", "te
 # Files that build the same two network namespaces (10.201.0.1 and .2): one unit, "netns", one file after the other.
 # Their bounds (a lost node noticed within its heartbeat timeout + 25 s, in-place recovery within 30 s against a goal
 # of 5 s, a restart within 90 s) leave room for the file beside them; the longest unit, so it starts first.
-NETNS = {"test_multinode.py", "test_elastic_launch.py", "test_link_default.py"}
+NETNS = {"test_multinode.py", "test_elastic_launch.py", "test_link_default.py", "test_walkthrough.py"}
 # The other units that take longest, longest first (seconds of -n0 runs of one file, 2026-11-26, the machine's load
 # 1-13 from other jobs, after run_ranks forked its ranks from a preloaded forkserver: ~130, 104, 60, 52, 51, 44, 40,
 # 38, 37, 34, 31, 30, 30; the launcher's three files ~57, 56, 49 in the xdist run of 2026-11-26; under xdist beside
