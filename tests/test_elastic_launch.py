@@ -1000,3 +1000,81 @@ def test_nodes_lost_and_started_again_in_either_order_make_one_job(tmp_path, npr
             said = [line for line in launch.err if re.search(r"^lockstep launch: node \d", line)]
             print(f"  node {node} ({role} launch, exit {launch.proc.returncode}): " + " | ".join(said))
     _check_one_job(grown, clean, nproc, order, seen)
+
+
+@needs_netns
+@heavy
+@pytest.mark.parametrize("back_first", [0, 1])
+def test_both_nodes_lost_then_started_again_in_either_order_resume_as_one_job(tmp_path, back_first):
+    """2 x 1, a checkpoint every step: both nodes killed while node 0's rank pauses after step 3 (the whole job
+    gone). Node ``back_first`` is started again first, the other 15 s later. Node 1 first: it waits for node 0,
+    then both form a new round, a new job resumed from step 3 at world size 2. Node 0 first: it resumes alone
+    (holding its first step) and node 1 joins it in place. Either way one job at a time: the first job's
+    checkpoints, then the new one's, never interleaved, the generation rising; both launchers exit 0; bit for bit
+    with the clean stops and resumes."""
+    grown, clean = str(tmp_path / "grown"), str(tmp_path / "clean")
+    os.makedirs(grown)
+    os.makedirs(clean)
+    port = 29600 + random.randrange(300)
+    with netns.two_nodes() as namespaces:
+        def start(node: int, *extra: str) -> Launch:
+            return Launch(namespaces[node].command(_inplace_argv(node, 1, port, grown, "--save-every", "1", *extra)),
+                          clean_env())
+
+        everyone = [start(0, "--pause-at", "3", "--pause-rank", "0"), start(1)]
+        try:
+            _wait_file(os.path.join(grown, "paused"), 240, everyone)
+            _kill_node(everyone[1])
+            _kill_node(everyone[0])
+            os.remove(os.path.join(grown, "paused"))
+            before = _fences(grown)
+            first = start(back_first, *(["--hold-at-world", "1"] if back_first == 0 else []))
+            everyone.append(first)
+            time.sleep(15)
+            second = start(1 - back_first)
+            everyone.append(second)
+            assert second.finish(300) == 0, second.text()[-4000:]
+            assert first.finish(300) == 0, first.text()[-4000:]
+        finally:
+            _kill_the_rest(everyone)
+    fences = _fences(grown)
+    print(f"node {back_first} back first: {fences}")
+    assert before == fences[:3] and [s for s, _, _ in fences] == list(range(1, STEPS + 1)), fences
+    jobs = [job for _, job, _ in fences]
+    assert len(set(jobs)) == 2 and jobs == sorted(jobs, key=jobs.index), fences  # one after the other
+    generations = [g for _, _, g in fences]
+    assert generations == sorted(generations) and generations[3] > generations[2], fences
+    _samples_once(grown, complete=True)
+    if back_first == 0:
+        line = re.search(ANY_JOINED, "\n".join(first.err), re.M)
+        assert line is not None and line.group(1) == "1", first.text()[-3000:]
+        stops = [(2, 1, 3), (1, 1, int(line.group(2))), (1, 2, None)]
+    else:
+        assert "joins the running job in place" not in first.text() + second.text()
+        stops = [(2, 1, 3), (2, 1, None)]
+    _assert_bit_for_bit(_final(grown), _clean_stops(clean, stops))
+
+
+@needs_netns
+@heavy
+def test_a_newcomer_that_comes_as_the_job_ends_leaves_in_one_line_with_exit_0(tmp_path):
+    """Node 0 alone (``--nnodes 1:2``), two steps of 20 s; node 1 started during the last one: its ranks announce
+    themselves, but no step boundary follows to admit them. They leave in one line (the job ended at step 2,
+    nothing to train here) with exit 0, instead of a store client's error when node 0's store goes."""
+    directory, port = str(tmp_path), 29600 + random.randrange(300)
+    with netns.two_nodes() as (a, b):
+        node_a = Launch(a.command(_inplace_argv(0, 1, port, directory, "--step-sleep", "20", "--max-steps", "2")),
+                        clean_env())
+        launches = [node_a]
+        try:
+            _wait_step(directory, 2, 240, launches)
+            node_b = Launch(b.command(_inplace_argv(1, 1, port, directory)), clean_env())
+            launches.append(node_b)
+            assert node_a.finish(120) == 0, node_a.text()[-4000:]
+            assert node_b.finish(120) == 0, node_b.text()[-4000:]
+        finally:
+            _kill_the_rest(launches)
+    assert "joins the running job in place" in node_b.text(), node_b.text()[-3000:]
+    assert re.search(r"lockstep: the running job at 10\.201\.0\.1:\d+ ended at step 2 before it admitted this process: "
+                     r"nothing to train here", node_b.text()), node_b.text()[-3000:]
+    assert "Traceback" not in node_b.text() and "joined at step" not in node_a.text()

@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -233,6 +234,9 @@ INPLACE_TIMEOUT_ENV = "LOCKSTEP_INPLACE_TIMEOUT_S"  # gloo's per-operation timeo
 # the first id a newcomer may take, in a store the workers moved to (train/inplace.py writes it at a failover: the
 # join count starts again there, and ids must never repeat)
 INPLACE_BASE_KEY = f"{INPLACE_PREFIX}/base"
+# set by the running job's rank 0 when its training ended ({"step": N}): a newcomer still waiting to be admitted
+# has nothing to join (train/inplace.py's ``InPlaceGroup.finish``)
+INPLACE_ENDED_KEY = f"{INPLACE_PREFIX}/ended"
 JOIN_WAIT_S = 600.0  # how long a newcomer waits to be admitted (the others admit at their next step boundary)
 _ADMISSION: list[dict] = []  # what the survivors admitted this process as (read once by train/inplace.py)
 
@@ -252,13 +256,18 @@ def _join_in_place(backend: str, spec: dict, local_rank: int) -> None:
     store.set(f"{INPLACE_PREFIX}/join/{seq}", json.dumps(record))
     beating = threading.Event()  # cleared by take_admission: the in-place group's watcher beats from then on
     beating.set()
-    threading.Thread(target=_beat, args=(store, f"{INPLACE_PREFIX}/beat/{me}", beating), daemon=True,
-                     name="lockstep-join-beat").start()
+    beat = threading.Thread(target=_beat, args=(store, f"{INPLACE_PREFIX}/beat/{me}", beating), daemon=True,
+                            name="lockstep-join-beat")
+    beat.start()
     admit, deadline = f"{INPLACE_PREFIX}/admit/{me}", time.monotonic() + JOIN_WAIT_S
-    while not store.check([admit]):
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    while not (admitted := _admitted(store, admit, where)):
+        if admitted is None:  # the job ended before admitting this process: nothing to train, exit 0
+            beating.clear()
+            beat.join(timeout=2)  # a store call cut off by the interpreter's exit aborts the process (SIGABRT)
+            raise SystemExit(0)
         if time.monotonic() > deadline:
-            raise RuntimeError(f"lockstep: joining the running job at {os.environ['MASTER_ADDR']}:"
-                               f"{os.environ['MASTER_PORT']}: not admitted within {JOIN_WAIT_S:.0f} s")
+            raise RuntimeError(f"lockstep: joining the running job at {where}: not admitted within {JOIN_WAIT_S:.0f} s")
         time.sleep(0.1)
     admission = {**json.loads(store.get(admit)), "id": me}
     members = admission["members"]
@@ -268,6 +277,24 @@ def _join_in_place(backend: str, spec: dict, local_rank: int) -> None:
                             timeout=datetime.timedelta(seconds=timeout_s))
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(members.index(me)), str(len(members))
     _ADMISSION[:] = [{**admission, "beating": beating}]
+
+
+def _admitted(store: dist.Store, admit: str, where: str) -> bool | None:
+    """Whether the running job admitted this process; None where the job ended meanwhile (the newcomer came too
+    late: said in one line, and the caller leaves with exit 0, having trained nothing). A store that stopped
+    answering: a named error, not the store client's."""
+    try:
+        if store.check([admit]):
+            return True
+        ended = json.loads(store.get(INPLACE_ENDED_KEY)) if store.check([INPLACE_ENDED_KEY]) else None
+    except Exception:
+        raise RuntimeError(f"lockstep: joining the running job at {where}: its store stopped answering before this "
+                           "process was admitted (the job ended, or the node serving its store was lost)") from None
+    if ended is not None:
+        print(f"lockstep: the running job at {where} ended at step {ended['step']} before it admitted this process: "
+              "nothing to train here", file=sys.stderr, flush=True)
+        return None
+    return False
 
 
 def _beat(store: dist.Store, key: str, beating: threading.Event) -> None:

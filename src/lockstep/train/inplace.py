@@ -47,6 +47,7 @@ from lockstep.diagnostics.watchdog import report_hang_now
 from lockstep.network import accepts
 from lockstep.process_group import (
     INPLACE_BASE_KEY,
+    INPLACE_ENDED_KEY,
     INPLACE_PREFIX,
     INPLACE_TIMEOUT_ENV,
     group_sockets,
@@ -539,6 +540,18 @@ class InPlaceGroup:
             self.sockets = socket_fds() - before
         # what a reader of the environment sees (report_resume, hang reports) follows the new group
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(len(members))
+
+    def finish(self, step: int) -> None:
+        """Training ended (the last step, or a stop): rank 0 says so in the store, so that a newcomer still waiting to
+        be admitted leaves in one line (process_group.py) instead of waiting for a job that is gone, and a launcher
+        that starts now takes torch's way (nothing to join: a resume says there is nothing left to train)."""
+        self.accepting = False
+        if self.rank == 0:
+            try:
+                self.store.set(INPLACE_ENDED_KEY, json.dumps({"step": step}))
+                self.store.delete_key(ACCEPTS_JOINS_KEY)
+            except Exception:  # a notice only: the store's node may be going with the job
+                pass
 
     def accept_joins(self) -> None:
         """Say in the store that this job admits newcomers at its step boundaries (the Trainer and InPlaceRecovery

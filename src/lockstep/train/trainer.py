@@ -282,6 +282,8 @@ class Trainer:
                     self._end_epoch()
                 self._save_at_the_end()
                 self._report_regrouped()  # re-formed in that save: no step follows to say it
+                if self._inplace is not None:
+                    self._inplace.finish(self.step)  # a node still waiting to be admitted has nothing to join
                 return
             except Exception as e:
                 if self._inplace is None:
