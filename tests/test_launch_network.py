@@ -274,3 +274,25 @@ def test_node_0_finding_the_disagreement_stays_until_the_other_node_read_it():
     for name in ("node0", "node1"):
         assert out[name].startswith("NodesDisagree: the nodes disagree on --nnodes:"), out
         assert "--nnodes 3" in out[name] and "--nnodes 2" in out[name], out
+
+
+def test_a_node_lost_between_torchs_round_and_the_node_exchange_is_a_named_error_not_the_stores():
+    """Node 1 completed torch's round and died before it wrote who it is: node 0's exchange waited the store's
+    timeout and ended in a raw DistStoreError traceback (seen by hand, 2026-11-29). Now a RendezvousConnectionError
+    that names the missing rendezvous rank, which the launcher prints in one line. A real store, two-node round."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from lockstep.launch.rendezvous import LockstepRendezvous
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=1), wait_for_workers=False)
+    handler = object.__new__(LockstepRendezvous)
+    handler.node_rank, handler.nnodes_spec, handler.local_addr, handler._standby = 0, "2", "127.0.0.1", None
+    handler.min_nodes = handler.max_nodes = 2
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=r"^node 0: the round's node\(s\) of rendezvous rank \[1\] "
+                                                        r"never said who they are \(lost during the rendezvous\?\)"):
+        handler._exchange(store, 0, 2)
+    assert time.monotonic() - started < 10

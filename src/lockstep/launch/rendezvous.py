@@ -398,7 +398,13 @@ class LockstepRendezvous(RendezvousHandler):
         me = {"node_rank": self.node_rank, "nnodes": self.nnodes_spec, "addr": self.local_addr,
               "host": socket.gethostname(), **({"standby": self._standby.port} if self._standby is not None else {})}
         store.set(f"lockstep/node/{rank}", json.dumps(me))
-        nodes = [json.loads(store.get(f"lockstep/node/{i}")) for i in range(world_size)]
+        try:
+            nodes = [json.loads(store.get(f"lockstep/node/{i}")) for i in range(world_size)]
+        except dist.DistError as e:  # a node lost between torch's round and this exchange: say so, not the store's
+            missing = [i for i in range(world_size) if not store.check([f"lockstep/node/{i}"])]
+            raise RendezvousConnectionError(
+                f"node {self.node_rank}: the round's node(s) of rendezvous rank {missing} never said who they are "
+                f"(lost during the rendezvous?): start them again ({type(e).__name__})") from None
         said = sorted({str(n["nnodes"]) for n in nodes})
         if said != [self.nnodes_spec] or not self.min_nodes <= world_size <= self.max_nodes:
             each = ", ".join(f"{n['addr']} ({n['host']}) --nnodes {n['nnodes']}" for n in nodes)
