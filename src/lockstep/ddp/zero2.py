@@ -27,13 +27,14 @@ flat pair (an older torch's gloo). ``LOCKSTEP_ZERO_COLLECTIVES=flat|all_reduce``
 
 At 2 ranks a reduce-scatter's sum is the all-reduce's (one addition of two values), and an element-wise optimizer
 computes the same bits on a flat slice as per parameter, so the parameters are plain DDP's bit for bit; at 3 or
-more the sums may round differently (the padded buckets split into the ring's chunks elsewhere). Docs:
-docs/ddp.md#zero-2-sharded-gradients-and-optimizer-state.
+more the sums may round differently (the padded buckets split into the ring's chunks elsewhere). ``clip_grad_norm_``
+takes torch's per-parameter norms (``zero2_norm``): once it is in use, a bucket whose shards split a parameter is
+all-reduced on every path, and its split parameters normed from that whole average in backward. Docs:
+docs/ddp.md#zero-2-sharded-gradients-and-optimizer-state, docs/zero.md#clipping-the-gradient-norm.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import weakref
@@ -49,6 +50,19 @@ from lockstep.ddp.fused_compress import FusedCompression, narrow_in_place, wire_
 from lockstep.ddp.observe import Observer
 from lockstep.ddp.overlap_step import call_on
 from lockstep.ddp.reducer_state import Bucket, slot_view
+from lockstep.ddp.zero2_norm import (
+    NormPlan,
+    Request,
+    SplitNorms,
+    as_torchs_grad,
+    clip_grads_,
+    exchange_split,
+    exchange_whole,
+    param_norms,
+    plan_norms,
+    split_norms,
+    total_norm,
+)
 from lockstep.optim.state_parts import RANGE, SHAPE, STRIDE
 
 # torch >= 2.12 names them *_single (the *_tensor names warn, FutureWarning); older torch has the *_tensor ones.
@@ -111,6 +125,15 @@ class ZeroShards:
         self.gather_seqs: list[int] = []  # per bucket: its all-gather's number (the hang report's collective #)
         self.step_bucket: Callable[[nn.Parameter], None] | None = None  # the optimizer's step of one shard
         self.unused: list[list[tuple[int, int]]] = []  # per bucket: shard ranges of parameters no rank used
+        self.used: list[bool] | None = None  # per parameter index: some rank used it this backward (None: all)
+        # clip_grad_norm_ (``zero2_norm``): which rank norms which parameter; the last clip's (norm_type, foreach),
+        # once there is one backward norms the split parameters; per bucket those norms, and whether its shard's
+        # gradient was zeroed in place since its last reduce (an add to zeros changes no norm)
+        self.norm_plan = NormPlan({}, [], [], [])
+        self.norm_request: Request | None = None
+        self.split_cache: list[SplitNorms | None] = []
+        self._zeroed: list[bool] = []
+        self.params_by_index: dict[int, nn.Parameter] = {}
         self.optimizer_state: Callable[[nn.Parameter], dict[str, Any]] | None = None  # a shard's optimizer state
         self.handles: list[Any] = []  # the module's pre-hooks that wait for the all-gathers (``register_waits``)
 
@@ -146,6 +169,10 @@ class ZeroShards:
         self.gathers = [None] * len(buckets)
         self.gather_seqs = [0] * len(buckets)
         self.unused = [[] for _ in buckets]
+        self.norm_plan = plan_norms(buckets, self.world_size)
+        self.split_cache = [None] * len(buckets)
+        self._zeroed = [False] * len(buckets)
+        self.params_by_index = {i: p for bucket in buckets for i, p in zip(bucket.plan.param_indices, bucket.params)}
 
     # ----------------------------------------------------------------- backward: reduce-scatter, reap, free
     def copied(self, param: nn.Parameter, bucket: Bucket, slot: int) -> None:
@@ -181,7 +208,9 @@ class ZeroShards:
         target = self.grads[b] if out is None else out
         self._received[b] = (target, accumulate)
         self._reaped[b] = False
-        if self.flat_collectives:
+        # With clipping in use, a bucket whose shards split a parameter is all-reduced on every path: its whole
+        # average is where the split parameters' norms are taken (``zero2_norm``); twice a reduce-scatter's bytes.
+        if self.flat_collectives and not (self.norm_request is not None and self.norm_plan.split[b]):
             return launch_clean(_REDUCE_SCATTER, target, wire, group=self.group, async_op=True)
         return _SliceOfAllReduce(launch_clean(dist.all_reduce, wire, group=self.group, async_op=True), wire,
                                  target, self.rank)
@@ -225,13 +254,27 @@ class ZeroShards:
         elif target is not grad:
             grad.copy_(target)  # the wire dtype back in the parameters' (the compress hook's cast back)
         self.shards[b].grad = grad
+        self._keep_split_norms(b, bucket.work, grad, accumulate)
         bucket.work = None  # it holds the buffer: the memory goes with the storage below
         bucket.free_storage()
+
+    def _keep_split_norms(self, b: int, work: Any, grad: torch.Tensor, accumulate: bool) -> None:
+        """With clipping in use: the norms of the bucket's split parameters, from its whole average while it is
+        here (an all-reduce's; a reduce-scatter leaves none), as ``clip_grad_norm_`` will want them. A pass over
+        those parameters' elements each backward; none where nothing is clipped."""
+        self.split_cache[b] = None
+        entries, request = self.norm_plan.split[b], self.norm_request
+        whole_average = isinstance(work, _SliceOfAllReduce) and (not accumulate or self._zeroed[b])
+        if request is not None and entries and whole_average:
+            norms = split_norms(work.wire, entries, self.params_by_index, request, grad.dtype)
+            self.split_cache[b] = SplitNorms(request, grad, grad._version, norms)
+        self._zeroed[b] = False
 
     def note_unused(self, globally_used: Sequence[bool] | None) -> None:
         """find_unused_parameters, at the end of a backward: the parts of this rank's shards that belong to
         parameters no rank used, which plain DDP's optimizer skips (their ``.grad`` stays None)."""
         self.unused = [[] for _ in self.buckets]
+        self.used = None if globally_used is None else list(globally_used)
         if globally_used is None:
             return
         for b, bucket in enumerate(self.buckets):
@@ -343,21 +386,53 @@ class ZeroShards:
 
     # ----------------------------------------------------------------- gradients and norms
     def zero_grad(self, set_to_none: bool) -> None:
-        for shard in self.shards:
+        for b, shard in enumerate(self.shards):
             if set_to_none:
                 shard.grad = None
             elif shard.grad is not None:
                 shard.grad.zero_()
+                self._zeroed[b] = True
 
-    def grad_norm_parts(self, norm_type: float) -> torch.Tensor:
-        """This rank's part of the global gradient norm: the sum of |g|^p over its shards (max |g| for inf)."""
-        grads = [s.grad for s in self.shards if s.grad is not None and s.grad.numel()]
-        if not grads:
-            return torch.zeros((), dtype=torch.float32)
-        norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float() for g in grads])
-        if math.isinf(norm_type):
-            return norms.max()
-        return norms.pow(norm_type).sum()
+    def grad_norms(self, request: Request) -> dict[int, torch.Tensor]:
+        """Per parameter with a gradient (reducer index -> norm): its norm over its whole averaged gradient, as
+        torch's ``clip_grad_norm_`` takes it (``zero2_norm``): the whole ones' from their owners, the split ones'
+        from backward, or exchanged now where any rank lacks them. Every rank calls it at the same point."""
+        self.norm_request = request  # from now on, backward norms the split parameters
+        has_grad = {i: shard.grad is not None and (self.used is None or self.used[i])
+                    for bucket, shard in zip(self.buckets, self.shards) for i in bucket.plan.param_indices}
+        # Exchange the pieces unless backward's norms hold for every bucket: decided from state every rank shares
+        # (the same clips, the same in-place changes of the same gradients), so every rank issues the same collectives
+        held = [not entries or shard.grad is None or (cache is not None and cache.holds(request, shard.grad))
+                for entries, shard, cache in zip(self.norm_plan.split, self.shards, self.split_cache)]
+        exchange = not all(held)
+        whole = exchange_whole(self.norm_plan, self._own_norms(request, has_grad), self.group)
+        norms = {i: n for i, n in whole.items() if has_grad[i]}
+        for b, (entries, shard, cache) in enumerate(zip(self.norm_plan.split, self.shards, self.split_cache)):
+            if not entries or shard.grad is None:  # the same on every rank: each exchange below is on all of them
+                continue
+            if exchange:
+                got = exchange_split(shard.grad, self.rank * shard.numel(), entries, self.norm_plan.packed_numel[b],
+                                     self.params_by_index, self.group, request)
+            else:
+                assert cache is not None
+                got = cache.norms
+            norms.update((i, n) for i, n in got.items() if has_grad[i])
+        return norms
+
+    def _own_norms(self, request: Request, has_grad: dict[int, bool]) -> dict[int, torch.Tensor]:
+        """The norms of the parameters this rank's shards hold whole, one foreach call a (device, dtype)."""
+        kinds: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]] = {}
+        for bucket, shard in zip(self.buckets, self.shards):
+            start, grad = self.rank * shard.numel(), shard.grad
+            for i, offset, p in zip(bucket.plan.param_indices, bucket.plan.offsets, bucket.params):
+                if grad is not None and self.norm_plan.owners[i] == self.rank and has_grad[i]:
+                    indices, views = kinds.setdefault((p.device, p.dtype), ([], []))
+                    indices.append(i)
+                    views.append(as_torchs_grad(slot_view(grad, offset - start, p)))
+        mine: dict[int, torch.Tensor] = {}
+        for indices, views in kinds.values():
+            mine.update(zip(indices, param_norms(views, *request)))
+        return mine
 
 
 class _SliceOfAllReduce:
@@ -433,6 +508,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._params = list(params)  # the DDP's (the reducer's order)
         index = {id(p): i for i, p in enumerate(module_params)}
         self._module_index = [index[id(p)] for p in self._params]  # a plain optimizer's param ids
+        # reducer indices in model.parameters() order: the order torch's clip_grad_norm_ stacks the norms in
+        self._module_order = sorted(range(len(self._params)), key=self._module_index.__getitem__)
         torch.optim.Optimizer.__init__(self, list(shards.shards), self._inner.defaults)  # hooks, the profiler's name
         self._share_inner()  # one list of groups: a scheduler's writes reach the inner optimizer
         shards.step_bucket = self._step_bucket
@@ -473,21 +550,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         raise NotImplementedError("zero_optimizer: one parameter group over the DDP's parameters (each bucket is one "
                                   "flat shard); add_param_group is not supported")
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the whole model's averaged gradient, held in shards: each rank's
-        part, one all-reduce (SUM of |g|^p, MAX for inf), the same clip coefficient on every rank. Returns the norm."""
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` over the whole model's averaged gradient, held
+        in shards, with torch's bits (``zero2_norm``): each parameter's norm over its whole gradient, the norm of
+        those in the model's order, the same coefficient on every shard. One all-reduce of a value a parameter, no
+        host sync; from the first call on, backward norms the parameters the shards split. Returns the total norm."""
         norm_type = float(norm_type)
-        part = self._shards.grad_norm_parts(norm_type).reshape(1).clone()
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        dist.all_reduce(part, op=op, group=self._shards.group)
-        total = part[0] if math.isinf(norm_type) else part[0].pow(1.0 / norm_type)
+        norms = self._shards.grad_norms((norm_type, foreach))
+        total = total_norm([norms[i] for i in self._module_order if i in norms], norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"zero_optimizer.clip_grad_norm_: the total norm of order {norm_type} is non-finite")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for shard in self._shards.shards:
-            if shard.grad is not None:
-                shard.grad.mul_(coef.to(shard.grad.dtype))
+        clip_grads_([s.grad for s in self._shards.shards if s.grad is not None], max_norm, total, foreach)
         return total
 
     # ----------------------------------------------------------------- checkpoints
