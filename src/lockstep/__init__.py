@@ -29,7 +29,6 @@ _EXPORTS = {
     "InPlaceRecovery": "train.inplace",
     "PeerLost": "train.inplace",
     "PeersJoined": "train.inplace",
-    "recoverable_step": "train.inplace",
     "use_as_torch_ddp": "integrations.torch_ddp",
     "check_replicas": "diagnostics.checks",
     "ReplicaMismatchError": "diagnostics.checks",

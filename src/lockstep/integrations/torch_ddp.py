@@ -71,6 +71,3 @@ def _restore() -> list[str]:
     _patched.clear()
     return sorted(restored)
 
-
-def is_active() -> bool:
-    return bool(_patched)

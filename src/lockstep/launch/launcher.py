@@ -45,11 +45,6 @@ __all__ = [
 _MULTI_NODE_DEFAULT_PORT = 29500
 
 
-def default_nproc_per_node() -> int:
-    """``auto``: one worker per GPU when CUDA is available, otherwise 2 CPU workers."""
-    return flags.parse_nproc("auto")
-
-
 _build_parser = flags.build_parser  # the parser's old home: tests and helpers import it from here
 
 

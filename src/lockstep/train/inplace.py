@@ -816,7 +816,3 @@ def _epoch_done(sampler, epoch: int) -> dict:
     n, replicas = len(sampler.dataset), sampler.num_replicas
     return {**sampler.state_dict(consumed=0), "epoch": epoch, "position": n, "consumed": n // replicas}
 
-
-def recoverable_step(recovery: InPlaceRecovery, fn: Callable[[], object]) -> object:
-    """``recovery.step(fn)``: run one optimizer step that survives the loss of a peer (``InPlaceRecovery``)."""
-    return recovery.step(fn)
