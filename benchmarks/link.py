@@ -186,7 +186,7 @@ def plan_ms(name: str, measured_ms: dict[str, float], nbytes: float, world_size:
     the measured compute: DDP's overlap for the DDPs, the overlapped optimizer step's, compute-then-send for floor,
     half the bytes for fp16. The buckets: ``cap_mb`` (what a contender's trials chose), else the name's cap or 25 MB.
     None where the plan has no model (PowerSGD)."""
-    from lockstep.perf.costmodel import Link, bytes_factor
+    from lockstep.costmodel import Link, bytes_factor
     from lockstep.perf.plan import PlanConfig, overlapped_step_time_s, step_time_s
 
     if name.endswith("_powersgd") or name in ZERO2:  # the plan has no model of these

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lockstep.perf.bench import cli_main, parse_size, sizes_between, summarise
-from lockstep.perf.costmodel import Link, allreduce_time_s
+from lockstep.costmodel import Link, allreduce_time_s
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_ranks
-from lockstep.perf.costmodel import LINKS, Link, allreduce_time_s, fit_link
+from lockstep.costmodel import LINKS, Link, allreduce_time_s, fit_link
 from lockstep.perf.plan import PlanConfig, cli_main, comm_time_s, make_plan, min_world_size, step_time_s
 
 
@@ -94,7 +94,7 @@ def test_step_time_overlap_and_scaling_efficiency():
 
 
 def test_plan_says_whether_the_overlapped_step_and_fp16_pay_on_a_slow_link():
-    from lockstep.perf.costmodel import Link
+    from lockstep.costmodel import Link
     from lockstep.perf.plan import overlapped_step_time_s
 
     # issue #35's link MLP at 1 Gbit/s (0.125 GB/s): compute 120 ms, a 41 MB all-reduce ~330 ms on the wire.

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from lockstep.perf.costmodel import LINKS
+from lockstep.costmodel import LINKS
 from lockstep.perf.plan import PlanConfig, make_plan
 from lockstep.perf.scaling import add_efficiency_and_prediction, build_model, cli_main
 

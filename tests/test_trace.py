@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from dist_utils import run_ranks
 from lockstep import DistributedDataParallel as DDP
 from lockstep.diagnostics.timeline import format_summary, step_breakdown, summarise
-from lockstep.perf.costmodel import LINKS, allreduce_time_s
+from lockstep.costmodel import LINKS, allreduce_time_s
 
 
 def _model():

@@ -5,7 +5,7 @@ Input: each rank's events from ``trace.TraceRecorder`` (already on rank 0's cloc
 (the union of the buckets' all-reduce spans), exposed communication (the end-of-backward wait: what
 overlap did not hide), the overlap share (1 - exposed / communication), and per bucket its size, measured
 all-reduce time and bandwidth beside the alpha-beta cost model's prediction for the same size
-(``lockstep.perf.costmodel``: pure arithmetic, the one import from a higher layer; see tests/test_layout.py).
+(``lockstep.costmodel``: pure arithmetic, a leaf below every part; see tests/test_layout.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import statistics
 from pathlib import Path
 
-from lockstep.perf.costmodel import LINKS, allreduce_time_s, bus_bandwidth_gb_s
+from lockstep.costmodel import LINKS, allreduce_time_s, bus_bandwidth_gb_s
 
 _COLOURS = {"forward": "#4e79a7", "backward": "#59a14f", "wait": "#e15759", "host": "#bab0ac",
             "comm": ("#f28e2b", "#b07aa1")}

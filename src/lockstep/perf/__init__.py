@@ -1,1 +1,2 @@
-"""Planning and measuring: the alpha-beta cost model, ``lockstep plan``, and ``lockstep bench``."""
+"""Planning and measuring above the DDP: ``lockstep plan`` and ``lockstep bench`` (the alpha-beta cost model they
+price with is ``lockstep.costmodel``, a leaf below every part)."""

@@ -7,7 +7,7 @@ shared box. A call lasts from the last rank's start to the last rank's finish
 (the ranks share one host's monotonic clock), and a size's time is the median
 over iterations. From those it
 prints algorithm and bus bandwidth (NCCL-tests' definitions), fits the alpha-beta
-model of each algorithm (``lockstep.perf.costmodel``), reports ring / native bus
+model of each algorithm (``lockstep.costmodel``), reports ring / native bus
 bandwidth at >= 4 MiB, and writes JSON, markdown and a PNG plot.
 """
 
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from lockstep.perf.costmodel import ALGORITHMS, bus_bandwidth_gb_s, fit_link
+from lockstep.costmodel import ALGORITHMS, bus_bandwidth_gb_s, fit_link
 from lockstep.perf.spawn import DEFAULT_OUT, OUT_HELP, report_to_parent, results_dir, spawn_and_collect
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
@@ -197,7 +197,7 @@ def format_report(rows, summary, world_size: int, where: str = "gloo ranks (127.
     for r in rows:
         lines.append(f"| {human(r['nbytes'])} | {r['algorithm']} | {r['iters']} | {r['median_s'] * 1e3:.3f} "
                      f"| {r['algbw_gb_s']:.3f} | {r['busbw_gb_s']:.3f} |")
-    lines += ["", "alpha-beta fit (t = steps*alpha + bytes_factor*n/B; see lockstep.perf.costmodel), least squares in"
+    lines += ["", "alpha-beta fit (t = steps*alpha + bytes_factor*n/B; see lockstep.costmodel), least squares in"
               " relative error, on the median and on the fastest iteration (interference from other processes"
               " only adds time, so the fastest run is the closest to the link itself):"]
     for stat, by in summary["fits"].items():

@@ -5,7 +5,7 @@ paper's accounting, Rajbhandari et al. 2020): mixed precision keeps 2-byte
 weights and gradients plus a 4-byte master copy, and Adam two 4-byte moments, so
 2 + 2 + 4 + 8 = 16 bytes per parameter, 112 GB for 7B parameters before any
 activation. Communication is the alpha-beta cost of all-reducing the gradients
-bucket by bucket (``lockstep.perf.costmodel``), and the step time overlaps it with
+bucket by bucket (``lockstep.costmodel``), and the step time overlaps it with
 the backward pass the way DDP's reducer does: bucket k is reduced while the
 backward still computes buckets k+1.. .
 
@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TypedDict
 
-from lockstep.perf.costmodel import LINKS, Link, allreduce_time_s, link_from_bench
+from lockstep.costmodel import LINKS, Link, allreduce_time_s, link_from_bench
 
 GB = 1e9
 PRECISIONS = {  # name -> (weight bytes, gradient bytes, master-weight bytes, bytes per optimizer state)
@@ -65,7 +65,7 @@ class PlanConfig:
     device_memory_gb: float = 80.0
     """Memory per device, 1e9 bytes."""
     link: str | Link = "nvlink"
-    """A preset name (see ``lockstep.perf.costmodel.LINKS``) or a ``Link``."""
+    """A preset name (see ``lockstep.costmodel.LINKS``) or a ``Link``."""
     compute_ms: float | None = None
     """Forward + backward time of one step on one device; None: no step-time prediction."""
     activation_gb: float | None = None

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from lockstep.perf.costmodel import LINKS, Link, link_from_bench
+from lockstep.costmodel import LINKS, Link, link_from_bench
 from lockstep.perf.plan import PlanConfig, make_plan
 from lockstep.perf.spawn import DEFAULT_OUT, OUT_HELP, report_to_parent, results_dir, spawn_and_collect
 
