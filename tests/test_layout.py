@@ -217,27 +217,72 @@ def _assigned_targets(node: ast.AST) -> list[ast.expr]:
     return found
 
 
-def _is_reducer(node: ast.expr) -> bool:
-    """``reducer``, ``self.reducer``, ``ddp.reducer``, ``self._reducer``: an expression naming a reducer."""
+REDUCER_CLASSES = ("Reducer", "TorchReducer")  # the reducer and torch's surface of it (ddp/torch_surface.py)
+
+
+def _is_reducer(node: ast.expr, names: frozenset[str] = frozenset()) -> bool:
+    """``reducer``, ``self.reducer``, ``ddp.reducer``, ``self._reducer``, or a name bound to a reducer in the scope
+    (``names``: ``self`` in a subclass of the reducer, a parameter annotated as one, a variable made by one)."""
+    if isinstance(node, ast.Name) and node.id in names:
+        return True
     name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
     return name in ("reducer", "_reducer")
 
 
+def _names_a_reducer(annotation: ast.expr | None) -> bool:
+    text = ast.unparse(annotation) if annotation is not None else ""
+    return any(re.search(rf"\b{cls}\b", text) for cls in REDUCER_CLASSES)
+
+
+def _reducer_names(function: ast.AST, in_reducer_class: bool) -> frozenset[str]:
+    """The names that hold a reducer inside ``function``: whatever name it is reached by."""
+    names = set()
+    if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        arguments = [*function.args.posonlyargs, *function.args.args, *function.args.kwonlyargs]
+        if in_reducer_class and arguments:
+            names.add(arguments[0].arg)  # self
+        names |= {a.arg for a in arguments if _names_a_reducer(a.annotation)}
+    for node in ast.walk(function):
+        made = isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and \
+            _names_a_reducer(node.value.func)
+        annotated = isinstance(node, ast.AnnAssign) and _names_a_reducer(node.annotation)
+        if made or annotated:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return frozenset(names)
+
+
+def _scopes(tree: ast.AST) -> list[tuple[ast.AST, frozenset[str]]]:
+    """Each function (and the module) with the names that hold a reducer in it."""
+    scopes: list[tuple[ast.AST, frozenset[str]]] = [(tree, _reducer_names(tree, False))]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            subclass = any(_names_a_reducer(base) for base in node.bases)
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    scopes.append((item, _reducer_names(item, subclass)))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            scopes.append((node, _reducer_names(node, False)))
+    return scopes
+
+
 def reducer_writes(module: str, source: str) -> list[str]:
-    """``module:line target`` for each assignment (or setattr) to a reducer's attribute outside the reducer."""
+    """``module:line target`` for each assignment (or setattr) to a reducer's attribute outside the reducer, through
+    whatever name holds it."""
     if module in REDUCER_MODULES:
         return []
-    bad = []
-    for node in ast.walk(ast.parse(source)):
-        for target in _assigned_targets(node):
-            while isinstance(target, ast.Subscript):  # reducer.caps[0] = ... writes the reducer's state too
-                target = target.value
-            if isinstance(target, ast.Attribute) and _is_reducer(target.value):
-                bad.append(f"{module}:{node.lineno} {ast.unparse(target)}")
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
-                and node.args and _is_reducer(node.args[0])):
-            bad.append(f"{module}:{node.lineno} setattr({ast.unparse(node.args[0])}, ...)")
-    return bad
+    bad = set()
+    for scope, names in _scopes(ast.parse(source)):
+        for node in ast.walk(scope):
+            for target in _assigned_targets(node):
+                while isinstance(target, ast.Subscript):  # reducer.caps[0] = ... writes the reducer's state too
+                    target = target.value
+                if isinstance(target, ast.Attribute) and _is_reducer(target.value, names):
+                    bad.add(f"{module}:{node.lineno} {ast.unparse(target)}")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                    and node.args and _is_reducer(node.args[0], names)):
+                bad.add(f"{module}:{node.lineno} setattr({ast.unparse(node.args[0])}, ...)")
+    return sorted(bad)
 
 
 def test_only_the_reducer_writes_its_attributes():
@@ -252,4 +297,10 @@ def test_checker_catches_a_reducer_write():
     assert reducer_writes("lockstep.ddp.overlap_step", "def f(reducer):\n    reducer.bucket_cap_bytes = 1\n")
     assert reducer_writes("lockstep.train.faults", "reducer.caps[0] += 1\nsetattr(reducer, 'x', 1)\n")
     assert not reducer_writes("lockstep.ddp.reducer", "self.observer = attach(self.observer, x)\n")
+    # through any name: self in a subclass of the reducer, a parameter annotated as one, a variable made by one
+    assert reducer_writes("lockstep.ddp.torch_surface", "class TorchReducer(Reducer):\n    def f(self):\n"
+                          "        self.usage = None\n")
+    assert reducer_writes("lockstep.ddp.overlap_step", "def f(r: Reducer):\n    r.bucket_cap_bytes = 1\n")
+    assert reducer_writes("lockstep.ddp.wrapper", "def f():\n    r = TorchReducer(p)\n    r.usage = None\n")
+    assert not reducer_writes("lockstep.ddp.wrapper", "class Other:\n    def f(self):\n        self.usage = None\n")
     assert not reducer_writes("lockstep.ddp.wrapper", "self.reducer = Reducer()\nreducer.attach_observer(x)\n")

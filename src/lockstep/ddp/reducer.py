@@ -182,6 +182,9 @@ class Reducer:
     def name_comm_hook(self, name: str) -> None:  # torch's built-in hook types, logged by type (``torch_surface``)
         self.comm_hook_name = name
 
+    def use_static_graph(self) -> None:  # torch's _set_static_graph, before the first forward (``torch_surface``)
+        self.usage = UsageTracker(len(self.params), self.usage.find_unused, True)
+
     def log_error(self, error: BaseException) -> None:  # an error DDP raised, for the logging data
         self.logged_error = error_for_log(error)
 

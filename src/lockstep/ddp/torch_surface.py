@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from lockstep.ddp.args import STATIC_WITH_FIND_UNUSED
 from lockstep.ddp.reducer import Reducer
-from lockstep.ddp.reducer_state import UsageTracker
 from lockstep.ddp.replicas import broadcast_coalesced, named_syncable_buffers
 
 # torch's methods that work unchanged on lockstep's wrapper (they read only attributes it has).
@@ -310,7 +309,7 @@ class TorchReducer(Reducer):
                 "already ran a forward/backward. Pass static_graph=True to the constructor, or call it before the "
                 "first forward."
             )
-        self.usage = UsageTracker(len(self.params), self.usage.find_unused, True)
+        self.use_static_graph()
 
     def _check_reducer_finalized(self) -> None:
         step = self.step
