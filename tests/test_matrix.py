@@ -107,6 +107,8 @@ REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"strategy": "overlap", "find_unused": True},
      "overlap_optimizer_step does not support find_unused_parameters=True or static_graph=True"),
     ({"strategy": "overlap", "join": True}, "DistributedDataParallel.join: not with overlap_optimizer_step"),
+    ({"strategy": "zero2", "join": True, "clip": True},
+     "zero_optimizer.clip_grad_norm_: not inside DistributedDataParallel.join()"),
 ]
 # What torch itself cannot run (seen on torch 2.13): no reference, so the cell is skipped, saying why; the pairwise
 # cells cover every other pair without them.
@@ -136,16 +138,6 @@ EXPECTED_FAILURES: list[tuple[dict[str, Any], str]] = [  # (pattern, why); a why
      "parameters exact; the consolidated state has entries for the parameters no rank ever used (SGD: a zero "
      "momentum buffer; AdamW: zero moments and step = the steps taken) where torch's optimizer has none: harmless "
      "for SGD, but AdamW resumed from it would bias-correct such a parameter's first update as step N+1, not 1"),
-    ({"find_unused": True, "static_graph": False, "join": True},
-     "parameters 6.6e-3 (AdamW) to 4.3e-2 (SGD) apart: at a step only the ranks still training take, extra is "
-     "unused on all of them; torch's joined rank all-reduces its own last step's usage map (DistributedDataParallel."
-     "_match_unused_params_allreduce: extra used then), so torch counts extra used and gives it a zero .grad, which "
-     "SGD's momentum and AdamW's decay still step; lockstep's joined rank reports it unused, .grad stays None and the "
-     "optimizer skips it"),
-    ({"strategy": "zero2", "join": True, "clip": True},
-     "crashes: the training rank's opt.clip_grad_norm_ all-reduces the norms and the joined rank does not shadow it, "
-     "so it meets the joined rank's next collective and gloo aborts the process (\"Received data size doesn't match "
-     "expected size\"); torch's clip is local. To lockstep: shadow the clip's exchange, or refuse it in one line"),
 ]
 
 

@@ -256,6 +256,9 @@ class UsageTracker:
         self.last_work: Any = None  # the status all-reduce of the last backward, kept (see exchange_status)
         self.used_in_window = [False] * num_params
         self.used = [False] * num_params
+        # the last exchange's global map: what a joined rank sends in its shadow exchange, as torch's joined rank
+        # all-reduces its reducer's device map, which holds the last exchange's sum (``_match_unused_params_allreduce``)
+        self.last_globally_used: list[bool] | None = None
         self._static_first = static_graph
         self._counts = [0] * num_params
         self._expected: list[int] | None = None
@@ -344,7 +347,10 @@ class UsageTracker:
             device = last_bucket.buffer.device if dist.get_backend(group) == "nccl" else "cpu"
             status = torch.full((1,), int(bool(missing)), dtype=torch.int32, device=device)
         else:
-            used = [False] * self.num_params if joined else [a or b for a, b in zip(self.used, self.used_in_window)]
+            if joined:
+                used = self.last_globally_used or [False] * self.num_params
+            else:
+                used = [a or b for a, b in zip(self.used, self.used_in_window)]
             status = torch.tensor([int(bool(missing))] + [int(u) for u in used], dtype=torch.int32)
             if dist.get_backend(group) == "nccl":
                 status = status.to(last_bucket.buffer.device)
@@ -377,6 +383,7 @@ class UsageTracker:
         values = tensor.tolist()
         self.used_in_window = [False] * self.num_params
         globally_used = [v > 0 for v in values[1:]]
+        self.last_globally_used = globally_used
         if self._static_exchange_due:
             self._static_exchange_due = False
             self._static_globally_used = globally_used

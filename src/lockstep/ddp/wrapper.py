@@ -409,8 +409,12 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         if self.reducer.overlap is not None and enable:
             raise RuntimeError("DistributedDataParallel.join: not with overlap_optimizer_step (a joined rank's "
                                "stand-in backwards do not defer); use the plain step for uneven inputs")
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
+        return _Join([self], enable, throw_on_early_termination,
+                     divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def _set_joining(self, joining: bool) -> None:  # ``_Join``: ZeRO-2's clip is refused inside join()
+        if self.reducer.zero is not None:
+            self.reducer.zero.set_joining(joining)
 
     def join_hook(self, **kwargs: Any) -> DDPJoinHook:
         """The Joinable interface: what this model does while its rank has joined."""
@@ -527,3 +531,23 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
 
 close_inherited(DistributedDataParallel, nn.parallel.DistributedDataParallel)
 _CLOSED = frozenset(n for n, v in vars(DistributedDataParallel).items() if type(v).__name__ == "_Closed")
+
+
+class _Join(Join):
+    """torch's ``Join``, which also tells the model while it is open (ZeRO-2's sharded clip cannot be shadowed by a
+    rank out of data: it is refused inside, ``ZeroOptimizer.clip_grad_norm_``)."""
+
+    def __enter__(self):
+        if self._enable:
+            for joinable in self._joinables:
+                if isinstance(joinable, DistributedDataParallel):
+                    joinable._set_joining(True)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for joinable in self._joinables:
+                if isinstance(joinable, DistributedDataParallel):
+                    joinable._set_joining(False)

@@ -112,6 +112,7 @@ class ZeroShards:
         self.flat_collectives = choose_collectives(group, device)
         self.observer = observer
         self.compress: FusedCompression | None = None  # an fp16/bf16 compress hook's arithmetic on the wire
+        self.joining = False  # inside DistributedDataParallel.join() (``set_joining``): the clip is refused there
         self.buckets: list[Bucket] = []
         self.param_flats: list[torch.Tensor] = []  # per bucket: every parameter's values, padded
         self.shards: list[nn.Parameter] = []  # per bucket: slice ``rank`` of its param_flat (a view)
@@ -385,6 +386,9 @@ class ZeroShards:
             observer.wait_end(b, self.gather_seqs[b])
 
     # ----------------------------------------------------------------- gradients and norms
+    def set_joining(self, joining: bool) -> None:  # DistributedDataParallel.join()'s context, entered and left
+        self.joining = joining
+
     def zero_grad(self, set_to_none: bool) -> None:
         for b, shard in enumerate(self.shards):
             if set_to_none:
@@ -555,7 +559,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` over the whole model's averaged gradient, held
         in shards, with torch's bits (``zero2_norm``): each parameter's norm over its whole gradient, the norm of
         those in the model's order, the same coefficient on every shard. One all-reduce of a value a parameter, no
-        host sync; from the first call on, backward norms the parameters the shards split. Returns the total norm."""
+        host sync; from the first call on, backward norms the parameters the shards split. Returns the total norm.
+        Refused inside ``join()`` (on every rank at the first clip, while all still train): a rank out of data would
+        not take part in that all-reduce, which would meet its next collective and abort the process."""
+        if self._shards.joining:
+            raise RuntimeError("zero_optimizer.clip_grad_norm_: not inside DistributedDataParallel.join(): a rank that "
+                               "runs out of data cannot take part in the norm's all-reduce; clip outside join(), or "
+                               "give every rank the same number of batches")
         norm_type = float(norm_type)
         norms = self._shards.grad_norms((norm_type, foreach))
         total = total_norm([norms[i] for i in self._module_order if i in norms], norm_type)
