@@ -510,13 +510,14 @@ def test_in_place_a_new_node_joins_a_job_that_started_at_world_size_1(tmp_path):
     """``--nnodes 1:2 --nproc-per-node 1``, node 0 alone: a world of one rank. A second machine started later joins
     in place at a step boundary (node 0's process kept), as into a larger job; before, in-place recovery was off at
     world size 1, so the new node made node 0's agent restart its worker from the last checkpoint (none here: from
-    the beginning). Bit for bit with a run stopped cleanly at the join step on 1 rank and resumed on 2."""
+    the beginning). Bit for bit with a run stopped cleanly at the join step on 1 rank and resumed on 2. Node 0 holds
+    its first step until node 1's ranks wait to join (its 0.3 s steps once let it finish first on a loaded machine)."""
     grown, clean = str(tmp_path / "grown"), str(tmp_path / "clean")
     os.makedirs(grown)
     os.makedirs(clean)
     port = 29600 + random.randrange(300)
     with netns.two_nodes() as (a, b):
-        node_a = Launch(a.command(_inplace_argv(0, 1, port, grown, "--step-sleep", "0.3")), clean_env())
+        node_a = Launch(a.command(_inplace_argv(0, 1, port, grown, "--hold-at-world", "1")), clean_env())
         launches = [node_a]
         try:
             first = _wait_for_a_step(grown, node_a)

@@ -543,13 +543,12 @@ class InPlaceGroup:
 
     def finish(self, step: int) -> None:
         """Training ended (the last step, or a stop): rank 0 says so in the store, so that a newcomer still waiting to
-        be admitted leaves in one line (process_group.py) instead of waiting for a job that is gone, and a launcher
-        that starts now takes torch's way (nothing to join: a resume says there is nothing left to train)."""
-        self.accepting = False
+        be admitted, or one whose launcher joins now, leaves in one line with exit 0 (process_group.py) instead of
+        waiting for a job that is gone. The job keeps saying it admits newcomers: a launcher sent down torch's way
+        instead would form a round of its own against the ending job's stale records."""
         if self.rank == 0:
             try:
                 self.store.set(INPLACE_ENDED_KEY, json.dumps({"step": step}))
-                self.store.delete_key(ACCEPTS_JOINS_KEY)
             except Exception:  # a notice only: the store's node may be going with the job
                 pass
 
