@@ -150,14 +150,18 @@ class InPlaceReport(threading.Thread):
 
     def run(self) -> None:
         from lockstep.launch.liveness import connect
+        from lockstep.network import accepts
 
-        try:
-            store = connect(self.host, self.port, 10)
-            if self.generation is None and store.check([f"{INPLACE_REPORT_KEY}/latest"]):
-                self.generation = int(store.get(f"{INPLACE_REPORT_KEY}/latest")) + 1
-            while not self.stop.wait(0.2):
-                latest = (int(store.get(f"{INPLACE_REPORT_KEY}/latest"))
-                          if store.check([f"{INPLACE_REPORT_KEY}/latest"]) else None)
+        latest_key, store = f"{INPLACE_REPORT_KEY}/latest", None
+        while not self.stop.wait(0.2):
+            try:
+                if store is None:  # first, and after a failed call (a slow store, a loaded machine): again
+                    if not accepts(self.host, self.port, 1.0):
+                        continue  # gone (the round ended, or its node: the handler stops this thread then)
+                    store = connect(self.host, self.port, 10)
+                    if self.generation is None and store.check([latest_key]):
+                        self.generation = int(store.get(latest_key)) + 1
+                latest = int(store.get(latest_key)) if store.check([latest_key]) else None
                 if self.generation is None:
                     self.generation = latest  # None until the first record after this launcher joined
                 while self.generation is not None and latest is not None and self.generation <= latest:
@@ -165,8 +169,8 @@ class InPlaceReport(threading.Thread):
                     if store.check([key]):
                         self._say(json.loads(store.get(key)))
                     self.generation += 1
-        except Exception:  # the round ended (its store gone)
-            pass
+            except Exception:  # a client out of step with the server: a new one
+                store = None
 
     def _say(self, record: dict) -> None:
         line, named = describe_in_place(record, self.nodes, self.nproc)

@@ -264,7 +264,10 @@ class LockstepRendezvous(RendezvousHandler):
         """The liveness thread, once the store has not answered for a while: did the workers move their store
         to a standby (train/inplace.py's takeover)? The agents follow them there; None: they did not (yet)."""
         gone = self._store_node
-        for node in sorted(self._last_nodes or [], key=lambda n: n["node_rank"]):
+        me = {"node_rank": self.node_rank, "addr": self.local_addr,
+              **({"standby": self._standby.port} if self._standby is not None else {})}
+        known = {n["node_rank"]: n for n in [me, *(self._last_nodes or [])]}  # this node even before a record names it
+        for node in sorted(known.values(), key=lambda n: n["node_rank"]):
             if node["node_rank"] != gone and "standby" in node and holds(node["addr"], node["standby"],
                                                                             elastic.INPLACE_TAKEOVER_KEY):
                 self._moved_to(node, gone)
@@ -294,7 +297,7 @@ class LockstepRendezvous(RendezvousHandler):
         self._in_place_report = elastic.InPlaceReport(addr, port, self._round_nodes, self.nproc, self._left_in_place,
                                                       self._joined_in_place, generation)
         self._in_place_report.start()
-        lead = min(n["node_rank"] for n in self._last_nodes or [] if n["node_rank"] != gone)
+        lead = min([n["node_rank"] for n in self._last_nodes or [] if n["node_rank"] != gone] + [self.node_rank])
         if lead == self.node_rank and self.node_rank != 0:  # node 0 itself (come back) serves the endpoint's store
             self._probe = EndpointProbe((self.master_addr, self.master_port), self._round_key(), self._running_round)
             self._probe.start()
