@@ -135,13 +135,13 @@ def describe_in_place(record: dict, nodes: list[dict], nproc: int) -> tuple[str,
 class InPlaceReport(threading.Thread):
     """Prints a line for each in-place re-formation the workers record in their store, and hands the nodes that
     left to ``on_left`` (the rendezvous handler forgets them), those that joined to ``on_joined``. Polled every
-    0.2 s on a client of its own. ``generation`` None (a launcher that joined a running job): from the first
-    record after the newest one in the store (the workers keep its number under ``/latest``). A generation whose
-    record never came (the group re-formed again before its first step) is passed over once a later one is there.
+    0.2 s on a client of its own; the workers keep the newest record's number under ``/latest`` (a launcher that
+    joins a running job starts after it). A generation whose record never came (the group re-formed again before its
+    first step, or the store moved) is passed over once a later one is there.
     """
 
     def __init__(self, host: str, port: int, nodes: list[dict], nproc: int, on_left, on_joined=None,
-                 generation: int | None = 1):
+                 generation: int = 1):
         super().__init__(name="lockstep-inplace-report", daemon=True)
         self.host, self.port, self.nodes, self.nproc, self.on_left = host, port, nodes, nproc, on_left
         self.on_joined = on_joined
@@ -159,12 +159,8 @@ class InPlaceReport(threading.Thread):
                     if not accepts(self.host, self.port, 1.0):
                         continue  # gone (the round ended, or its node: the handler stops this thread then)
                     store = connect(self.host, self.port, 10)
-                    if self.generation is None and store.check([latest_key]):
-                        self.generation = int(store.get(latest_key)) + 1
                 latest = int(store.get(latest_key)) if store.check([latest_key]) else None
-                if self.generation is None:
-                    self.generation = latest  # None until the first record after this launcher joined
-                while self.generation is not None and latest is not None and self.generation <= latest:
+                while latest is not None and self.generation <= latest:
                     key = f"{INPLACE_REPORT_KEY}/{self.generation}"
                     if store.check([key]):
                         self._say(json.loads(store.get(key)))

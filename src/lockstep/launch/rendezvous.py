@@ -367,8 +367,10 @@ class LockstepRendezvous(RendezvousHandler):
         self._store_node = int(running.get("store_node", 0))
         self._running = {k: v for k, v in running.items() if k != "nodes"}
         self._publish_round()
+        # from the first record after the newest one there now, read before this node's workers start (a thread that
+        # read it later could miss this node's own admission: seen once, at 2 x 2 under load)
         self._in_place_report = elastic.InPlaceReport(addr, port, self._round_nodes, self.nproc, self._left_in_place,
-                                                      self._joined_in_place, generation=None)
+                                                      self._joined_in_place, generation=_next_report(addr, port))
         self._in_place_report.start()
         # beats in the workers' store itself (this node is in no torch round); judges no other node: the workers'
         # own heartbeats do that. Its part is the store: gone, it finds the standby the workers moved to
@@ -566,6 +568,17 @@ def _admits(host: str, port: int) -> bool | None:
         return connect(host, port, 10).check([elastic.INPLACE_ACCEPTS_JOINS_KEY])
     except Exception:
         return None
+
+
+def _next_report(host: str, port: int) -> int:
+    """The generation of the next in-place record in the running workers' store at host:port (1 where none was
+    written there yet: the report passes over generations whose record never comes)."""
+    try:
+        store = connect(host, port, 10)
+        latest = f"{elastic.INPLACE_REPORT_KEY}/latest"
+        return int(store.get(latest)) + 1 if store.check([latest]) else 1
+    except Exception:
+        return 1
 
 
 def _process_start_time() -> float:
