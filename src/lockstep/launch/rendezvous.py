@@ -264,9 +264,8 @@ class LockstepRendezvous(RendezvousHandler):
         """The liveness thread, once the store has not answered for a while: did the workers move their store
         to a standby (train/inplace.py's takeover)? The agents follow them there; None: they did not (yet)."""
         gone = self._store_node
-        me = {"node_rank": self.node_rank, "addr": self.local_addr,
-              **({"standby": self._standby.port} if self._standby is not None else {})}
-        known = {n["node_rank"]: n for n in [me, *(self._last_nodes or [])]}  # this node even before a record names it
+        # this node too, even before a record names it (a node that joined)
+        known = {n["node_rank"]: n for n in [self._node_record(), *(self._last_nodes or [])]}
         for node in sorted(known.values(), key=lambda n: n["node_rank"]):
             if node["node_rank"] != gone and "standby" in node and holds(node["addr"], node["standby"],
                                                                             elastic.INPLACE_TAKEOVER_KEY):
@@ -336,8 +335,7 @@ class LockstepRendezvous(RendezvousHandler):
             raise NodesDisagree(f"--node-rank {self.node_rank} is training in this job already "
                                 f"({there[self.node_rank]['addr']}); give this node another --node-rank")
         addr = running.get("addr", self.master_addr)
-        me = {"node_rank": self.node_rank, "addr": self.local_addr, "host": socket.gethostname(),
-              **({"standby": self._standby.port} if self._standby is not None else {})}
+        me = self._node_record()
         os.environ.pop(elastic.INPLACE_STORES_ENV, None)  # its workers learn the stores with their admission
         # inherited by the workers the agent starts next (torch copies os.environ): process_group.init() joins
         os.environ[INPLACE_JOIN_ENV] = json.dumps({"base": running["base"], "node": me, "t0": self._started_at})
@@ -399,9 +397,13 @@ class LockstepRendezvous(RendezvousHandler):
                     time.sleep(0.1)
             raise NodesDisagree(message)
 
+    def _node_record(self) -> dict:
+        """What this node tells the others (a round's exchange, an admission, the search for a standby store)."""
+        return {"node_rank": self.node_rank, "addr": self.local_addr, "host": socket.gethostname(),
+                **({"standby": self._standby.port} if self._standby is not None else {})}
+
     def _exchange(self, store: dist.Store, rank: int, world_size: int) -> list[dict]:
-        me = {"node_rank": self.node_rank, "nnodes": self.nnodes_spec, "addr": self.local_addr,
-              "host": socket.gethostname(), **({"standby": self._standby.port} if self._standby is not None else {})}
+        me = {**self._node_record(), "nnodes": self.nnodes_spec}
         store.set(f"lockstep/node/{rank}", json.dumps(me))
         try:
             nodes = [json.loads(store.get(f"lockstep/node/{i}")) for i in range(world_size)]
