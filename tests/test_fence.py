@@ -167,12 +167,14 @@ def test_a_second_standalone_launch_into_a_running_jobs_folder_is_refused_and_th
     """The same command twice into one folder: the second (it would resume from the first's checkpoint and train
     beside it) ends in one line naming the running job and its store, exit 1, within 60 s; the first job trains on
     to the end, exit 0, and every checkpoint in the folder is its own."""
-    first = _launch(tmp_path, "--step-sleep", "1.5")
+    go = tmp_path.parent / f"{tmp_path.name}-go"  # the first job holds after step 2 until the second is done
+    first = _launch(tmp_path, "--hold-until", str(go))
     try:
-        _wait_for(tmp_path / "ckpt-000000001.meta.json", 180, [first])
+        _wait_for(tmp_path / "ckpt-000000002.meta.json", 180, [first])
         started = time.monotonic()
         second = _launch(tmp_path)
         out, _ = second.communicate(timeout=120)
+        go.touch()
         assert second.returncode == 1, out
         assert time.monotonic() - started < 60
         # the launcher's account of the failure ends in the one line (the workers' tracebacks are above it)

@@ -6,6 +6,8 @@ writes OUT_DIR/paused and sleeps, so a test can kill node 1 while the others wai
 ``--pause-here``: the pausing rank is this launch's first (LOCAL_RANK 0), whatever its launch rank (a node that
 joined in place has ranks numbered after the others'). ``--save-every N``: a checkpoint every N steps (the
 fence's generations, train/fence.py).
+``--hold-until FILE``: every rank waits after step 2 (up to 120 s) until FILE exists (a test holds the job running
+while it tries a second one into its folder).
 ``--pause-in-final-save``: rank R does so as the save after the last epoch starts (the others wait in its
 collectives).
 ``--alarms N``: rank 0 raises the in-place alarm after every step until the group re-formed N times: every rank
@@ -77,6 +79,7 @@ def main():
     p.add_argument("--note-joins", action="store_true", help="rank 0 writes OUT_DIR/join-ready in --step-sleep")
     p.add_argument("--pause-here", action="store_true", help="--pause-rank is this launch's LOCAL_RANK 0")
     p.add_argument("--save-every", type=int, default=None)
+    p.add_argument("--hold-until", default=None, help="every rank waits after step 2 until this file exists")
     p.add_argument("--pause-in-final-save", action="store_true", help="pause rank --pause-rank in the last save")
     args = p.parse_args()
     env = lockstep.init()
@@ -115,6 +118,10 @@ def main():
                     if joins_ready(trainer):
                         break  # a node waits to join in place: the next commit admits it
                     time.sleep(0.2)  # until the agent stops the workers (SIGTERM: a node joined)
+            if args.hold_until is not None and trainer.step == 2:
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline and not os.path.exists(args.hold_until):
+                    time.sleep(0.1)
             deadline = time.monotonic() + args.step_sleep
             while time.monotonic() < deadline:
                 if args.note_joins and trainer.rank == 0 and joins_ready(trainer):
