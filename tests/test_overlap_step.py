@@ -108,12 +108,12 @@ def _deferred(rank: int) -> dict:
     inside = []  # at the first layer's forward, inside the model's: (first stepped, last not yet, round in flight)
     probe = model.module[0].register_forward_pre_hook(lambda *_: inside.append((
         not torch.equal(before_first, first.detach()), torch.equal(before_last, last.detach()),
-        model.reducer.overlap.round is not None)))
+        model.reducer.strategy.round is not None)))
     model(torch.randn(2, 32, generator=g))
     probe.remove()
     seen["first_layer_alone"] = inside[0]
-    seen["all_after_forward"] = not torch.equal(before_last, last.detach()) and model.reducer.overlap.round is None
-    seen["sequence"] = model.reducer.overlap.sequence
+    seen["all_after_forward"] = not torch.equal(before_last, last.detach()) and model.reducer.strategy.round is None
+    seen["sequence"] = model.reducer.strategy.sequence
     seen["num_buckets"] = len(model.reducer.buckets)
     events = model.reducer.events = []
     F.cross_entropy(model(torch.randn(16, 32, generator=g)), torch.randint(0, 4, (16,), generator=g)).backward()
@@ -150,7 +150,7 @@ def _missing(rank: int) -> str:
         before = [p.detach().clone() for p in model.parameters()]
         model(x, False)  # rank 0 raises here, reading the flag before any update of that round
     except RuntimeError as error:
-        model.reducer.overlap.finish()
+        model.reducer.strategy.finish()
         kept = before is None or all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
         return f"raised: {str(error)[:300]}" + ("" if kept else " (and a parameter was updated)")
     return "no error"

@@ -40,6 +40,7 @@ from lockstep.ddp.copy_back import wait_bucket
 from lockstep.ddp.errors import raise_missing_gradients
 from lockstep.ddp.launch_order import priority_sequence
 from lockstep.ddp.step import COPY, Backward, copy_back_path
+from lockstep.ddp.strategy import AllReduce, call_on, register_waits
 
 Reducer = Any  # lockstep.ddp.reducer.Reducer, which imports this module
 
@@ -68,8 +69,6 @@ def check_can_overlap(reducer: Reducer, optimizer: Any) -> None:
     if reducer.nonfinite is not None and not reducer.nonfinite.pre_launch:
         raise ValueError("overlap_optimizer_step with detect_nonfinite=True needs a world size that is a power of two "
                          f"(the verdict checked before the launches), not {reducer.world_size}")
-    if getattr(reducer, "overlap", None) is not None:
-        raise RuntimeError("overlap_optimizer_step: an optimizer is bound already (one per DistributedDataParallel)")
 
 
 class _Round:
@@ -85,8 +84,11 @@ class _Round:
         self.flag_checked = False
 
 
-class OverlappedStep:
+class OverlappedStep(AllReduce):
     """The optimizer bound to one reducer: deferred ``step``/``zero_grad``, per-module waits, the launch sequence."""
+
+    name = "overlapped step"
+    defers = True
 
     def __init__(self, reducer: Reducer, optimizer: torch.optim.Optimizer, module: nn.Module,
                  sent_during_backward_mb: float | None = None):
@@ -166,26 +168,37 @@ class OverlappedStep:
         pending = {id(p) for b, done in zip(self.reducer.buckets, self.round.done) if not done for p in b.params}
         self._call_on(lambda p: id(p) not in pending, lambda: self._zero_grad(set_to_none))
 
-    # ----------------------------------------------------------------- the reducer's side
-    def sequence_for(self, layout_version: int) -> list[int] | None:
-        """The launch sequence of the next backward (None: index order)."""
-        return self.sequence if self.sequence_layout == layout_version else None
+    # ----------------------------------------------------------------- the reducer's points (``strategy``)
+    def refuse_join(self) -> str | None:
+        return ("DistributedDataParallel.join: not with overlap_optimizer_step (a joined rank's stand-in backwards "
+                "do not defer); use the plain step for uneven inputs")
 
-    def window_stop(self, sequence: Sequence[int]) -> int:
-        """Where a backward in ``sequence`` stops launching: after the carrier (the last bucket, first of the held
-        ones) and the one after it; the next forward launches the rest one by one (``_finish_bucket``)."""
-        return list(sequence).index(len(sequence) - 1) + 2
+    def round_in_flight(self) -> bool:
+        return self.round is not None
 
-    def before_backward(self) -> None:
-        """A backward starts, the last round finished on every rank: agree, once per layout, on the sequence. Here,
-        before any bucket of this backward and after every collective of the last step's, the agreement's place
-        among the collectives is the same on every rank, whichever rounds each deferred."""
+    def held_backward(self) -> Backward | None:
+        return None if self.round is None else self.round.step
+
+    def launch_sequence(self, layout_version: int) -> tuple[list[int] | None, int | None]:
+        """The agreed sequence (None: index order, before the agreement), and where a backward in it stops
+        launching: after the carrier (the last bucket, first of the held ones) and the one after it; the next
+        forward launches the rest one by one (``_finish_bucket``)."""
+        if self.sequence is None or self.sequence_layout != layout_version:
+            return None, None
+        return self.sequence, self.sequence.index(len(self.sequence) - 1) + 2
+
+    def at_backward_start(self) -> None:
+        """A backward starts: a round still in flight (a backward with no forward through the wrapper) finished;
+        then, the last round finished on every rank, agree once per layout on the sequence. Here, before any bucket
+        of this backward and after every collective of the last step's, the agreement's place among the
+        collectives is the same on every rank, whichever rounds each deferred."""
+        self.finish()
         agreed = self._maybe_agree()
         if agreed is not None:
             self._read_agreement(agreed)
 
     def defer(self, step: Backward, missing: list[int]) -> bool:
-        """End of a backward, launched up to its window (``window_stop``): keep the round in flight and return True,
+        """End of a backward, launched up to its window (``launch_sequence``): keep the round in flight and return True,
         or False where this round must be finished now (every bucket launched here; the reducer then waits as
         without the option)."""
         reducer = self.reducer
@@ -211,7 +224,7 @@ class OverlappedStep:
         # The first round is finished in full, so the bucket rebuild comes where torch's does.
         return not (reducer._observed_order is not None and not reducer.buckets_rebuilt)
 
-    def finished_in_full(self) -> None:
+    def round_closed(self) -> None:
         """The reducer waited for a round that ``defer`` declined: time it."""
         self._record_timing(time.perf_counter())
 
@@ -406,47 +419,3 @@ class OverlappedStep:
 def _snapshot(value: Any) -> Any:
     """A hyperparameter as it is now (a tensor learning rate is updated in place by schedulers)."""
     return value.clone() if isinstance(value, torch.Tensor) else value
-
-
-# ----------------------------------------------------------------- shared with ZeRO-2 (``zero2``)
-def register_waits(module: nn.Module, params: Sequence[nn.Parameter], in_flight: Callable[[], bool],
-                   finish_params: Callable[[list[int]], None], finish: Callable[[], None]) -> list[Any]:
-    """Per module that owns some of ``params``, a forward pre-hook that, while ``in_flight()``, waits for those
-    parameters alone (``finish_params`` with their indices into ``params``); ``finish`` before the module's
-    state_dict. The overlapped step waits for averaged gradients so, ZeRO-2 for its all-gathered parameters."""
-    index_of = {id(p): i for i, p in enumerate(params)}
-    handles = []
-    for sub in module.modules():
-        owned = [index_of[id(p)] for p in sub.parameters(recurse=False) if id(p) in index_of]
-        if owned:
-            handles.append(sub.register_forward_pre_hook(_wait_hook(owned, in_flight, finish_params)))
-    handles.append(module.register_state_dict_pre_hook(lambda *_: finish()))
-    return handles
-
-
-def _wait_hook(owned: list[int], in_flight: Callable[[], bool],
-               finish_params: Callable[[list[int]], None]) -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any) -> None:
-        if in_flight():
-            finish_params(owned)
-    return hook
-
-
-def call_on(optimizer: torch.optim.Optimizer, keep: Callable[[torch.Tensor], bool], call: Callable[[], Any]) -> None:
-    """``call()`` with each of ``optimizer``'s param groups narrowed to the parameters ``keep`` accepts (groups left
-    empty out); the groups' own dicts are kept, so hyperparameters read and written stay the optimizer's."""
-    groups = optimizer.param_groups
-    full = [g["params"] for g in groups]
-    try:
-        narrowed = []
-        for g, params in zip(groups, full):
-            g["params"] = [p for p in params if keep(p)]
-            if g["params"]:
-                narrowed.append(g)
-        if narrowed:
-            optimizer.param_groups = narrowed
-            call()
-    finally:
-        optimizer.param_groups = groups
-        for g, params in zip(groups, full):
-            g["params"] = params

@@ -22,7 +22,6 @@ from lockstep.ddp.args import sparse_flags
 from lockstep.ddp.autotune import BucketTuner, LinkVerdict, all_say_slow, tail_wants_trials, trials_for_slow_wire
 from lockstep.ddp.compiled import refuse_compiled_autograd
 from lockstep.ddp.config import BucketCaps
-from lockstep.ddp.copy_back import copy_back
 from lockstep.ddp.copy_in import copy_in, zero_for_shadow
 from lockstep.ddp.dist_autograd import DistAutogradBridge
 from lockstep.ddp.errors import error_for_log, twice_message
@@ -36,7 +35,6 @@ from lockstep.ddp.lifetime import release_works as release_reducer_works
 from lockstep.ddp.module_changes import ModuleChanges
 from lockstep.ddp.observe import Observer, attach, detach
 from lockstep.ddp.optim_in_backward import step_optimizers_in_backward, take_over_optimizers_in_backward
-from lockstep.ddp.overlap_step import OverlappedStep
 from lockstep.ddp.reducer_state import Bucket, UsageTracker, still_missing
 from lockstep.ddp.schedule import CommHook, finish_collectives, issue_bucket
 from lockstep.ddp.step import (
@@ -52,7 +50,7 @@ from lockstep.ddp.step import (
     one_in_flight,
     plan_backward,
 )
-from lockstep.ddp.zero2 import ZeroShards
+from lockstep.ddp.strategy import AllReduce
 from lockstep.diagnostics.nonfinite import NonfiniteCheck
 
 LINK_JUDGED_ROUND = 1  # rounds completed before the backward whose tail judges the wire: the one after the rebuild
@@ -98,8 +96,7 @@ class Reducer:
         self.module_changes: ModuleChanges | None = None  # explains missing gradients; None = off
         self.events: list[tuple] | None = None  # tests: ("ready", i) / ("launch", b); None = off
         self.optimizers_in_backward = False  # torch's _apply_optimizer_in_backward on these parameters
-        self.overlap: OverlappedStep | None = None  # an optimizer stepped in the next forward (``overlap_step``)
-        self.zero: ZeroShards | None = None  # ZeRO-2: buckets reduce-scattered into this rank's shards (``zero2``)
+        self.strategy: AllReduce = AllReduce()  # each point of the step (``strategy``); ZeRO-2's, overlap's: ``bind``
         self.post_backward_futures: list = []  # a buffer comm hook's futures, waited for at the end of backward
         self.expect_hooks = False  # set by a synchronised forward: other backwards' hooks do nothing
         self.step: Backward | None = None  # the running backward's state, from its start to its end
@@ -132,7 +129,7 @@ class Reducer:
             self.release_works(keep=False)  # before the old buckets go
         layout = build_layout(self.params, order, self.bucket_cap_bytes, self.first_bucket_bytes,  # VIEW: grads in
                               self.bucket_caps_bytes, self.caps.direct_min_bytes, self.grad_mode, self.sparse,
-                              shards=self.world_size if self.zero is not None else 0)
+                              shards=self.world_size if self.strategy.shards_buckets else 0)
         self._param_order, self.buckets, self._location = layout.order, layout.buckets, layout.location
         self._sizes = layout.sizes
         self.layout_version += 1  # the fast table's cache key
@@ -174,9 +171,7 @@ class Reducer:
 
     def set_comm_hook(self, hook: CommHook, state: object, fused: FusedCompression | None) -> None:
         """``register_comm_hook``'s hook (the wrapper checked it); ``fused``: its average, run here instead."""
-        if self.zero is not None:
-            self.zero.check_hook(hook, fused)
-            self.zero.compress = fused
+        self.strategy.take_hook(hook, fused)
         self.comm_hook, self.comm_hook_state, self.fused = hook, state, fused
 
     def name_comm_hook(self, name: str) -> None:  # torch's built-in hook types, logged by type (``torch_surface``)
@@ -194,21 +189,26 @@ class Reducer:
     def take_over_optimizers_in_backward(self) -> None:  # torch's _apply_optimizer_in_backward, at the first forward
         self.optimizers_in_backward = take_over_optimizers_in_backward(self.params)
 
-    def bind_overlap(self, overlap: OverlappedStep) -> None:  # ``overlap_optimizer_step``'s optimizer, bound once
-        self.overlap = overlap
-        self.link.pending = False  # its rounds end in the next forward: no tail to judge (``autotune``)
+    def bind(self, strategy: AllReduce, what: str) -> None:
+        """The one way a strategy (and the optimizer it steps) binds to this reducer: once, between steps. ``what``:
+        the caller's name for the error. A strategy that keeps its layout (ZeRO-2: padded, no direct bucket) gets the
+        buckets built again now and kept for good (a rebuild from the observed order would leave its shards behind)."""
+        self.check_unbound(what)
+        self.strategy = strategy
+        strategy.take_hook(self.comm_hook, self.fused)
+        self.link.pending = False  # no tail to judge, nor the default's trials (``autotune``)
+        if strategy.keeps_layout:
+            self.rebuild_pending, self._observed_order, self.buckets_rebuilt = False, None, True
+            self._build(self._param_order)
+            strategy.take_layout(self.buckets, self._location, self.names)
 
-    def bind_zero(self, shards: ZeroShards) -> None:
-        """ZeRO-2 (``zero_optimizer``): the buckets are built again, padded and with no direct bucket, and kept for
-        good (no rebuild from the observed order, whose new shards would leave the optimizer's state behind)."""
+    def check_unbound(self, what: str) -> None:
+        """``bind``'s refusals, each one line naming ``what``; the wrapper asks before it builds a strategy."""
+        if type(self.strategy) is not AllReduce:
+            raise RuntimeError(f"{what}: an optimizer is bound already (zero_optimizer or overlap_optimizer_step: one "
+                               "per DistributedDataParallel)")
         if self.step is not None:
-            raise RuntimeError("zero_optimizer: called inside a backward; bind it between steps")
-        self.zero = shards
-        shards.compress = self.fused
-        self.rebuild_pending, self._observed_order, self.buckets_rebuilt = False, None, True
-        self.link.pending = False  # nor the default's trials (``autotune``)
-        self._build(self._param_order)
-        shards.take_layout(self.buckets, self._location, self.names)
+            raise RuntimeError(f"{what}: called inside a backward; bind it between steps")
 
     def limit_caps(self, cap_bytes: int) -> None:
         """Cap every bucket, and the rebuilt first one, at ``cap_bytes`` (applies at the next layout build)."""
@@ -224,22 +224,16 @@ class Reducer:
         if self.tuner is not None and not self.tuner.done:
             self.tuner.between_steps(self, hook_known=not one_in_flight(self.comm_hook, self._fused_now()))
 
-    def overlap_at_forward_start(self, full: bool) -> None:
-        """A forward starts while a deferred round may be in flight (``overlap_step``): read its flag, or finish it
-        where this forward rebuilds or retunes the buckets or ``full`` (the caller reads every parameter)."""
-        if self.overlap is not None:
-            retune = self.tuner is not None and not self.tuner.done
-            self.overlap.at_forward_start(full or self.rebuild_pending or retune)
-        if self.zero is not None and full:
-            self.zero.finish()  # the all-gathers of the last step: every parameter is read
+    def at_forward_start(self, full: bool) -> None:
+        """A forward through the wrapper starts; ``full``: the caller reads every parameter. The strategy finishes
+        what it holds in flight where this forward reads every parameter, rebuilds or retunes the buckets."""
+        retune = self.tuner is not None and not self.tuner.done
+        self.strategy.at_forward_start(full or self.rebuild_pending or retune)
 
     def finish_in_flight(self) -> None:
         """The forward's end, ``finish_step()``, a join's end: what the next forward's pre-hooks would wait for (the
         overlapped step's buckets, ZeRO-2's all-gathers) is finished now."""
-        if self.overlap is not None:
-            self.overlap.finish()
-        if self.zero is not None:
-            self.zero.finish()
+        self.strategy.finish()
 
     def prepare_for_forward(self) -> None:
         """Start of a synchronised forward: finish a backward that could not, rebuild buckets once."""
@@ -269,20 +263,20 @@ class Reducer:
         # Not in the first backward (it records the order) nor under ZeRO-2 (a bucket's memory comes back at its
         # first write, ``copy_in``)
         if (common_path and self.expect_hooks and self.grad_mode == COPY and not self.usage.active
-                and self._observed_order is None and self.events is None and self.zero is None):
+                and self._observed_order is None and self.events is None and self.strategy.common_path):
             self._fast_cache = cached_fast_table(self._fast_cache, self.layout_version, self.buckets, len(self.params),
                                                  self.divisor, hooked=self.comm_hook is not None)
             fast = self._fast_cache[1]
         plan = plan_backward(mode=self.grad_mode, divisor=self.divisor, comm_hook=self.comm_hook, fused=self.fused,
                              nonfinite=self.nonfinite, has_sparse=self.has_sparse,
                              last_bucket_sparse=self.buckets[-1].plan.sparse, tracks_usage=self.usage.active, fast=fast,
-                             zero=self.zero)
-        sequence = None if self.overlap is None else self.overlap.sequence_for(self.layout_version)
-        serial = self.serial_launch and self.overlap is None  # the overlapped step's drain must not wait
+                             strategy=self.strategy)
+        sequence, stop = self.strategy.launch_sequence(self.layout_version)
+        serial = self.serial_launch and not self.strategy.defers  # a deferred round's drain must not wait
         carrier = sequence is not None and plan.nonfinite is not None
         order = LaunchOrder(self.buckets, self._launch, plan.one_in_flight or serial, sequence, carrier)
-        if sequence is not None and self.overlap is not None:
-            order.stop = self.overlap.window_stop(sequence)  # the rest go from the next forward, one at a time
+        if stop is not None:
+            order.stop = stop  # the rest go from the next forward, one at a time
         self.step = Backward(plan, list(self._sizes), order)
         return self.step
 
@@ -292,11 +286,7 @@ class Reducer:
             return
         refuse_compiled_autograd()  # its trace would run our hooks, not the real backward (``compiled``)
         self._backward_start_s = time.perf_counter()
-        if self.overlap is not None:
-            self.overlap.finish()  # a round still in flight (a backward with no forward through the wrapper)
-            self.overlap.before_backward()  # the launch sequence, agreed once per layout
-        if self.zero is not None:
-            self.zero.finish()  # the last step's all-gathers (a forward not through the wrapper)
+        self.strategy.at_backward_start()  # what is still in flight (a forward not through the wrapper), finished
         # Runs once the whole backward is done: the only safe point to wait for the buckets.
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         self.release_works(keep=False)  # before this backward launches its own
@@ -349,8 +339,7 @@ class Reducer:
         if self.events is not None:
             self.events.append(("ready", index))
         copy_in(step, self.params, self.names, index, bucket, slot, grad, hooked)
-        if step.plan.zero is not None:  # its .grad is in the bucket now: ZeRO-2 keeps only the bucket's copy
-            step.plan.zero.copied(self.params[index], bucket, slot)
+        self.strategy.copied(self.params[index], bucket, slot)
         step.pending[b] -= 1
         if step.pending[b] == 0:
             self.bucket_full(step, b)
@@ -359,10 +348,7 @@ class Reducer:
         if self.observer is not None:
             self.observer.bucket_ready(b)
         step.order.mark_ready(b)
-        zero = step.plan.zero
-        if zero is not None:  # reduce-scatters done already: their buckets' memory goes while backward runs
-            zero.reap(self.buckets, step.order.next_index)
-            zero.bound_in_flight(self.buckets, step.order.next_index)
+        self.strategy.bucket_full(self.buckets, step.order.next_index)
 
     # ------------------------------------------------------------- launch (in index order: ``launch_order``)
     def _launch(self, bucket: Bucket) -> None:
@@ -373,18 +359,19 @@ class Reducer:
         observer = self.observer
         if observer is not None:
             observer.bucket_launch(bucket.index, bucket.flat.numel(), bucket.seq)
-        step = self.step
-        if step is None and self.overlap is not None and self.overlap.round is not None:
-            step = self.overlap.round.step  # a deferred round's bucket, launched from the next forward
+        step = self.step if self.step is not None else self.strategy.held_backward()  # from the next forward
         assert step is not None
         if step.order.next_index == 0:
             self._first_launch_s = time.perf_counter()  # read by _measure_link and the overlapped step's timing
-        if step.plan.nonfinite is not None and bucket.index == len(self.buckets) - 1 and self.overlap is not None:
+        nonfinite = step.plan.nonfinite  # the carrier of the verdict goes first: the held ones checked now
+        if nonfinite is not None and step.order.carrier_last_ready and bucket.index == len(self.buckets) - 1:
             unlaunched = step.order.sequence[step.order.next_index + 1:]  # all ready (``LaunchOrder``)
-            step.plan.nonfinite.check_ahead([self.buckets[b] for b in unlaunched], step.plan.divisor, step.plan.hooked)
+            nonfinite.check_ahead([self.buckets[b] for b in unlaunched], step.plan.divisor, step.plan.hooked)
         self.direct_launches += bucket.direct is not None
         group, hook, state = self.process_group, self.comm_hook, self.comm_hook_state
-        bucket.work = issue_bucket(bucket, step, len(self.buckets), group, hook, state, self.hierarchy)
+        work = self.strategy.issue(bucket, step)
+        bucket.work = issue_bucket(bucket, step, len(self.buckets), group, hook, state, self.hierarchy) \
+            if work is None else work
         if observer is not None:
             observer.bucket_launched(bucket.index, bucket.seq)
 
@@ -400,12 +387,11 @@ class Reducer:
         deferred = False
         try:
             missing = self._mark_the_rest(step)
-            if self.overlap is not None:  # launched up to the window; the round may stay in flight
-                deferred = self.overlap.defer(step, missing)
-                if deferred:
-                    if self.observer is not None:  # the backward ends here; its waits come in the next forward
-                        self.observer.backward_end(self.num_syncs + 1)
-                    return
+            deferred = self.strategy.defer(step, missing)  # the round may stay in flight to the next forward
+            if deferred:
+                if self.observer is not None:  # the backward ends here; its waits come in the next forward
+                    self.observer.backward_end(self.num_syncs + 1)
+                return
             fast, early = copy_back_path(step)
             judged = self._judges_the_link()
             if judged:  # the tail: from the backward's end to its last average back (a slow wire's serial drain too)
@@ -421,17 +407,12 @@ class Reducer:
                 self.link.tail_s = tail_s = time.perf_counter() - ended_s
                 self.link.vote = tail_wants_trials(self.link.tail_bytes, tail_s, backward_s)
                 self._agree_on_the_link()
-            if step.plan.zero is not None:
-                step.plan.zero.note_unused(status.globally_used)  # find_unused_parameters: skipped in the step
-            if not early and step.plan.zero is None:  # ZeRO-2: the averages are in the shards, not .grad
-                copy_back(self.buckets, self.params, status.globally_used, self.grad_mode, fast)
-            if self.overlap is not None:
-                self.overlap.finished_in_full()
+            self.strategy.after_collectives(self.buckets, self.params, status, self.grad_mode, fast, early)
+            self.strategy.round_closed()
             self.end_round(waited, reset=False)
         except Exception as error:  # as torch's reducer, noted for the wrapper's logging data
             self.logged_error = error_for_log(error)
-            if self.zero is not None:
-                self.zero.zero_grad(set_to_none=True)  # no shard keeps what raised: a step after it moves nothing
+            self.strategy.on_error()
             raise
         finally:
             self.dist_autograd.at_end_of_backward(self.params)  # under distributed autograd: averages into the context
@@ -494,20 +475,16 @@ class Reducer:
         """A joined rank's stand-in for one backward (``join``): the same collectives, in the same order, with zeros."""
         self.release_works(keep=False)  # as at a real backward's start
         zero_for_shadow(self.buckets, self.grad_mode)  # nothing of its own: adds nothing to the sum
-        if self.zero is not None:
-            self.zero.zero_grad(set_to_none=True)  # the training ranks' zero_grad: each shadow step is on its own round
+        self.strategy.before_shadow()  # as the training ranks' zero_grad
         step = self._begin(common_path=False)
         try:
             status, _ = finish_collectives(step, self.buckets, self.usage, self.process_group, [], joined=True,
                                            copy_each=False, observer=None, futures=(), names=self.names, explain=None)
-            if self.zero is not None:
-                self.zero.note_unused(status.globally_used)
             if self._judges_the_link():  # the training ranks' agreement on the wire; this rank votes "not slow"
                 self._agree_on_the_link()
         finally:
             self._end_step()
-        if self.zero is not None:
-            self.zero.shadow_step()  # the training ranks' opt.step(): this rank's shards stepped and all-gathered
+        self.strategy.after_shadow(status)  # as the training ranks' opt.step()
         self.rounds += 1
         # As after a real backward: the training ranks rebuild at their next forward (a broadcast), so must this one.
         if self._observed_order is not None and not self.buckets_rebuilt:

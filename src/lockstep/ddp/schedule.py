@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from lockstep.collectives.clean import all_reduce_sum_clean, launch_clean
 from lockstep.collectives.hierarchical import HierarchicalAllReduce
-from lockstep.ddp.copy_back import wait_buckets
 from lockstep.ddp.errors import raise_missing_gradients
 from lockstep.ddp.grad_bucket import GradBucket
 from lockstep.ddp.observe import Observer
@@ -42,11 +41,8 @@ def issue_bucket(bucket: Bucket, step: Backward, num_buckets: int, group: dist.P
     ``hierarchy``: the plain all-reduce of a dense bucket goes through it (inside the nodes, then across); a comm
     hook, the fused compress hook and a sparse bucket keep the flat ``group``."""
     plan = step.plan
-    # The NaN check first, where it must see the local gradients (ZeRO-2: always, as a hook's; no rank keeps them all).
-    divided = plan.nonfinite is not None and plan.nonfinite.check_bucket(bucket, plan.divisor,
-                                                                          plan.hooked or plan.zero is not None)
-    if plan.zero is not None:  # a reduce-scatter into this rank's shard (``zero2``); the flag travels apart
-        return plan.zero.launch(bucket)
+    # The NaN check first, where it must see the local gradients (a called or fused hook's)
+    divided = plan.nonfinite is not None and plan.nonfinite.check_bucket(bucket, plan.divisor, plan.hooked)
     last = bucket.index == num_buckets - 1
     if last:  # the spare element: every rank's flag is summed there (where no hook is called: ``flag_apart``)
         # fill_ with a Python number launches a kernel; ``buffer[-1] = number`` copies a host scalar in, which on
@@ -105,10 +101,7 @@ def finish_collectives(
     # Every collective of this backward is now issued unless a hook issues some from its callbacks: the status
     # exchange (comm hook, find_unused_parameters) queues behind them and hides behind their waits.
     launched = None if plan.one_in_flight else usage.launch_status(missing, plan.flag_apart, buckets[-1], group, joined)
-    if plan.zero is not None:
-        waited = plan.zero.wait_buckets(buckets, observer)  # into the shards; each bucket's memory freed
-    else:
-        waited = wait_buckets(buckets, plan.hooked, observer, copy_each, plan.fused)
+    waited = plan.strategy.wait(buckets, plan, observer, copy_each)  # the reduction's (``strategy``)
     if futures:
         start = time.perf_counter()
         for future in futures:
@@ -116,7 +109,7 @@ def finish_collectives(
         waited += time.perf_counter() - start
     if plan.nonfinite is not None:
         # raises on every rank alike; ZeRO-2 checked the local gradients before the reduce-scatters, as a hook's
-        plan.nonfinite.after_wait(buckets, plan.hooked or plan.zero is not None, plan.flag_apart)
+        plan.nonfinite.after_wait(buckets, plan.checks_local, plan.flag_apart)
     status = usage.exchange_status(missing, plan.flag_apart, buckets[-1], group, joined, launched)
     if status.any_missing:
         raise_missing_gradients(status.missing, names, group, usage.static_graph, status.late, explain)

@@ -77,8 +77,14 @@ class StepPlan:
     """The NaN/Inf check (``detect_nonfinite=True``), or None."""
     fast: list[FastEntry | None] | None
     """The hook's common-path table (``fast_table``), or None: every hook takes the slow path."""
-    zero: Any = None
-    """ZeRO-2's shards (``zero2.ZeroShards``): each bucket reduce-scattered, not all-reduced; None: plain DDP."""
+    strategy: Any = None
+    """The reducer's reduction strategy (``strategy.AllReduce`` or a subclass), whose points this backward runs."""
+
+    @property
+    def checks_local(self) -> bool:
+        """The non-finite check reads each bucket's local gradients before its launch (a comm hook's buckets, or
+        ZeRO-2's, which no rank keeps whole), not the averages after the waits."""
+        return self.hooked or (self.strategy is not None and self.strategy.shards_buckets)
 
     def scale_for(self, grad: torch.Tensor) -> Any:
         """1/divisor for ``grad``: the cached float32 tensor for float32/float16/bfloat16 CPU gradients, else a float
@@ -104,15 +110,12 @@ def one_in_flight(comm_hook: Any, fused: FusedCompression | None) -> bool:
 def plan_backward(
     *, mode: str, divisor: int, comm_hook: Any, fused: FusedCompression | None, nonfinite: NonfiniteCheck | None,
     has_sparse: bool, last_bucket_sparse: bool, tracks_usage: bool, fast: list[FastEntry | None] | None,
-    zero: Any = None,
+    strategy: Any = None,
 ) -> StepPlan:
-    """The plan of the backward about to start (a synchronised one, or a joined rank's shadow of one). ``zero``
-    (ZeRO-2): the shards take the reduce (its compression included), the flag goes apart, nothing is copied back."""
-    if zero is not None:
-        return StepPlan(mode=mode, divisor=divisor, hooked=comm_hook is not None, fused=None, flag_apart=True,
-                        one_in_flight=False, copy_each=False, nonfinite=nonfinite, fast=None, zero=zero)
+    """The plan of the backward about to start (a synchronised one, or a joined rank's shadow of one), as
+    ``strategy`` runs it (``AllReduce.plan``: ZeRO-2's shards take the reduce, its compression included)."""
     fused = fused_now(fused, nonfinite, has_sparse)
-    return StepPlan(
+    plan = StepPlan(
         mode=mode,
         divisor=divisor,
         hooked=comm_hook is not None,
@@ -124,7 +127,9 @@ def plan_backward(
         copy_each=mode == COPY and not tracks_usage and nonfinite is None,
         nonfinite=nonfinite,
         fast=fast,
+        strategy=strategy,
     )
+    return plan if strategy is None else strategy.plan(plan)
 
 
 def fast_table(buckets: Sequence[Bucket], num_params: int, divisor: int, hooked: bool) -> list[FastEntry | None]:

@@ -46,7 +46,7 @@ from lockstep.ddp.join import (
     join_divisor,
     notify_not_joined,
 )
-from lockstep.ddp.overlap_step import OverlappedStep, register_waits
+from lockstep.ddp.overlap_step import OverlappedStep
 from lockstep.ddp.pickling import Pickling
 from lockstep.ddp.replicas import (
     broadcast_coalesced,
@@ -54,6 +54,7 @@ from lockstep.ddp.replicas import (
     verify_params_across_ranks,
 )
 from lockstep.ddp.step import COPY
+from lockstep.ddp.strategy import AllReduce, register_waits
 from lockstep.ddp.torch_surface import (
     TorchReducer,
     WrapperSurface,
@@ -281,8 +282,9 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         The reducer is made again for the new world size (its hooks and pending works dropped), flat (the
         hierarchy was the old nodes'); the replica check runs at the next synchronised forward."""
         old = self.reducer
-        if old.comm_hook is not None or old.overlap is not None:  # their state holds the old group
-            raise RuntimeError("DistributedDataParallel.rebind: not with a comm hook or overlap_optimizer_step")
+        if old.comm_hook is not None or type(old.strategy) is not AllReduce:  # their state holds the old group
+            raise RuntimeError("DistributedDataParallel.rebind: not with a comm hook, overlap_optimizer_step or "
+                               "zero_optimizer")
         old.remove_hooks()
         old.release_works(keep=False)
         self.process_group = resolve_group(process_group, None)
@@ -303,7 +305,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         in_join = self._join_config.enable  # inside model.join() (torch's flag; it stays set after, as torch's)
         # overlap_optimizer_step's round: its flag read now; join and the replica check finish it (and ZeRO-2's gathers)
-        self.reducer.overlap_at_forward_start(full=in_join or self._replica_check_due())
+        self.reducer.at_forward_start(full=in_join or self._replica_check_due())
         if diagnose.profiler_enabled() is not self._profiling:  # one flag read per forward
             diagnose.toggle_profiler_ranges(self, not self._profiling)
         observer = self.reducer.observer
@@ -406,15 +408,14 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             enable: False turns the context manager into a no-op.
             throw_on_early_termination: raise on every rank as soon as one runs out of data.
         """
-        if self.reducer.overlap is not None and enable:
-            raise RuntimeError("DistributedDataParallel.join: not with overlap_optimizer_step (a joined rank's "
-                               "stand-in backwards do not defer); use the plain step for uneven inputs")
+        refused = self.reducer.strategy.refuse_join()
+        if refused is not None and enable:
+            raise RuntimeError(refused)
         return _Join([self], enable, throw_on_early_termination,
                      divide_by_initial_world_size=divide_by_initial_world_size)
 
     def _set_joining(self, joining: bool) -> None:  # ``_Join``: ZeRO-2's clip is refused inside join()
-        if self.reducer.zero is not None:
-            self.reducer.zero.set_joining(joining)
+        self.reducer.strategy.set_joining(joining)
 
     def join_hook(self, **kwargs: Any) -> DDPJoinHook:
         """The Joinable interface: what this model does while its rank has joined."""
@@ -437,8 +438,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         """The replica check reads the parameters at this forward (a round in flight counts as done by then)."""
         if self._replica_check is None:
             return False
-        overlap = self.reducer.overlap
-        return self._replica_check.due(self.reducer.num_syncs + (overlap is not None and overlap.round is not None))
+        return self._replica_check.due(self.reducer.num_syncs + self.reducer.strategy.round_in_flight())
 
     def overlap_optimizer_step(self, optimizer: torch.optim.Optimizer,
                                sent_during_backward_mb: float | None = None) -> None:
@@ -455,7 +455,9 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             sent_during_backward_mb: bytes of buckets sent in index order during backward before the rest go
                 first-layers-first; None measures the link over two rounds and agrees across ranks.
         """
-        self.reducer.bind_overlap(OverlappedStep(self.reducer, optimizer, self.module, sent_during_backward_mb))
+        self.reducer.check_unbound("overlap_optimizer_step")
+        overlap = OverlappedStep(self.reducer, optimizer, self.module, sent_during_backward_mb)
+        self.reducer.bind(overlap, "overlap_optimizer_step")
 
     def finish_step(self) -> None:
         """With ``overlap_optimizer_step``: wait for every bucket and apply the noted step now (a full wait). Before
@@ -483,7 +485,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         shards = ZeroShards(self.process_group, self.reducer.buckets[0].plan.device, observer_of(self.reducer))
         shards.check_hook(self.reducer.comm_hook, self.reducer.fused)
         check_optimizer_class(optimizer_class)
-        self.reducer.bind_zero(shards)
+        self.reducer.bind(shards, "zero_optimizer")
         shards.handles = register_waits(self.module, self.reducer.params, shards.in_flight, shards.finish_params,
                                         shards.finish)
         return ZeroOptimizer(shards, optimizer_class, self.reducer.params, list(self.module.parameters()), defaults)
@@ -506,9 +508,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             raise ValueError(f"zero_optimizer: stage must be 2 (ZeRO-2; 1 is lockstep.ZeroRedundancyOptimizer, 3 is "
                              f"FSDP: torch.distributed.fsdp), got {stage!r}")
         reducer = self.reducer
-        if reducer.zero is not None or reducer.overlap is not None:
-            raise RuntimeError("zero_optimizer: an optimizer is bound already (zero_optimizer or "
-                               "overlap_optimizer_step: one per DistributedDataParallel)")
+        reducer.check_unbound("zero_optimizer")
         if reducer.grad_mode != COPY:
             raise ValueError("zero_optimizer needs gradient_as_bucket_view=False (the default): the buckets are "
                              "freed after their reduce-scatter, so .grad cannot live in them")

@@ -35,6 +35,7 @@ docs/ddp.md#zero-2-sharded-gradients-and-optimizer-state, docs/zero.md#clipping-
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import weakref
@@ -48,8 +49,9 @@ from torch import nn
 from lockstep.collectives.clean import launch_clean
 from lockstep.ddp.fused_compress import FusedCompression, narrow_in_place, wire_view
 from lockstep.ddp.observe import Observer
-from lockstep.ddp.overlap_step import call_on
-from lockstep.ddp.reducer_state import Bucket, slot_view
+from lockstep.ddp.reducer_state import Bucket, Status, slot_view
+from lockstep.ddp.step import Backward, StepPlan
+from lockstep.ddp.strategy import AllReduce, call_on
 from lockstep.ddp.zero2_norm import (
     NormPlan,
     Request,
@@ -100,10 +102,16 @@ def choose_collectives(group: dist.ProcessGroup, device: torch.device) -> bool:
     return True
 
 
-class ZeroShards:
-    """The reducer's ZeRO-2 state: per bucket the flat parameter buffer, this rank's shard of it (a parameter
-    the optimizer steps), the shard's gradient and the collectives in flight. Holds no reference to the reducer
-    (the module's pre-hooks hold this object); ``observer`` reads the reducer's observer through a weak reference."""
+class ZeroShards(AllReduce):
+    """ZeRO-2's reduction strategy and state: per bucket the flat parameter buffer, this rank's shard of it (a
+    parameter the optimizer steps), the shard's gradient and the collectives in flight. Holds no reference to the
+    reducer (the module's pre-hooks hold this object); ``observer`` reads the reducer's observer through a weak
+    reference."""
+
+    name = "ZeRO-2"
+    common_path = False  # a bucket's memory comes back at its first write (``copy_in``), and .grad goes at once
+    shards_buckets = True
+    keeps_layout = True  # a rebuild's new shards would leave the optimizer's state behind
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, observer: Callable[[], Observer | None]):
         self.group = group
@@ -144,6 +152,68 @@ class ZeroShards:
         if self.flat_collectives:
             return "reduce_scatter_tensor", "all_gather_into_tensor"
         return "all_reduce, slice kept", "all_reduce, -0.0 elsewhere"
+
+    # ----------------------------------------------------------------- the reducer's points (``strategy``)
+    def take_hook(self, hook: Any, fused: FusedCompression | None) -> None:
+        self.check_hook(hook, fused)
+        self.compress = fused
+
+    def at_forward_start(self, full: bool) -> None:
+        if full:
+            self.finish()  # the all-gathers of the last step: every parameter is read
+
+    def at_backward_start(self) -> None:
+        self.finish()  # the last step's all-gathers (a forward not through the wrapper)
+
+    def plan(self, plan: StepPlan) -> StepPlan:
+        """The shards take the reduce (the compress hook's arithmetic included), the flag goes apart, nothing is
+        copied back, no common path."""
+        return dataclasses.replace(plan, fused=None, flag_apart=True, one_in_flight=False, copy_each=False, fast=None)
+
+    def bucket_full(self, buckets: Sequence[Bucket], launched: int) -> None:
+        """Reduce-scatters done already: their buckets' memory goes while backward runs."""
+        self.reap(buckets, launched)
+        self.bound_in_flight(buckets, launched)
+
+    def issue(self, bucket: Bucket, step: Backward) -> Any:
+        """The non-finite check on the local gradients (no rank keeps the average whole), then the reduce-scatter;
+        the missing-gradient flag travels apart."""
+        plan = step.plan
+        if plan.nonfinite is not None:
+            plan.nonfinite.check_bucket(bucket, plan.divisor, True)
+        return self.launch(bucket)
+
+    def wait(self, buckets: Sequence[Bucket], plan: StepPlan, observer: Observer | None, copy_each: bool) -> float:
+        """End of backward: wait for every bucket's reduce-scatter (the hang report names it); seconds waited. The
+        averages land in the shards and each bucket's memory is freed."""
+        waited = 0.0
+        _name(observer, "reduce-scatter")
+        for bucket in buckets:
+            if self._reaped[bucket.index]:
+                continue
+            if observer is not None:
+                observer.wait_start(bucket.index, bucket.seq)
+            start = time.perf_counter()
+            bucket.work.wait()
+            waited += time.perf_counter() - start
+            if observer is not None:
+                observer.wait_end(bucket.index, bucket.seq)
+            self._finish_reduce(bucket)
+        return waited
+
+    def after_collectives(self, buckets: Sequence[Bucket], params: Sequence[nn.Parameter], status: Status,
+                          mode: str, fast: bool, copied: bool) -> None:
+        self.note_unused(status.globally_used)  # find_unused_parameters: skipped in the step; nothing into .grad
+
+    def on_error(self) -> None:
+        self.zero_grad(set_to_none=True)  # no shard keeps what raised: a step after it moves nothing
+
+    def before_shadow(self) -> None:
+        self.zero_grad(set_to_none=True)  # the training ranks' zero_grad: each shadow step is on its own round
+
+    def after_shadow(self, status: Status) -> None:
+        self.note_unused(status.globally_used)
+        self.shadow_step()
 
     # ----------------------------------------------------------------- layout (once, at binding)
     def take_layout(self, buckets: Sequence[Bucket], location: Sequence[tuple[int, int]],
@@ -223,23 +293,6 @@ class ZeroShards:
             work = bucket.work
             if work is not None and not self._reaped[bucket.index] and work.is_completed():
                 self._finish_reduce(bucket)
-
-    def wait_buckets(self, buckets: Sequence[Bucket], observer: Observer | None) -> float:
-        """End of backward: wait for every bucket's reduce-scatter (the hang report names it); seconds waited."""
-        waited = 0.0
-        _name(observer, "reduce-scatter")
-        for bucket in buckets:
-            if self._reaped[bucket.index]:
-                continue
-            if observer is not None:
-                observer.wait_start(bucket.index, bucket.seq)
-            start = time.perf_counter()
-            bucket.work.wait()
-            waited += time.perf_counter() - start
-            if observer is not None:
-                observer.wait_end(bucket.index, bucket.seq)
-            self._finish_reduce(bucket)
-        return waited
 
     def _finish_reduce(self, bucket: Bucket) -> None:
         b = bucket.index

@@ -348,7 +348,7 @@ class Trainer:
             inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
             if self.overlapped:  # the last step's verdicts (NaN, missing gradient) before this forward: that step's
                 try:
-                    self.ddp.reducer.overlap_at_forward_start(full=False)
+                    self.ddp.reducer.at_forward_start(full=False)
                 except NonfiniteGradientError as e:
                     raise NonfiniteGradientError(f"at optimizer step {self.step} {self._last_step_at}: {e.detail}",
                                                  self.step, e.detail) from None
