@@ -25,7 +25,6 @@ a script, and what forces a full wait (``finish``): docs/ddp.md#overlapping-the-
 from __future__ import annotations
 
 import time
-import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -36,11 +35,11 @@ from torch import nn
 
 from lockstep.ddp.buckets import MIB
 from lockstep.ddp.config import DEFAULT_BUCKET_CAP_MB
-from lockstep.ddp.copy_back import wait_bucket
 from lockstep.ddp.errors import raise_missing_gradients
 from lockstep.ddp.launch_order import priority_sequence
-from lockstep.ddp.step import COPY, Backward, copy_back_path
-from lockstep.ddp.strategy import AllReduce, call_on, register_waits
+from lockstep.ddp.reducer_state import Bucket, Status
+from lockstep.ddp.step import COPY, Backward
+from lockstep.ddp.strategy import AllReduce, call_on, copy_back_path, register_waits, wait_bucket
 
 Reducer = Any  # lockstep.ddp.reducer.Reducer, which imports this module
 
@@ -104,7 +103,9 @@ class OverlappedStep(AllReduce):
         self._timings: list[tuple[int, float, float, float]] = []  # (layout, first launch, drain, last done) s
         self._drain_s = 0.0
         self._warned: set[str] = set()
-        self._patch_optimizer(optimizer)
+        self._step, self._zero_grad = optimizer.step, optimizer.zero_grad  # bound: a scheduler's wrapper, if made
+        self._stepping = False  # inside our own call of the user's step: its pre-hook lets it through
+        self._hook = optimizer.register_step_pre_hook(self._refuse_direct_step)
         self._split_default_buckets()
         self._handles = register_waits(module, reducer.params, self._in_flight, self.finish_params, self.finish)
 
@@ -121,34 +122,26 @@ class OverlappedStep(AllReduce):
         reducer.limit_caps(cap)  # the rebuild's first bucket too
 
     # ----------------------------------------------------------------- the optimizer's methods, deferred
-    def _patch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self._step = optimizer.step  # bound; an LR scheduler's wrapper around it, if one was made first
-        self._zero_grad = optimizer.zero_grad
-        self._state_dict = optimizer.state_dict
-        owner = self
+    def _refuse_direct_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The user's optimizer stepped directly while bound (its step pre-hook): its gradients may still be on the
+        wire. Our own calls (``_call_step``) pass."""
+        if not self._stepping:
+            raise RuntimeError(f"{type(optimizer).__name__}.step() was called on the optimizer given to "
+                               "overlap_optimizer_step; step the optimizer it returned (its .grad may still be on the "
+                               "wire until then): opt = model.overlap_optimizer_step(opt)")
 
-        def step(opt: Any, closure: Callable[[], Any] | None = None) -> Any:
-            return owner.note_step(closure)
-
-        def zero_grad(opt: Any, set_to_none: bool = True) -> None:
-            owner.note_zero_grad(set_to_none)
-
-        def state_dict(opt: Any) -> dict[str, Any]:
-            owner.finish()
-            return owner._state_dict()
-
-        for mark in ("_wrapped_by_lr_sched", "_with_counter"):  # torch >= 2.5's and 2.4's LR scheduler wrappers
-            if hasattr(self._step, mark):
-                setattr(step, mark, True)  # a scheduler made first stays quiet
-        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
-        optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
-        optimizer.state_dict = types.MethodType(state_dict, optimizer)  # type: ignore[method-assign]
+    def _call_step(self, closure: Callable[[], Any] | None = None) -> Any:
+        self._stepping = True
+        try:
+            return self._step(closure) if closure is not None else self._step()
+        finally:
+            self._stepping = False
 
     def note_step(self, closure: Callable[[], Any] | None) -> Any:
         """``opt.step()``: with a round in flight, note it (and its hyperparameters) and return; else step now."""
         if closure is not None or self.round is None or self.step_hyperparams is not None:
             self.finish()  # a closure re-evaluates the loss; a second step in one round steps on the same grads
-            return self._step(closure) if closure is not None else self._step()
+            return self._call_step(closure)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # an LR scheduler checks it (torch)
         self.step_hyperparams = [{k: _snapshot(v) for k, v in g.items() if k != "params"}
                                  for g in self.optimizer.param_groups]
@@ -179,23 +172,21 @@ class OverlappedStep(AllReduce):
     def held_backward(self) -> Backward | None:
         return None if self.round is None else self.round.step
 
-    def launch_sequence(self, layout_version: int) -> tuple[list[int] | None, int | None]:
-        """The agreed sequence (None: index order, before the agreement), and where a backward in it stops
-        launching: after the carrier (the last bucket, first of the held ones) and the one after it; the next
-        forward launches the rest one by one (``_finish_bucket``)."""
-        if self.sequence is None or self.sequence_layout != layout_version:
-            return None, None
-        return self.sequence, self.sequence.index(len(self.sequence) - 1) + 2
-
-    def at_backward_start(self) -> None:
+    def backward_start(self, layout_version: int) -> tuple[list[int] | None, int | None]:
         """A backward starts: a round still in flight (a backward with no forward through the wrapper) finished;
         then, the last round finished on every rank, agree once per layout on the sequence. Here, before any bucket
         of this backward and after every collective of the last step's, the agreement's place among the
-        collectives is the same on every rank, whichever rounds each deferred."""
+        collectives is the same on every rank, whichever rounds each deferred. Returns the agreed sequence (None:
+        index order, before the agreement) and where a backward in it stops launching: after the carrier (the last
+        bucket, first of the held ones) and the one after it; the next forward launches the rest one by one
+        (``_finish_bucket``)."""
         self.finish()
         agreed = self._maybe_agree()
         if agreed is not None:
             self._read_agreement(agreed)
+        if self.sequence is None or self.sequence_layout != layout_version:
+            return None, None
+        return self.sequence, self.sequence.index(len(self.sequence) - 1) + 2
 
     def defer(self, step: Backward, missing: list[int]) -> bool:
         """End of a backward, launched up to its window (``launch_sequence``): keep the round in flight and return True,
@@ -224,8 +215,10 @@ class OverlappedStep(AllReduce):
         # The first round is finished in full, so the bucket rebuild comes where torch's does.
         return not (reducer._observed_order is not None and not reducer.buckets_rebuilt)
 
-    def round_closed(self) -> None:
-        """The reducer waited for a round that ``defer`` declined: time it."""
+    def after_collectives(self, buckets: Sequence[Bucket], params: Sequence[nn.Parameter], status: Status,
+                          mode: str, fast: bool, copied: bool) -> None:
+        """The reducer waited for a round that ``defer`` declined: as the all-reduce's, then time it."""
+        super().after_collectives(buckets, params, status, mode, fast, copied)
         self._record_timing(time.perf_counter())
 
     def at_forward_start(self, full: bool) -> None:
@@ -339,7 +332,7 @@ class OverlappedStep(AllReduce):
         try:
             for g, values in zip(groups, noted):
                 g.update(values)
-            self._call_on(lambda p: id(p) in ids, self._step)
+            self._call_on(lambda p: id(p) in ids, self._call_step)
         finally:
             for g, values in zip(groups, saved):
                 g.update(values)
@@ -351,7 +344,7 @@ class OverlappedStep(AllReduce):
         """The optimizer's parameters that this DDP does not average (another model's, ignored ones) step now."""
         mine = {id(p) for p in self.reducer.params}
         if any(id(p) not in mine for g in self.optimizer.param_groups for p in g["params"]):
-            self._call_on(lambda p: id(p) not in mine, self._step)
+            self._call_on(lambda p: id(p) not in mine, self._call_step)
 
     def _call_on(self, keep: Callable[[torch.Tensor], bool], call: Callable[[], Any]) -> None:
         call_on(self.optimizer, keep, call)
@@ -419,3 +412,45 @@ class OverlappedStep(AllReduce):
 def _snapshot(value: Any) -> Any:
     """A hyperparameter as it is now (a tensor learning rate is updated in place by schedulers)."""
     return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+class OverlappedOptimizer(torch.optim.Optimizer):
+    """What ``overlap_optimizer_step`` returns: the user's optimizer as the loop steps it, bound the one way every
+    variant binds (``Reducer.bind``; ZeRO-2's ``zero_optimizer`` returns its own). ``step()`` notes the step (each
+    bucket's parameters are stepped in the next forward as its average lands), ``zero_grad()`` is noted for the
+    parameters still in flight; ``param_groups``, ``state`` and ``defaults`` are the user's optimizer's own objects,
+    so an LR scheduler built on either reaches both. ``state_dict`` and ``load_state_dict`` finish the round first.
+    No method is replaced on the user's optimizer; stepped directly while bound, it raises in one line (a step
+    pre-hook): its gradients may still be on the wire."""
+
+    def __init__(self, overlap: OverlappedStep):
+        inner = overlap.optimizer
+        self._overlap, self._inner, self._built = overlap, inner, False
+        torch.optim.Optimizer.__init__(self, [p for g in inner.param_groups for p in g["params"]], inner.defaults)
+        self.param_groups, self.state, self.defaults = inner.param_groups, inner.state, inner.defaults
+        self._built = True
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The user's optimizer, bound."""
+        return self._inner
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        return self._overlap.note_step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._overlap.note_zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        self._overlap.finish()
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._overlap.finish()
+        self._inner.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not self._built:  # torch.optim.Optimizer.__init__'s own call
+            super().add_param_group(param_group)
+            return
+        self._inner.add_param_group(param_group)

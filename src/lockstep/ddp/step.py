@@ -190,11 +190,3 @@ def nothing_to_reduce(step: Backward, buckets: Sequence[Bucket]) -> bool:
     tensors). Nothing to reduce, as in torch, and, as torch's reducer, still expecting this forward's backward: R1's
     loss.backward() after its autograd.grad."""
     return not step.hooks_fired and not any(any(b.seen) for b in buckets)
-
-
-def copy_back_path(step: Backward) -> tuple[bool, bool]:
-    """At the end of ``step``: (fast, early). ``fast``: ``copy_back``'s common path, each slot copied into its
-    ``.grad`` (not with bucket views, a gradient carrying a graph, a missing gradient or a fixup). ``early``: also
-    each bucket copied back as soon as its wait returns, torch's order, overlapping the buckets still in flight."""
-    fast = not (step.plan.mode == VIEW or step.graph_grads or step.missing_flag or step.fixups)
-    return fast, fast and step.plan.copy_each

@@ -162,26 +162,27 @@ class ZeroShards(AllReduce):
         if full:
             self.finish()  # the all-gathers of the last step: every parameter is read
 
-    def at_backward_start(self) -> None:
+    def backward_start(self, layout_version: int) -> tuple[list[int] | None, int | None]:
         self.finish()  # the last step's all-gathers (a forward not through the wrapper)
+        return None, None
 
     def plan(self, plan: StepPlan) -> StepPlan:
         """The shards take the reduce (the compress hook's arithmetic included), the flag goes apart, nothing is
         copied back, no common path."""
         return dataclasses.replace(plan, fused=None, flag_apart=True, one_in_flight=False, copy_each=False, fast=None)
 
-    def bucket_full(self, buckets: Sequence[Bucket], launched: int) -> None:
-        """Reduce-scatters done already: their buckets' memory goes while backward runs."""
-        self.reap(buckets, launched)
-        self.bound_in_flight(buckets, launched)
-
-    def issue(self, bucket: Bucket, step: Backward) -> Any:
+    def issue(self, bucket: Bucket, step: Backward, last: bool) -> Any:
         """The non-finite check on the local gradients (no rank keeps the average whole), then the reduce-scatter;
-        the missing-gradient flag travels apart."""
+        the missing-gradient flag travels apart. Then the buckets launched before whose reduce-scatter is done go
+        (their memory freed while backward runs), and at most ``MAX_IN_FLIGHT`` stay held by theirs."""
         plan = step.plan
         if plan.nonfinite is not None:
             plan.nonfinite.check_bucket(bucket, plan.divisor, True)
-        return self.launch(bucket)
+        work = self.launch(bucket)
+        launched = step.order.next_index  # this bucket's position: the ones before it are issued
+        self.reap(self.buckets, launched)
+        self.bound_in_flight(self.buckets, launched, MAX_IN_FLIGHT - 1)  # and this one
+        return work
 
     def wait(self, buckets: Sequence[Bucket], plan: StepPlan, observer: Observer | None, copy_each: bool) -> float:
         """End of backward: wait for every bucket's reduce-scatter (the hang report names it); seconds waited. The
@@ -252,11 +253,11 @@ class ZeroShards(AllReduce):
         param.grad = None
         bucket.grads[slot] = None
 
-    def bound_in_flight(self, buckets: Sequence[Bucket], launched: int) -> None:
-        """At most ``MAX_IN_FLIGHT`` buckets held by their reduce-scatter: wait for the oldest ones beyond that
-        (waits only, in index order: no collective, so every rank's sequence stays the same)."""
+    def bound_in_flight(self, buckets: Sequence[Bucket], launched: int, limit: int = MAX_IN_FLIGHT) -> None:
+        """At most ``limit`` of the first ``launched`` buckets held by their reduce-scatter: wait for the oldest ones
+        beyond that (waits only, in index order: no collective, so every rank's sequence stays the same)."""
         pending = [b for b in buckets[:launched] if b.work is not None and not self._reaped[b.index]]
-        for bucket in pending[: max(0, len(pending) - MAX_IN_FLIGHT)]:
+        for bucket in pending[: max(0, len(pending) - limit)]:
             self._finish_reduce(bucket)
 
     def launch(self, bucket: Bucket) -> Any:
