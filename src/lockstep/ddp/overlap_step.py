@@ -107,7 +107,7 @@ class OverlappedStep(AllReduce):
         self._stepping = False  # inside our own call of the user's step: its pre-hook lets it through
         self._hook = optimizer.register_step_pre_hook(self._refuse_direct_step)
         self._split_default_buckets()
-        self._handles = register_waits(module, reducer.params, self._in_flight, self.finish_params, self.finish)
+        self._handles = register_waits(module, reducer.params, self.finish_params, self.finish)
 
     def _split_default_buckets(self) -> None:
         """With the default cap (25 MB, torch's; not "auto") and before the rebuild, cap the rebuilt buckets so that
@@ -237,12 +237,11 @@ class OverlappedStep(AllReduce):
             self._finish_buckets(range(len(self.reducer.buckets)))
 
     def finish_params(self, indices: Sequence[int]) -> None:
-        """Finish the buckets that hold these parameters (indices into the reducer's)."""
+        """Finish the buckets that hold these parameters (indices into the reducer's); none in flight: returns."""
+        if self.round is None:
+            return
         location = self.reducer._location
         self._finish_buckets(sorted({location[i][0] for i in indices}, reverse=True))
-
-    def _in_flight(self) -> bool:
-        return self.round is not None
 
     def _finish_buckets(self, indices: Sequence[int]) -> None:
         self._check_flag()

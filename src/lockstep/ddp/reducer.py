@@ -311,8 +311,10 @@ class Reducer:
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         for bucket in self.buckets:  # the last backward's works, all complete, before this one launches its own
             bucket.work = None
-        if self.usage.last_work is not None or self.nonfinite is not None:
-            self.release_works(keep=False)  # and the status and NaN-check exchanges' (``lifetime``)
+        if self.usage.last_work is not None:  # and the status exchange's (a comm hook, find_unused, ZeRO-2)
+            self.usage.drop_work()
+        if self.nonfinite is not None:  # and the NaN check's
+            self.release_works(keep=False)
         if self.idle.release is not False:
             self.idle.at_backward_start()
         step = self._begin(common_path=True)  # the strategy finishes what is still in flight first (``backward_start``)

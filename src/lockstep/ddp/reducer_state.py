@@ -261,6 +261,9 @@ class UsageTracker:
         self.graph_static = True  # torch's ddp_graph_static: no change yet in the unused set between iterations
         self._last_unused: list[int] | None = None
 
+    def drop_work(self) -> None:  # at the next backward's start: the status all-reduce kept since (``lifetime``)
+        self.last_work = None
+
     def reset_backward(self) -> None:  # the reducer calls it where ``active`` only
         if self.active:
             self.used = [False] * self.num_params

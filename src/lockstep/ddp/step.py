@@ -25,7 +25,7 @@ from lockstep.ddp.launch_order import LaunchOrder
 from lockstep.ddp.reducer_state import Bucket
 from lockstep.diagnostics.nonfinite import NonfiniteCheck
 
-_FLOAT32_SCALED = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT32_SCALED = (torch.float32, torch.float16, torch.bfloat16)
 
 # How a gradient enters its bucket and how the average comes back (``copy_in`` has the three).
 COPY, ALIAS, VIEW = "copy", "alias", "view"
@@ -86,13 +86,6 @@ class StepPlan:
         ZeRO-2's, which no rank keeps whole), not the averages after the waits."""
         return self.hooked or (self.strategy is not None and self.strategy.shards_buckets)
 
-    def scale_for(self, grad: torch.Tensor) -> Any:
-        """1/divisor for ``grad``: the cached float32 tensor for float32/float16/bfloat16 CPU gradients, else a float
-        (a float32 reciprocal would round float64 and other dtypes differently)."""
-        if grad.dtype in _FLOAT32_SCALED and grad.is_cpu:
-            return reciprocal_f32(self.divisor)
-        return 1.0 / self.divisor
-
 
 def fused_now(
     fused: FusedCompression | None, nonfinite: NonfiniteCheck | None, has_sparse: bool
@@ -147,7 +140,7 @@ def fast_table(buckets: Sequence[Bucket], num_params: int, divisor: int, hooked:
         for slot, (i, view) in enumerate(zip(bucket.plan.param_indices, bucket.views)):
             # A comm hook gets the local gradients as they are (as torch's); otherwise the 1/world-size
             # scaling rides on the copy (``copy_in``: the same multiply, so the same bits).
-            scale = None if hooked else (reciprocal_f32(divisor) if view.dtype in _FLOAT32_SCALED and view.is_cpu
+            scale = None if hooked else (reciprocal_f32(divisor) if view.dtype in FLOAT32_SCALED and view.is_cpu
                                          else 1.0 / divisor)
             table[i] = (bucket, slot, view, scale)
     return table

@@ -177,26 +177,25 @@ class AllReduce:
 
 
 # ------------------------------------------- shared by the strategies that hold work past backward
-def register_waits(module: nn.Module, params: Sequence[nn.Parameter], in_flight: Callable[[], bool],
-                   finish_params: Callable[[list[int]], None], finish: Callable[[], None]) -> list[Any]:
-    """Per module that owns some of ``params``, a forward pre-hook that, while ``in_flight()``, waits for those
-    parameters alone (``finish_params`` with their indices into ``params``); ``finish`` before the module's
-    state_dict. The overlapped step waits for averaged gradients so, ZeRO-2 for its all-gathered parameters."""
+def register_waits(module: nn.Module, params: Sequence[nn.Parameter], finish_params: Callable[[list[int]], None],
+                   finish: Callable[[], None]) -> list[Any]:
+    """Per module that owns some of ``params``, a forward pre-hook that waits for those parameters alone
+    (``finish_params`` with their indices into ``params``, which returns at once where nothing is in flight);
+    ``finish`` before the module's state_dict. The overlapped step waits for averaged gradients so, ZeRO-2 for its
+    all-gathered parameters."""
     index_of = {id(p): i for i, p in enumerate(params)}
     handles = []
     for sub in module.modules():
         owned = [index_of[id(p)] for p in sub.parameters(recurse=False) if id(p) in index_of]
         if owned:
-            handles.append(sub.register_forward_pre_hook(_wait_hook(owned, in_flight, finish_params)))
+            handles.append(sub.register_forward_pre_hook(_wait_hook(owned, finish_params)))
     handles.append(module.register_state_dict_pre_hook(lambda *_: finish()))
     return handles
 
 
-def _wait_hook(owned: list[int], in_flight: Callable[[], bool],
-               finish_params: Callable[[list[int]], None]) -> Callable[..., None]:
+def _wait_hook(owned: list[int], finish_params: Callable[[list[int]], None]) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any) -> None:
-        if in_flight():
-            finish_params(owned)
+        finish_params(owned)
     return hook
 
 

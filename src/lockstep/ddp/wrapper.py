@@ -11,6 +11,7 @@ docs/architecture.md has its call path.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -58,7 +59,7 @@ from lockstep.ddp.torch_surface import (
     closed_message,
     move_to,
 )
-from lockstep.ddp.zero2 import ZeroOptimizer, ZeroShards, check_optimizer_class, observer_of
+from lockstep.ddp.zero2 import ZeroOptimizer, ZeroShards, check_optimizer_class
 from lockstep.diagnostics.progress import observer_for
 from lockstep.diagnostics.watchdog import FROM_ENV, resolve_hang_timeout, watch_for_hangs
 from lockstep.process_group import admission_pending
@@ -488,11 +489,11 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             **defaults: the optimizer's arguments (``lr=...``), one parameter group.
         """
         self._check_zero(stage, defaults)
-        shards = ZeroShards(self.process_group, self.reducer.buckets[0].plan.device, observer_of(self.reducer))
+        shards = ZeroShards(self.process_group, self.reducer.buckets[0].plan.device, weakref.ref(self.reducer))
         shards.check_hook(self.reducer.comm_hook, self.reducer.fused)
         check_optimizer_class(optimizer_class)
         self.reducer.bind(shards, "zero_optimizer")
-        shards.handles = register_waits(self.module, self.reducer.params, shards.in_flight, shards.finish_params,
+        shards.handles = register_waits(self.module, self.reducer.params, shards.finish_params,
                                         shards.finish)
         return ZeroOptimizer(shards, optimizer_class, self.reducer.params, list(self.module.parameters()), defaults)
 
