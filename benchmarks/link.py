@@ -285,7 +285,7 @@ def _build(name: str, build: Callable[[], nn.Module], hook_wrap=None):
         return model, model.zero_optimizer(torch.optim.SGD, stage=2, lr=0.01)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     if name == "lockstep_overlap":
-        model.overlap_optimizer_step(opt)
+        opt = model.overlap_optimizer_step(opt)
     return model, opt
 
 

@@ -182,7 +182,7 @@ def _strategy(name: str, ddp: Any) -> Any:
         return lockstep.ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     if name == "overlap":  # tests/test_overlap_step.py
-        ddp.overlap_optimizer_step(opt)
+        opt = ddp.overlap_optimizer_step(opt)
     elif name != "plain":
         raise ValueError(f"strategy {name!r}, not one of {STRATEGIES}")
     return opt

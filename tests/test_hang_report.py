@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from types import SimpleNamespace
 
 import pytest
 
@@ -76,7 +77,7 @@ def test_describe_phases():
 def test_zero2_waits_name_the_reduce_scatter_and_the_all_gather():
     # ZeRO-2 (``ddp.zero2``): the observer hears which collective the waits are; the report names it
     progress = Progress()
-    obs = ProgressObserver(lambda: False, progress)
+    obs = ProgressObserver(lambda: None, progress)
     obs.backward_start()
     obs.collective("reduce-scatter")
     obs.wait_start(2, 7)
@@ -99,7 +100,7 @@ def test_zero2_waits_name_the_reduce_scatter_and_the_all_gather():
 def test_observer_tracks_phases_and_a_skipped_backward():
     progress = Progress()
     expects = [False]
-    obs = ProgressObserver(lambda: expects[0], progress)
+    obs = ProgressObserver(lambda: SimpleNamespace(expect_hooks=expects[0]), progress)
     obs.forward_start()
     assert progress.phase == "forward"
     obs.forward_end()

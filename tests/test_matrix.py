@@ -316,7 +316,7 @@ def _build(cell: Cell, impl: str, group: Any) -> tuple[nn.Module, Any, Any]:
     else:
         opt = cls(ddp.parameters(), **defaults)
         if cell.strategy == "overlap" and impl == "lockstep":
-            ddp.overlap_optimizer_step(opt)
+            opt = ddp.overlap_optimizer_step(opt)
     if not cell.join:
         uneven = contextlib.nullcontext()
     elif cell.strategy == "zero1":  # the optimizer's broadcasts are shadowed too: torch's Join over both

@@ -43,7 +43,7 @@ def _train(rank: int, opt_name: str, foreach: bool, overlap: bool, zero_first: b
     opt = OPTIMIZERS[opt_name](model.parameters(), foreach)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     if overlap:
-        model.overlap_optimizer_step(opt)
+        opt = model.overlap_optimizer_step(opt)
     g = torch.Generator().manual_seed(100 + rank)
     for step in range(STEPS):
         if zero_first:
@@ -86,7 +86,7 @@ def _deferred(rank: int) -> dict:
     """What a script sees: the update lands in the next forward; the sequence is agreed and reordered."""
     model = DistributedDataParallel(_model(), bucket_cap_mb=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model.overlap_optimizer_step(opt, sent_during_backward_mb=0.3)
+    opt = model.overlap_optimizer_step(opt, sent_during_backward_mb=0.3)
     first = model.module[0].weight
     g = torch.Generator().manual_seed(rank)
     seen = {}
@@ -108,12 +108,12 @@ def _deferred(rank: int) -> dict:
     inside = []  # at the first layer's forward, inside the model's: (first stepped, last not yet, round in flight)
     probe = model.module[0].register_forward_pre_hook(lambda *_: inside.append((
         not torch.equal(before_first, first.detach()), torch.equal(before_last, last.detach()),
-        model.reducer.overlap.round is not None)))
+        model.reducer.strategy.round is not None)))
     model(torch.randn(2, 32, generator=g))
     probe.remove()
     seen["first_layer_alone"] = inside[0]
-    seen["all_after_forward"] = not torch.equal(before_last, last.detach()) and model.reducer.overlap.round is None
-    seen["sequence"] = model.reducer.overlap.sequence
+    seen["all_after_forward"] = not torch.equal(before_last, last.detach()) and model.reducer.strategy.round is None
+    seen["sequence"] = model.reducer.strategy.sequence
     seen["num_buckets"] = len(model.reducer.buckets)
     events = model.reducer.events = []
     F.cross_entropy(model(torch.randn(16, 32, generator=g)), torch.randint(0, 4, (16,), generator=g)).backward()
@@ -138,7 +138,7 @@ def _missing(rank: int) -> str:
     torch.manual_seed(0)
     model = DistributedDataParallel(Skip(), bucket_cap_mb=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model.overlap_optimizer_step(opt)
+    opt = model.overlap_optimizer_step(opt)
     x, y = torch.randn(16, 32), torch.randint(0, 4, (16,))
     for _ in range(2):
         F.cross_entropy(model(x, False), y).backward()
@@ -150,7 +150,7 @@ def _missing(rank: int) -> str:
         before = [p.detach().clone() for p in model.parameters()]
         model(x, False)  # rank 0 raises here, reading the flag before any update of that round
     except RuntimeError as error:
-        model.reducer.overlap.finish()
+        model.reducer.strategy.finish()
         kept = before is None or all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
         return f"raised: {str(error)[:300]}" + ("" if kept else " (and a parameter was updated)")
     return "no error"
@@ -164,7 +164,7 @@ def _nonfinite(rank: int) -> dict:
         model = DistributedDataParallel(_model(), bucket_cap_mb=0.1, detect_nonfinite=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         if overlap:
-            model.overlap_optimizer_step(opt)
+            opt = model.overlap_optimizer_step(opt)
         g = torch.Generator().manual_seed(100 + rank)
         error, kept = "no error", None
         for step in range(6):
@@ -263,7 +263,7 @@ def _split(rank: int) -> dict:
                                         bucket_cap_mb=cap)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         if overlap:
-            model.overlap_optimizer_step(opt)
+            opt = model.overlap_optimizer_step(opt)
         for _ in range(2):
             opt.zero_grad()
             model(torch.randn(4, 384)).sum().backward()
@@ -273,9 +273,37 @@ def _split(rank: int) -> dict:
     return out
 
 
+def _binding(rank: int) -> dict:
+    """One binding, no method replaced on the user's optimizer: the object returned is the one the loop steps; the
+    user's own, stepped directly while bound, raises in one line before touching anything (every rank alike)."""
+    model = DistributedDataParallel(_model(), bucket_cap_mb=0.1)
+    mine = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = set(vars(mine))
+    opt = model.overlap_optimizer_step(mine)
+    out = {"added": sorted(set(vars(mine)) - before), "shared": opt.param_groups is mine.param_groups,
+           "same_state": opt.state is mine.state, "is_optimizer": isinstance(opt, torch.optim.Optimizer)}
+    F.cross_entropy(model(torch.randn(16, 32)), torch.randint(0, 4, (16,))).backward()
+    first = [p.detach().clone() for p in model.parameters()]
+    try:
+        mine.step()
+        out["direct"] = "no error"
+    except RuntimeError as error:
+        out["direct"] = str(error)
+    out["untouched"] = all(torch.equal(a, p) for a, p in zip(first, model.parameters()))
+    opt.step()
+    model.finish_step()
+    out["stepped"] = not all(torch.equal(a, p) for a, p in zip(first, model.parameters()))
+    try:
+        model.overlap_optimizer_step(mine)
+        out["twice"] = "no error"
+    except RuntimeError as error:
+        out["twice"] = str(error)
+    return out
+
+
 def _case(rank: int, world_size: int) -> dict:
     return {"parity": _parity(rank), "deferred": _deferred(rank), "missing": _missing(rank),
-            "nonfinite": _nonfinite(rank), "trainer": _trainer(rank), "split": _split(rank)}
+            "nonfinite": _nonfinite(rank), "trainer": _trainer(rank), "split": _split(rank), "binding": _binding(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -288,6 +316,18 @@ def test_parameters_equal_the_plain_step_bit_for_bit(results):
         bad = {k: v for k, v in rank_result["parity"].items() if v != 0.0}
         assert not bad, f"max |plain - overlapped| per (optimizer, foreach, zero_grad first, no_sync): {bad}"
         assert len(rank_result["parity"]) == 16
+
+
+def test_one_binding_the_users_optimizer_keeps_its_methods_and_refuses_a_direct_step(results):
+    for rank_result in results:
+        seen = rank_result["binding"]
+        assert seen["added"] == ["_optimizer_step_pre_hooks"] or seen["added"] == [], seen  # a hook, no method
+        assert seen["shared"] and seen["same_state"] and seen["is_optimizer"], seen
+        assert seen["direct"] == ("SGD.step() was called on the optimizer given to overlap_optimizer_step; step the "
+                                  "optimizer it returned (its .grad may still be on the wire until then): opt = "
+                                  "model.overlap_optimizer_step(opt)"), seen
+        assert seen["untouched"] and seen["stepped"], seen
+        assert seen["twice"].startswith("overlap_optimizer_step: an optimizer is bound already"), seen
 
 
 def test_the_update_lands_in_the_next_forward(results):

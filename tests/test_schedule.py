@@ -1,4 +1,4 @@
-"""A joined rank issues exactly the collectives a training rank issues, in every mode (``lockstep.ddp.schedule``).
+"""A joined rank issues exactly the collectives a training rank issues, in every mode (``lockstep.ddp.reducer.finish_collectives``).
 
 Under ``model.join()`` a rank that ran out of data stands in for each step the others still train
 (``Reducer.shadow_backward``); if its collectives differ from a training rank's in kind, size, dtype or

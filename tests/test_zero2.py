@@ -151,9 +151,9 @@ def _sharding(rank: int) -> dict:
     opt.step()
     seen["state_numel"] = sum(v.numel() for s in opt.state.values() for k, v in s.items() if k != "step")
     seen["model_numel"] = sum(p.numel() for p in ddp.parameters())
-    seen["gathers_in_flight"] = ddp.reducer.zero.in_flight()
+    seen["gathers_in_flight"] = ddp.reducer.strategy.in_flight()
     ddp(x)
-    seen["gathers_after_forward"] = ddp.reducer.zero.in_flight()
+    seen["gathers_after_forward"] = ddp.reducer.strategy.in_flight()
     return seen
 
 
@@ -188,7 +188,7 @@ def _collectives_of(rank: int, env: str) -> dict:
     recorder.on = False
     ddp.finish_step()
     del os.environ["LOCKSTEP_ZERO_COLLECTIVES"]
-    shards = [s.numel() for s in ddp.reducer.zero.shards]
+    shards = [s.numel() for s in ddp.reducer.strategy.shards]
     return {"calls": recorder.calls, "shards": shards, "kinds": kinds.kinds}
 
 

@@ -122,7 +122,7 @@ def _train(rank: int, impl: str, opt_name: str = "adamw", foreach: bool = False,
         ddp.finish_step()  # the last step's all-gathers
     out = {"params": [p.detach().clone() for p in model.parameters()], "norms": norms}
     if impl != "torch":
-        plan = ddp.reducer.zero.norm_plan
+        plan = ddp.reducer.strategy.norm_plan
         out.update(clip_calls=clip_calls, backward_calls=backward_calls[1] if backward_calls else [], split_numel=plan.split_numel,
                    n_params=len(plan.owners), buckets=len(plan.split), split_buckets=sum(map(bool, plan.split)))
     return out

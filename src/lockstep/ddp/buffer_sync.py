@@ -36,16 +36,16 @@ from lockstep.ddp.replicas import BROADCAST_CHUNK_BYTES, broadcast_coalesced, is
 
 # Bumped by torch's global hooks whenever any module gets a buffer or a submodule assigned (``register_buffer``,
 # ``module.x = tensor`` for a buffer name, ``add_module``, ``module.layer = ...``): the modules remembered in
-# ``_NOTHING_TO_SEND`` are walked again after that. A buffer put in ``_buffers`` by hand, or a dtype changed by
+# ``NOTHING_TO_SEND`` are walked again after that. A buffer put in ``_buffers`` by hand, or a dtype changed by
 # ``_apply`` (a complex buffer cast to float), goes unseen, as by torch's DDP, which never looks again.
-_GENERATION = [0]
+GENERATION = [0]
 _hooks: list[Any] = []
 # module -> (generation, ignore) of its last walk, where it found nothing to send (weak: the user owns the module).
-_NOTHING_TO_SEND: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, Any]] = weakref.WeakKeyDictionary()
+NOTHING_TO_SEND: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, Any]] = weakref.WeakKeyDictionary()
 
 
 def _bump(module: torch.nn.Module, name: str, value: Any) -> None:
-    _GENERATION[0] += 1  # returns None: torch keeps the value as given
+    GENERATION[0] += 1  # returns None: torch keeps the value as given
 
 
 def _watch_registrations() -> None:
@@ -92,11 +92,11 @@ def sync_buffers(
     and returns None. One module walk, as ``replicas.syncable_buffers``, skipped where the last one found
     nothing to send and no buffer or submodule was registered since (module docstring).
     """
-    nothing = _NOTHING_TO_SEND.get(module)
-    if nothing is not None and nothing[0] == _GENERATION[0] and nothing[1] is ignore:
+    nothing = NOTHING_TO_SEND.get(module)
+    if nothing is not None and nothing[0] == GENERATION[0] and nothing[1] is ignore:
         return None
     _watch_registrations()
-    generation = _GENERATION[0]  # before the walk: a registration during it makes the next forward walk again
+    generation = GENERATION[0]  # before the walk: a registration during it makes the next forward walk again
     tensors: list[torch.Tensor] = []
     seen: set[int] = set()
     owners: set[int] = set()
@@ -118,7 +118,7 @@ def sync_buffers(
             else:
                 owners.add(id(sub))
     if not tensors:
-        _NOTHING_TO_SEND[module] = (generation, ignore)
+        NOTHING_TO_SEND[module] = (generation, ignore)
         return None
     src_rank = src()
     if defer and len({t.device for t in tensors}) == 1:

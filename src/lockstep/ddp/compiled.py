@@ -5,7 +5,7 @@
   gradients arrive together at its end and no bucket could start before the whole backward is done.
   torch's DDP avoids that by naming itself dynamo's *active DDP module* while the module runs; dynamo
   then splits the graph at bucket-sized boundaries (DDPOptimizer, ``torch._dynamo.backends.distributed``)
-  and each piece's gradients arrive when its backward ends. ``call_module`` names lockstep's DDP the same
+  and each piece's gradients arrive when its backward ends. The DDP's forward names lockstep's DDP the same
   way, so the same splits happen (dynamo reads ``bucket_bytes_cap`` and parameters' ``_ddp_ignored``).
   Where the cap is below dynamo's first-bucket size (1 MiB) dynamo would fail an assertion
   ("First bucket should be smaller/equal ..."), as it does with torch's DDP; lockstep then does not
@@ -31,19 +31,21 @@ import torch
 import torch.distributed as dist
 
 _TorchDDP = torch.nn.parallel.DistributedDataParallel
-_DYNAMO_FIRST_BUCKET_BYTES = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1024 * 1024)  # DDPOptimizer's first bucket
-_skipped = False
+DYNAMO_FIRST_BUCKET_BYTES = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1024 * 1024)  # DDPOptimizer's first bucket
+skipped = False
+COMPILED_AUTOGRAD = "torch._dynamo.compiled_autograd"  # the module; loaded with dynamo
+COMPILED_REGION = "in_compiled_autograd_region"  # its flag, set while its trace runs (torch >= 2.5)
 
 
 def skip_lockstep_in_dynamo() -> bool:
     """Add lockstep's package to the directories dynamo does not trace, once dynamo is loaded."""
-    global _skipped
-    if not _skipped and "torch._dynamo" in sys.modules:
+    global skipped
+    if not skipped and "torch._dynamo" in sys.modules:
         from torch._dynamo import trace_rules
 
         trace_rules.add("lockstep")
-        _skipped = True
-    return _skipped
+        skipped = True
+    return skipped
 
 
 def _forward_eagerly(forward: Any, inputs: tuple, kwargs: dict) -> Any:
@@ -57,7 +59,7 @@ def _forward_eagerly(forward: Any, inputs: tuple, kwargs: dict) -> Any:
 forward_outside_dynamo = torch._disable_dynamo(_forward_eagerly, recursive=False)
 
 
-def _compiling() -> bool:
+def _compiling() -> bool:  # torch < 2.5 (``in_compiled_call``)
     """Whether this runs inside a compiled call (dynamo's frame callback is set): a C call or two."""
     frames = torch._C._dynamo.eval_frame
     get = getattr(frames, "get_eval_frame_callback", None)
@@ -76,14 +78,14 @@ def refuse_compiled_autograd() -> None:
     tensors and the real gradients would stay unaveraged, the ranks drifting apart without an error
     (seen: 0.004 apart after 3 steps). torch's DDP needs its Python reducer there
     (``torch._dynamo.config.optimize_ddp = "python_reducer"``), which traces functional collectives.
-    Cost: a dict lookup per backward.
+    Cost: a dict lookup per backward (the reducer reads the flags itself and calls this where one may be set).
     """
-    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    compiled_autograd = sys.modules.get(COMPILED_AUTOGRAD)
     if compiled_autograd is None:
         return
     # Inside its trace: the region flag (torch >= 2.5; the "enabled" flag reads False there), or, before it
     # existed, the "enabled" flag (2.4); dynamo's compiling flag where the trace reaches this frame itself.
-    region = getattr(compiled_autograd, "in_compiled_autograd_region", None)
+    region = getattr(compiled_autograd, COMPILED_REGION, None)
     inside = region if region is not None else getattr(compiled_autograd, "compiled_autograd_enabled", False)
     if inside or torch.compiler.is_compiling():
         raise RuntimeError(
@@ -95,21 +97,15 @@ def refuse_compiled_autograd() -> None:
         )
 
 
-def call_module(ddp: _TorchDDP, inputs: tuple, kwargs: dict) -> Any:
-    """``ddp.module(*inputs, **kwargs)`` with ``ddp`` as dynamo's active DDP module (restored after,
-    so a DDP nested in another sees the outer one again, as torch's does)."""
-    previous = _TorchDDP._active_ddp_module
-    if ddp.bucket_bytes_cap >= _DYNAMO_FIRST_BUCKET_BYTES:
-        _TorchDDP._active_ddp_module = ddp
-    module = ddp.module
-    if _skipped and _compiling():
-        from torch._dynamo import external_utils, trace_rules
+def module_for_dynamo(module: Any) -> Any:
+    """``module`` as the DDP's forward calls it where it runs inside a compiled call (``frame_callback``): a module
+    whose forward is torch's own (nn.Sequential...) gets a frame of its own, as torch.compile(module) gives it
+    (dynamo skips such a frame when it is the first one offered)."""
+    from torch._dynamo import external_utils, trace_rules
 
-        if trace_rules.check(module.forward):
-            # A module whose forward is torch's own (nn.Sequential...): dynamo skips such a frame when it
-            # is the first one offered, so it gets a frame of its own, as torch.compile(module) gives it.
-            module = external_utils.wrap_inline(module)
-    try:
-        return module(*inputs, **kwargs)
-    finally:
-        _TorchDDP._active_ddp_module = previous
+    return external_utils.wrap_inline(module) if trace_rules.check(module.forward) else module
+
+
+# Dynamo's frame callback: set (not None or False) while this runs inside a compiled call. torch's C getter (>= 2.5;
+# before, ``_compiling``'s True or False), read by the DDP's forward where lockstep is among dynamo's skipped files.
+frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None) or _compiling

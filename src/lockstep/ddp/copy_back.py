@@ -1,11 +1,10 @@
-"""The last step of a backward: wait for the buckets, and the averaged gradients from the bucket buffers into
-``param.grad``."""
+"""The last step of a backward: the averaged gradients from the bucket buffers into ``param.grad`` (the waits, and the
+common path's copy right after each, are the strategy's: ``strategy.wait_bucket``)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import cast
 
 import torch
 
@@ -68,50 +67,3 @@ def _sparse_back(bucket: Bucket, params: Sequence[torch.nn.Parameter], globally_
         p.grad = bucket.sparse
     else:
         grad.copy_(cast(torch.Tensor, bucket.sparse))  # copy_in set it
-
-
-def wait_buckets(buckets: Sequence[Bucket], hooked: bool, observer: Any, copy_each: bool, fused: Any = None) -> float:
-    """Wait for every bucket in order; return the seconds spent waiting.
-
-    ``hooked``: a comm hook's result is put into the bucket (or the direct gradient) where it is not
-    there already. ``fused`` (``fused_compress``): the reducer ran the hook's average itself; its
-    result is cast back into the bucket, or on the ``copy_each`` path straight into the gradients.
-    ``copy_each`` (COPY mode's common path, what ``copy_back``'s fast path would do): each
-    bucket's averages go into its gradients right after its wait, as torch's reducer finalizes a bucket,
-    so the copy runs while later buckets are still in flight instead of after the last one. If another
-    rank then reports a missing gradient, the error comes with these gradients already averaged.
-    """
-    waited = 0.0
-    for bucket in buckets:
-        waited += wait_bucket(bucket, bucket is buckets[-1], hooked, observer, copy_each, fused)
-    return waited
-
-
-def wait_bucket(bucket: Bucket, last: bool, hooked: bool, observer: Any, copy_each: bool, fused: Any = None) -> float:
-    """``wait_buckets`` for one bucket (``last``: the last in index order, which carries the spare element); the
-    overlapped optimizer step (``overlap_step``) waits for each bucket where the next forward first needs it.
-    Returns the seconds waited."""
-    if observer is not None:
-        observer.wait_start(bucket.index, bucket.seq)
-    start = time.perf_counter()
-    result = bucket.work.wait()
-    waited = time.perf_counter() - start
-    if observer is not None:
-        observer.wait_end(bucket.index, bucket.seq)
-    if fused is not None:
-        fused.finish(bucket, last, copy_each)
-        return waited
-    if hooked:
-        tensor = result[0] if isinstance(result, (list, tuple)) else result
-        if bucket.plan.sparse:
-            if tensor is not bucket.sparse:
-                assert bucket.sparse is not None  # copy_in set it
-                bucket.sparse.copy_(tensor)
-            return waited
-        target = bucket.flat if bucket.direct is None else bucket.direct
-        if tensor.data_ptr() != target.data_ptr():
-            target.copy_(tensor.view(-1))
-    if copy_each and bucket.direct is None and not bucket.plan.sparse:
-        # the common path: every one set
-        torch._foreach_copy_(cast("list[torch.Tensor]", bucket.grads), bucket.views)
-    return waited

@@ -40,11 +40,12 @@ is divided in place and all-reduced as the sparse tensor it is, as torch's reduc
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from lockstep.ddp.reducer_state import Bucket
-from lockstep.ddp.step import ALIAS, COPY, VIEW, Backward, StepPlan
+from lockstep.ddp.step import ALIAS, COPY, FLOAT32_SCALED, VIEW, Backward, StepPlan, reciprocal_f32
 
 
 def copy_in(step: Backward, params: Sequence[torch.nn.Parameter], names: Sequence[str], index: int, bucket: Bucket,
@@ -82,7 +83,7 @@ def copy_in(step: Backward, params: Sequence[torch.nn.Parameter], names: Sequenc
         if not plan.hooked and plan.nonfinite is not None:
             plan.nonfinite.scale_direct(grad, plan.divisor, index)
         elif not plan.hooked and plan.divisor != 1:
-            grad.mul_(plan.scale_for(grad))
+            grad.mul_(scale_for(plan.divisor, grad))
         # What the all-reduce (or the hook, as its buffer) gets: a flat alias, so .grad's own object is not in the work.
         bucket.direct = grad.detach().view(-1)
         return
@@ -104,7 +105,7 @@ def copy_in(step: Backward, params: Sequence[torch.nn.Parameter], names: Sequenc
     # The average's scaling fused into the copy. A multiply by the reciprocal, as torch's reducer does
     # (bit-equal to it at any world size) and cheaper than a divide. A comm hook gets the plain local
     # gradients, as in torch.
-    scale = None if plan.hooked else plan.scale_for(grad)
+    scale = None if plan.hooked else scale_for(plan.divisor, grad)
     if mode == ALIAS and grad.data_ptr() == view.data_ptr():
         if not hooked:
             # Its .grad must survive as it is if no rank used it: a copy of the local values takes its
@@ -216,3 +217,11 @@ def empty_sparse_like(param: torch.Tensor) -> torch.Tensor:
     indices = torch.empty((1, 0), dtype=torch.long, device=param.device)
     values = torch.empty((0, *param.shape[1:]), dtype=param.dtype, device=param.device)
     return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=False, is_coalesced=True)
+
+
+def scale_for(divisor: int, grad: torch.Tensor) -> Any:
+    """1/divisor for ``grad``: the cached float32 tensor for float32/float16/bfloat16 CPU gradients (``step``'s
+    ``reciprocal_f32``), else a float (a float32 reciprocal would round float64 and other dtypes differently)."""
+    if grad.dtype in FLOAT32_SCALED and grad.is_cpu:
+        return reciprocal_f32(divisor)
+    return 1.0 / divisor

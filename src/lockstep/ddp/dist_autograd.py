@@ -21,8 +21,9 @@ parameter's bucket slot is filled from its local ``.grad``.
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -38,6 +39,21 @@ def current_context_id() -> int | None:
         return dist_autograd._current_context()._context_id()
     except (ImportError, RuntimeError, AttributeError):
         return None  # no context on this thread ("Current thread doesn't have a valid autograd context")
+
+
+def _agent_check() -> Callable[[], bool]:
+    """torch's C check that an RPC agent is running (a C call: the reducer asks it every forward); always False where
+    RPC is not built."""
+    try:
+        from torch.distributed import rpc
+        if rpc.is_available():
+            return rpc._is_current_rpc_agent_set
+    except (ImportError, AttributeError):
+        pass
+    return functools.partial(bool, False)
+
+
+rpc_agent_set = _agent_check()
 
 
 class BridgedReducer(Protocol):
@@ -58,7 +74,7 @@ class DistAutogradBridge:
         self.context_id: int | None = None
         self._handles: list = []
         self._swapped: list[tuple[int, torch.Tensor]] = []  # (parameter index, the context's gradient)
-        self._saved: list | None = None  # every parameter's .grad before this backward
+        self.saved: list | None = None  # every parameter's .grad before this backward
 
     def at_forward(self, accumulators: Sequence[Any]) -> None:
         """A synchronised forward: note its context (None outside one); hook the parameters' AccumulateGrad
@@ -82,8 +98,8 @@ class DistAutogradBridge:
                 return  # the context was released
             if grad is None:
                 return  # a local backward inside the context (its tensor hook ran, or will mark it)
-            if self._saved is None:  # this backward's first: .grad of every parameter out of the way
-                self._saved = [p.grad for p in reducer.params]
+            if self.saved is None:  # this backward's first: .grad of every parameter out of the way
+                self.saved = [p.grad for p in reducer.params]
                 for p in reducer.params:
                     p.grad = None
             param.grad = grad
@@ -94,10 +110,10 @@ class DistAutogradBridge:
 
     def at_end_of_backward(self, params: Sequence[torch.nn.Parameter]) -> None:
         """After the averages are in ``.grad``: into the context's tensors, and ``.grad`` back as it was."""
-        if self._saved is None:
+        if self.saved is None:
             return
-        swapped, saved = self._swapped, self._saved
-        self._swapped, self._saved = [], None
+        swapped, saved = self._swapped, self.saved
+        self._swapped, self.saved = [], None
         for index, grad in swapped:
             average = params[index].grad
             if average is not None and average is not grad:  # a bucket view or a clone (``copy_back``)

@@ -97,7 +97,7 @@ def on_backward_start(outputs: Any, callback: Callable[[], None]) -> int:
     the number of nodes hooked (0 when no output has a graph).
     """
     nodes = {}
-    for t in output_tensors(outputs):
+    for t in (outputs,) if isinstance(outputs, torch.Tensor) else output_tensors(outputs):  # a loss, logits: one
         if t.grad_fn is not None:
             nodes[id(t.grad_fn)] = t.grad_fn
     for node in nodes.values():

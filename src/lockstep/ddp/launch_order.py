@@ -63,7 +63,7 @@ class LaunchOrder:
     the link is slow (``SERIAL_BELOW_BYTES_S``): each bucket launches once the previous one is done.
     """
 
-    __slots__ = ("_launch", "_one_in_flight", "_carrier_last_ready", "buckets", "next_index", "ready", "sequence",
+    __slots__ = ("_launch", "_one_in_flight", "carrier_last_ready", "buckets", "next_index", "ready", "sequence",
                  "stop")
 
     def __init__(self, buckets: Sequence[Bucket], launch: Callable[[Bucket], None], one_in_flight: bool,
@@ -73,7 +73,7 @@ class LaunchOrder:
         self._one_in_flight = one_in_flight
         # The last bucket (its spare element carries the non-finite verdict) waits until every bucket is ready, so
         # all can be checked before it goes (``overlap_step``'s sequence launches it ahead of others).
-        self._carrier_last_ready = carrier_last_ready
+        self.carrier_last_ready = carrier_last_ready
         self.sequence = range(len(buckets)) if sequence is None else sequence
         self.ready = [False] * len(buckets)
         self.next_index = 0  # position in ``sequence`` of the next bucket to launch
@@ -89,7 +89,7 @@ class LaunchOrder:
         while self.next_index < min(n, self.stop) and self.ready[sequence[self.next_index]]:
             if self.next_index > 0 and self._one_in_flight and not _done(buckets[sequence[self.next_index - 1]].work):
                 break  # the previous hooked bucket is still in flight: drain() or a later ready bucket retries
-            if self._carrier_last_ready and sequence[self.next_index] == n - 1 and not all(self.ready):
+            if self.carrier_last_ready and sequence[self.next_index] == n - 1 and not all(self.ready):
                 break  # the verdict's carrier goes once every bucket can be checked: a later ready one or drain()
             self._launch(buckets[sequence[self.next_index]])
             self.next_index += 1

@@ -25,7 +25,6 @@ a script, and what forces a full wait (``finish``): docs/ddp.md#overlapping-the-
 from __future__ import annotations
 
 import time
-import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -36,10 +35,11 @@ from torch import nn
 
 from lockstep.ddp.buckets import MIB
 from lockstep.ddp.config import DEFAULT_BUCKET_CAP_MB
-from lockstep.ddp.copy_back import wait_bucket
 from lockstep.ddp.errors import raise_missing_gradients
 from lockstep.ddp.launch_order import priority_sequence
-from lockstep.ddp.step import COPY, Backward, copy_back_path
+from lockstep.ddp.reducer_state import Bucket, Status
+from lockstep.ddp.step import COPY, Backward
+from lockstep.ddp.strategy import AllReduce, call_on, copy_back_path, register_waits, wait_bucket
 
 Reducer = Any  # lockstep.ddp.reducer.Reducer, which imports this module
 
@@ -68,8 +68,6 @@ def check_can_overlap(reducer: Reducer, optimizer: Any) -> None:
     if reducer.nonfinite is not None and not reducer.nonfinite.pre_launch:
         raise ValueError("overlap_optimizer_step with detect_nonfinite=True needs a world size that is a power of two "
                          f"(the verdict checked before the launches), not {reducer.world_size}")
-    if getattr(reducer, "overlap", None) is not None:
-        raise RuntimeError("overlap_optimizer_step: an optimizer is bound already (one per DistributedDataParallel)")
 
 
 class _Round:
@@ -85,8 +83,11 @@ class _Round:
         self.flag_checked = False
 
 
-class OverlappedStep:
+class OverlappedStep(AllReduce):
     """The optimizer bound to one reducer: deferred ``step``/``zero_grad``, per-module waits, the launch sequence."""
+
+    name = "overlapped step"
+    defers = True
 
     def __init__(self, reducer: Reducer, optimizer: torch.optim.Optimizer, module: nn.Module,
                  sent_during_backward_mb: float | None = None):
@@ -102,9 +103,11 @@ class OverlappedStep:
         self._timings: list[tuple[int, float, float, float]] = []  # (layout, first launch, drain, last done) s
         self._drain_s = 0.0
         self._warned: set[str] = set()
-        self._patch_optimizer(optimizer)
+        self._step, self._zero_grad = optimizer.step, optimizer.zero_grad  # bound: a scheduler's wrapper, if made
+        self._stepping = False  # inside our own call of the user's step: its pre-hook lets it through
+        self._hook = optimizer.register_step_pre_hook(self._refuse_direct_step)
         self._split_default_buckets()
-        self._handles = register_waits(module, reducer.params, self._in_flight, self.finish_params, self.finish)
+        self._handles = register_waits(module, reducer.params, self.finish_params, self.finish)
 
     def _split_default_buckets(self) -> None:
         """With the default cap (25 MB, torch's; not "auto") and before the rebuild, cap the rebuilt buckets so that
@@ -119,34 +122,26 @@ class OverlappedStep:
         reducer.limit_caps(cap)  # the rebuild's first bucket too
 
     # ----------------------------------------------------------------- the optimizer's methods, deferred
-    def _patch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self._step = optimizer.step  # bound; an LR scheduler's wrapper around it, if one was made first
-        self._zero_grad = optimizer.zero_grad
-        self._state_dict = optimizer.state_dict
-        owner = self
+    def _refuse_direct_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The user's optimizer stepped directly while bound (its step pre-hook): its gradients may still be on the
+        wire. Our own calls (``_call_step``) pass."""
+        if not self._stepping:
+            raise RuntimeError(f"{type(optimizer).__name__}.step() was called on the optimizer given to "
+                               "overlap_optimizer_step; step the optimizer it returned (its .grad may still be on the "
+                               "wire until then): opt = model.overlap_optimizer_step(opt)")
 
-        def step(opt: Any, closure: Callable[[], Any] | None = None) -> Any:
-            return owner.note_step(closure)
-
-        def zero_grad(opt: Any, set_to_none: bool = True) -> None:
-            owner.note_zero_grad(set_to_none)
-
-        def state_dict(opt: Any) -> dict[str, Any]:
-            owner.finish()
-            return owner._state_dict()
-
-        for mark in ("_wrapped_by_lr_sched", "_with_counter"):  # torch >= 2.5's and 2.4's LR scheduler wrappers
-            if hasattr(self._step, mark):
-                setattr(step, mark, True)  # a scheduler made first stays quiet
-        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
-        optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
-        optimizer.state_dict = types.MethodType(state_dict, optimizer)  # type: ignore[method-assign]
+    def _call_step(self, closure: Callable[[], Any] | None = None) -> Any:
+        self._stepping = True
+        try:
+            return self._step(closure) if closure is not None else self._step()
+        finally:
+            self._stepping = False
 
     def note_step(self, closure: Callable[[], Any] | None) -> Any:
         """``opt.step()``: with a round in flight, note it (and its hyperparameters) and return; else step now."""
         if closure is not None or self.round is None or self.step_hyperparams is not None:
             self.finish()  # a closure re-evaluates the loss; a second step in one round steps on the same grads
-            return self._step(closure) if closure is not None else self._step()
+            return self._call_step(closure)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # an LR scheduler checks it (torch)
         self.step_hyperparams = [{k: _snapshot(v) for k, v in g.items() if k != "params"}
                                  for g in self.optimizer.param_groups]
@@ -166,26 +161,35 @@ class OverlappedStep:
         pending = {id(p) for b, done in zip(self.reducer.buckets, self.round.done) if not done for p in b.params}
         self._call_on(lambda p: id(p) not in pending, lambda: self._zero_grad(set_to_none))
 
-    # ----------------------------------------------------------------- the reducer's side
-    def sequence_for(self, layout_version: int) -> list[int] | None:
-        """The launch sequence of the next backward (None: index order)."""
-        return self.sequence if self.sequence_layout == layout_version else None
+    # ----------------------------------------------------------------- the reducer's points (``strategy``)
+    def refuse_join(self) -> str | None:
+        return ("DistributedDataParallel.join: not with overlap_optimizer_step (a joined rank's stand-in backwards "
+                "do not defer); use the plain step for uneven inputs")
 
-    def window_stop(self, sequence: Sequence[int]) -> int:
-        """Where a backward in ``sequence`` stops launching: after the carrier (the last bucket, first of the held
-        ones) and the one after it; the next forward launches the rest one by one (``_finish_bucket``)."""
-        return list(sequence).index(len(sequence) - 1) + 2
+    def round_in_flight(self) -> bool:
+        return self.round is not None
 
-    def before_backward(self) -> None:
-        """A backward starts, the last round finished on every rank: agree, once per layout, on the sequence. Here,
-        before any bucket of this backward and after every collective of the last step's, the agreement's place
-        among the collectives is the same on every rank, whichever rounds each deferred."""
+    def held_backward(self) -> Backward | None:
+        return None if self.round is None else self.round.step
+
+    def backward_start(self, layout_version: int) -> tuple[list[int] | None, int | None]:
+        """A backward starts: a round still in flight (a backward with no forward through the wrapper) finished;
+        then, the last round finished on every rank, agree once per layout on the sequence. Here, before any bucket
+        of this backward and after every collective of the last step's, the agreement's place among the
+        collectives is the same on every rank, whichever rounds each deferred. Returns the agreed sequence (None:
+        index order, before the agreement) and where a backward in it stops launching: after the carrier (the last
+        bucket, first of the held ones) and the one after it; the next forward launches the rest one by one
+        (``_finish_bucket``)."""
+        self.finish()
         agreed = self._maybe_agree()
         if agreed is not None:
             self._read_agreement(agreed)
+        if self.sequence is None or self.sequence_layout != layout_version:
+            return None, None
+        return self.sequence, self.sequence.index(len(self.sequence) - 1) + 2
 
     def defer(self, step: Backward, missing: list[int]) -> bool:
-        """End of a backward, launched up to its window (``window_stop``): keep the round in flight and return True,
+        """End of a backward, launched up to its window (``launch_sequence``): keep the round in flight and return True,
         or False where this round must be finished now (every bucket launched here; the reducer then waits as
         without the option)."""
         reducer = self.reducer
@@ -211,8 +215,10 @@ class OverlappedStep:
         # The first round is finished in full, so the bucket rebuild comes where torch's does.
         return not (reducer._observed_order is not None and not reducer.buckets_rebuilt)
 
-    def finished_in_full(self) -> None:
-        """The reducer waited for a round that ``defer`` declined: time it."""
+    def after_collectives(self, buckets: Sequence[Bucket], params: Sequence[nn.Parameter], status: Status,
+                          mode: str, fast: bool, copied: bool) -> None:
+        """The reducer waited for a round that ``defer`` declined: as the all-reduce's, then time it."""
+        super().after_collectives(buckets, params, status, mode, fast, copied)
         self._record_timing(time.perf_counter())
 
     def at_forward_start(self, full: bool) -> None:
@@ -231,12 +237,11 @@ class OverlappedStep:
             self._finish_buckets(range(len(self.reducer.buckets)))
 
     def finish_params(self, indices: Sequence[int]) -> None:
-        """Finish the buckets that hold these parameters (indices into the reducer's)."""
+        """Finish the buckets that hold these parameters (indices into the reducer's); none in flight: returns."""
+        if self.round is None:
+            return
         location = self.reducer._location
         self._finish_buckets(sorted({location[i][0] for i in indices}, reverse=True))
-
-    def _in_flight(self) -> bool:
-        return self.round is not None
 
     def _finish_buckets(self, indices: Sequence[int]) -> None:
         self._check_flag()
@@ -326,7 +331,7 @@ class OverlappedStep:
         try:
             for g, values in zip(groups, noted):
                 g.update(values)
-            self._call_on(lambda p: id(p) in ids, self._step)
+            self._call_on(lambda p: id(p) in ids, self._call_step)
         finally:
             for g, values in zip(groups, saved):
                 g.update(values)
@@ -338,7 +343,7 @@ class OverlappedStep:
         """The optimizer's parameters that this DDP does not average (another model's, ignored ones) step now."""
         mine = {id(p) for p in self.reducer.params}
         if any(id(p) not in mine for g in self.optimizer.param_groups for p in g["params"]):
-            self._call_on(lambda p: id(p) not in mine, self._step)
+            self._call_on(lambda p: id(p) not in mine, self._call_step)
 
     def _call_on(self, keep: Callable[[torch.Tensor], bool], call: Callable[[], Any]) -> None:
         call_on(self.optimizer, keep, call)
@@ -408,45 +413,43 @@ def _snapshot(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-# ----------------------------------------------------------------- shared with ZeRO-2 (``zero2``)
-def register_waits(module: nn.Module, params: Sequence[nn.Parameter], in_flight: Callable[[], bool],
-                   finish_params: Callable[[list[int]], None], finish: Callable[[], None]) -> list[Any]:
-    """Per module that owns some of ``params``, a forward pre-hook that, while ``in_flight()``, waits for those
-    parameters alone (``finish_params`` with their indices into ``params``); ``finish`` before the module's
-    state_dict. The overlapped step waits for averaged gradients so, ZeRO-2 for its all-gathered parameters."""
-    index_of = {id(p): i for i, p in enumerate(params)}
-    handles = []
-    for sub in module.modules():
-        owned = [index_of[id(p)] for p in sub.parameters(recurse=False) if id(p) in index_of]
-        if owned:
-            handles.append(sub.register_forward_pre_hook(_wait_hook(owned, in_flight, finish_params)))
-    handles.append(module.register_state_dict_pre_hook(lambda *_: finish()))
-    return handles
+class OverlappedOptimizer(torch.optim.Optimizer):
+    """What ``overlap_optimizer_step`` returns: the user's optimizer as the loop steps it, bound the one way every
+    variant binds (``Reducer.bind``; ZeRO-2's ``zero_optimizer`` returns its own). ``step()`` notes the step (each
+    bucket's parameters are stepped in the next forward as its average lands), ``zero_grad()`` is noted for the
+    parameters still in flight; ``param_groups``, ``state`` and ``defaults`` are the user's optimizer's own objects,
+    so an LR scheduler built on either reaches both. ``state_dict`` and ``load_state_dict`` finish the round first.
+    No method is replaced on the user's optimizer; stepped directly while bound, it raises in one line (a step
+    pre-hook): its gradients may still be on the wire."""
 
+    def __init__(self, overlap: OverlappedStep):
+        inner = overlap.optimizer
+        self._overlap, self._inner, self._built = overlap, inner, False
+        torch.optim.Optimizer.__init__(self, [p for g in inner.param_groups for p in g["params"]], inner.defaults)
+        self.param_groups, self.state, self.defaults = inner.param_groups, inner.state, inner.defaults
+        self._built = True
 
-def _wait_hook(owned: list[int], in_flight: Callable[[], bool],
-               finish_params: Callable[[list[int]], None]) -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any) -> None:
-        if in_flight():
-            finish_params(owned)
-    return hook
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The user's optimizer, bound."""
+        return self._inner
 
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        return self._overlap.note_step(closure)
 
-def call_on(optimizer: torch.optim.Optimizer, keep: Callable[[torch.Tensor], bool], call: Callable[[], Any]) -> None:
-    """``call()`` with each of ``optimizer``'s param groups narrowed to the parameters ``keep`` accepts (groups left
-    empty out); the groups' own dicts are kept, so hyperparameters read and written stay the optimizer's."""
-    groups = optimizer.param_groups
-    full = [g["params"] for g in groups]
-    try:
-        narrowed = []
-        for g, params in zip(groups, full):
-            g["params"] = [p for p in params if keep(p)]
-            if g["params"]:
-                narrowed.append(g)
-        if narrowed:
-            optimizer.param_groups = narrowed
-            call()
-    finally:
-        optimizer.param_groups = groups
-        for g, params in zip(groups, full):
-            g["params"] = params
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._overlap.note_zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        self._overlap.finish()
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._overlap.finish()
+        self._inner.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not self._built:  # torch.optim.Optimizer.__init__'s own call
+            super().add_param_group(param_group)
+            return
+        self._inner.add_param_group(param_group)

@@ -10,9 +10,11 @@ Where a gradient is missing every bucket launches anyway, with a flag in the las
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -20,39 +22,36 @@ import torch.distributed as dist
 from lockstep.collectives.hierarchical import HierarchicalAllReduce
 from lockstep.ddp.args import sparse_flags
 from lockstep.ddp.autotune import BucketTuner, LinkVerdict, all_say_slow, tail_wants_trials, trials_for_slow_wire
-from lockstep.ddp.compiled import refuse_compiled_autograd
+from lockstep.ddp.compiled import COMPILED_AUTOGRAD, COMPILED_REGION, refuse_compiled_autograd
 from lockstep.ddp.config import BucketCaps
-from lockstep.ddp.copy_back import copy_back
 from lockstep.ddp.copy_in import copy_in, zero_for_shadow
-from lockstep.ddp.dist_autograd import DistAutogradBridge
-from lockstep.ddp.errors import error_for_log, twice_message
+from lockstep.ddp.dist_autograd import DistAutogradBridge, rpc_agent_set
+from lockstep.ddp.errors import error_for_log, raise_missing_gradients, twice_message
 from lockstep.ddp.fused_compress import FusedCompression
 from lockstep.ddp.graph import backward_accumulates, grad_accumulators
 from lockstep.ddp.idle_buckets import IdleBuckets
-from lockstep.ddp.launch_order import LaunchOrder, wire_is_slow
+from lockstep.ddp.launch_order import SERIAL_MIN_BYTES, LaunchOrder, wire_is_slow
 from lockstep.ddp.layout import agree_on_order, build_layout
 from lockstep.ddp.lifetime import register_for_exit, remove_handles
 from lockstep.ddp.lifetime import release_works as release_reducer_works
 from lockstep.ddp.module_changes import ModuleChanges
 from lockstep.ddp.observe import Observer, attach, detach
 from lockstep.ddp.optim_in_backward import step_optimizers_in_backward, take_over_optimizers_in_backward
-from lockstep.ddp.overlap_step import OverlappedStep
-from lockstep.ddp.reducer_state import Bucket, UsageTracker, still_missing
-from lockstep.ddp.schedule import CommHook, finish_collectives, issue_bucket
+from lockstep.ddp.reducer_state import Bucket, Status, UsageTracker
 from lockstep.ddp.step import (
     COPY,
     VIEW,
     Backward,
     FastCache,
+    StepPlan,
     cached_fast_table,
-    copy_back_path,
     fused_now,
     grad_mode,
     nothing_to_reduce,
     one_in_flight,
     plan_backward,
 )
-from lockstep.ddp.zero2 import ZeroShards
+from lockstep.ddp.strategy import AllReduce, CommHook, copy_back_path
 from lockstep.diagnostics.nonfinite import NonfiniteCheck
 
 LINK_JUDGED_ROUND = 1  # rounds completed before the backward whose tail judges the wire: the one after the rebuild
@@ -98,8 +97,7 @@ class Reducer:
         self.module_changes: ModuleChanges | None = None  # explains missing gradients; None = off
         self.events: list[tuple] | None = None  # tests: ("ready", i) / ("launch", b); None = off
         self.optimizers_in_backward = False  # torch's _apply_optimizer_in_backward on these parameters
-        self.overlap: OverlappedStep | None = None  # an optimizer stepped in the next forward (``overlap_step``)
-        self.zero: ZeroShards | None = None  # ZeRO-2: buckets reduce-scattered into this rank's shards (``zero2``)
+        self.strategy = AllReduce().set_collectives(process_group, None, None, None)  # each point of the step: bind
         self.post_backward_futures: list = []  # a buffer comm hook's futures, waited for at the end of backward
         self.expect_hooks = False  # set by a synchronised forward: other backwards' hooks do nothing
         self.step: Backward | None = None  # the running backward's state, from its start to its end
@@ -118,6 +116,7 @@ class Reducer:
         self._accumulators = grad_accumulators(self.params)  # tells autograd.grad from backward (``graph``)
         self.dist_autograd = DistAutogradBridge(self)  # backwards whose gradients land in an RPC context
         self._fast_cache: FastCache | None = None  # (layout, divisor, hook) -> the hook's common-path table
+        self._plan, self._plan_key = cast(StepPlan | None, None), cast(tuple, ())  # the last plan, its inputs (_begin)
         self.idle = IdleBuckets(release_idle_buckets if self.grad_mode != COPY else False)  # bucket views only
         self.buckets: list[Bucket] = []
         self.layout_version = 0  # the fast table's cache key, bumped by each layout build
@@ -132,9 +131,10 @@ class Reducer:
             self.release_works(keep=False)  # before the old buckets go
         layout = build_layout(self.params, order, self.bucket_cap_bytes, self.first_bucket_bytes,  # VIEW: grads in
                               self.bucket_caps_bytes, self.caps.direct_min_bytes, self.grad_mode, self.sparse,
-                              shards=self.world_size if self.zero is not None else 0)
+                              shards=self.world_size if self.strategy.shards_buckets else 0)
         self._param_order, self.buckets, self._location = layout.order, layout.buckets, layout.location
         self._sizes = layout.sizes
+        self._layout_bytes = sum(b.plan.numel * b.plan.dtype.itemsize for b in self.buckets)
         self.layout_version += 1  # the fast table's cache key
         self.step = None
 
@@ -171,13 +171,13 @@ class Reducer:
 
     def set_hierarchy(self, hierarchy: HierarchicalAllReduce | None) -> None:  # the plain buckets' all-reduce
         self.hierarchy = hierarchy
+        self.strategy.set_collectives(self.process_group, self.comm_hook, self.comm_hook_state, hierarchy)
 
     def set_comm_hook(self, hook: CommHook, state: object, fused: FusedCompression | None) -> None:
         """``register_comm_hook``'s hook (the wrapper checked it); ``fused``: its average, run here instead."""
-        if self.zero is not None:
-            self.zero.check_hook(hook, fused)
-            self.zero.compress = fused
+        self.strategy.take_hook(hook, fused)
         self.comm_hook, self.comm_hook_state, self.fused = hook, state, fused
+        self.strategy.set_collectives(self.process_group, hook, state, self.hierarchy)
 
     def name_comm_hook(self, name: str) -> None:  # torch's built-in hook types, logged by type (``torch_surface``)
         self.comm_hook_name = name
@@ -188,27 +188,30 @@ class Reducer:
     def log_error(self, error: BaseException) -> None:  # an error DDP raised, for the logging data
         self.logged_error = error_for_log(error)
 
-    def set_divisor(self, divisor: int) -> None:  # ranks still training, under join(divide_by_initial_world_size=False)
-        self.divisor = divisor
-
     def take_over_optimizers_in_backward(self) -> None:  # torch's _apply_optimizer_in_backward, at the first forward
         self.optimizers_in_backward = take_over_optimizers_in_backward(self.params)
 
-    def bind_overlap(self, overlap: OverlappedStep) -> None:  # ``overlap_optimizer_step``'s optimizer, bound once
-        self.overlap = overlap
-        self.link.pending = False  # its rounds end in the next forward: no tail to judge (``autotune``)
+    def bind(self, strategy: AllReduce, what: str) -> None:
+        """The one way a strategy (and the optimizer it steps) binds to this reducer: once, between steps. ``what``:
+        the caller's name for the error. A strategy that keeps its layout (ZeRO-2: padded, no direct bucket) gets the
+        buckets built again now and kept for good (a rebuild from the observed order would leave its shards behind)."""
+        self.check_unbound(what)
+        self.strategy = strategy
+        strategy.take_hook(self.comm_hook, self.fused)
+        strategy.set_collectives(self.process_group, self.comm_hook, self.comm_hook_state, self.hierarchy)
+        self.link.pending = False  # no tail to judge, nor the default's trials (``autotune``)
+        if strategy.keeps_layout:
+            self.rebuild_pending, self._observed_order, self.buckets_rebuilt = False, None, True
+            self._build(self._param_order)
+            strategy.take_layout(self.buckets, self._location, self.names)
 
-    def bind_zero(self, shards: ZeroShards) -> None:
-        """ZeRO-2 (``zero_optimizer``): the buckets are built again, padded and with no direct bucket, and kept for
-        good (no rebuild from the observed order, whose new shards would leave the optimizer's state behind)."""
+    def check_unbound(self, what: str) -> None:
+        """``bind``'s refusals, each one line naming ``what``; the wrapper asks before it builds a strategy."""
+        if type(self.strategy) is not AllReduce:
+            raise RuntimeError(f"{what}: an optimizer is bound already (zero_optimizer or overlap_optimizer_step: one "
+                               "per DistributedDataParallel)")
         if self.step is not None:
-            raise RuntimeError("zero_optimizer: called inside a backward; bind it between steps")
-        self.zero = shards
-        shards.compress = self.fused
-        self.rebuild_pending, self._observed_order, self.buckets_rebuilt = False, None, True
-        self.link.pending = False  # nor the default's trials (``autotune``)
-        self._build(self._param_order)
-        shards.take_layout(self.buckets, self._location, self.names)
+            raise RuntimeError(f"{what}: called inside a backward; bind it between steps")
 
     def limit_caps(self, cap_bytes: int) -> None:
         """Cap every bucket, and the rebuilt first one, at ``cap_bytes`` (applies at the next layout build)."""
@@ -224,84 +227,97 @@ class Reducer:
         if self.tuner is not None and not self.tuner.done:
             self.tuner.between_steps(self, hook_known=not one_in_flight(self.comm_hook, self._fused_now()))
 
-    def overlap_at_forward_start(self, full: bool) -> None:
-        """A forward starts while a deferred round may be in flight (``overlap_step``): read its flag, or finish it
-        where this forward rebuilds or retunes the buckets or ``full`` (the caller reads every parameter)."""
-        if self.overlap is not None:
-            retune = self.tuner is not None and not self.tuner.done
-            self.overlap.at_forward_start(full or self.rebuild_pending or retune)
-        if self.zero is not None and full:
-            self.zero.finish()  # the all-gathers of the last step: every parameter is read
+    def before_forward(self, full: bool = False, divisor: int | None = None) -> None:
+        """A forward through the wrapper starts, on every rank before any other collective of its iteration.
+        ``full``: the caller reads every parameter; ``divisor``: a synchronised forward's denominator (the world size,
+        or the ranks still training under ``join(divide_by_initial_world_size=False)``); None: not synchronised.
 
-    def finish_in_flight(self) -> None:
-        """The forward's end, ``finish_step()``, a join's end: what the next forward's pre-hooks would wait for (the
-        overlapped step's buckets, ZeRO-2's all-gathers) is finished now."""
-        if self.overlap is not None:
-            self.overlap.finish()
-        if self.zero is not None:
-            self.zero.finish()
-
-    def prepare_for_forward(self) -> None:
-        """Start of a synchronised forward: finish a backward that could not, rebuild buckets once."""
+        The strategy finishes what it holds in flight where this forward reads every parameter or re-lays the
+        buckets; a backward that stopped half-way is finished; the one-time rebuild and the tuner's switches run
+        (in a forward with grad, ``no_sync`` too, as torch's)."""
+        relayout = self.rebuild_pending or (self.tuner is not None and not self.tuner.done)
+        self.strategy.at_forward_start(full or relayout)
+        if divisor is None:
+            if relayout and torch.is_grad_enabled():
+                self.between_steps()
+            return
+        self.divisor = divisor
         if self.step is not None:
             # The last backward stopped half-way (an exception in it), buckets unlaunched: launch them now so the
             # other ranks' waits complete, and raise here as they raise there (nothing if none was ready).
             self._finalize_backward()
-        self.between_steps()
-        if self.idle.wanted(self.buckets):  # bucket views: idle buckets let go of between steps (``idle_buckets``)
+        if self.rebuild_pending or (self.tuner is not None and not self.tuner.done):
+            self.between_steps()
+        if self.idle.release is not False and self.idle.wanted(self.buckets):  # bucket views (``idle_buckets``)
             self.release_works(keep=False)  # the last backward's, all complete; they hold the buffers
             self.idle.at_forward_start(self.buckets)  # a bucket no .grad points into goes until its next gradient
 
-    def prepare_after_forward(self, outputs: object) -> None:
-        """After a synchronised forward: hooks count; note the parameters this backward will not reach."""
+    def after_forward(self, outputs: object) -> None:
+        """After a synchronised forward: hooks count; note the parameters this backward will not reach. Under RPC's
+        distributed autograd, its context (``dist_autograd``): a C call per forward where RPC is not running."""
         self.expect_hooks = True
-        self.dist_autograd.at_forward(self._accumulators)
+        if self.dist_autograd.context_id is not None or rpc_agent_set():
+            self.dist_autograd.at_forward(self._accumulators)
         # Ready only at backward start: a forward with no backward (eval, grad on) must not launch what peers never do.
-        self._unused_at_start = self.usage.unused_before_backward(outputs, self._index_of)
+        self._unused_at_start = self.usage.unused_before_backward(outputs, self._index_of) if self.usage.active else []
 
     # ------------------------------------------------------------- backward start
     def _fused_now(self) -> FusedCompression | None:  # read by the trace (``diagnostics.trace``) too
         return fused_now(self.fused, self.nonfinite, self.has_sparse)
 
     def _begin(self, common_path: bool) -> Backward:
-        """A fresh backward and plan; ``common_path``: the hook's common path may apply (not a joined rank's shadow)."""
+        """A fresh backward; ``common_path``: the hook's common path may apply (not a joined rank's shadow). Its plan
+        is made again only where what it depends on changed (the layout, the divisor, the hook, the checks, the
+        strategy, the first backward's recording): a steady step reuses it (a tuple comparison)."""
+        # Not in the first backward (it records the order) nor where the strategy forbids it (ZeRO-2: a bucket's
+        # memory comes back at its first write, ``copy_in``)
+        fast_ok = (common_path and self.expect_hooks and self.grad_mode == COPY and not self.usage.active
+                   and self._observed_order is None and self.events is None and self.strategy.common_path)
+        key = (self.layout_version, self.divisor, self.comm_hook, self.fused, self.nonfinite, self.usage,
+               self.strategy, fast_ok)
+        plan = self._plan
+        if plan is None or key != self._plan_key:
+            self._plan, self._plan_key = plan, _ = self._make_plan(fast_ok), key
+        sequence, stop = self.strategy.backward_start(self.layout_version)
+        serial = self.serial_launch and not self.strategy.defers  # a deferred round's drain must not wait
+        carrier = sequence is not None and plan.nonfinite is not None
+        order = LaunchOrder(self.buckets, self._launch, plan.one_in_flight or serial, sequence, carrier)
+        if stop is not None:
+            order.stop = stop  # the rest go from the next forward, one at a time
+        self.step = Backward(plan, list(self._sizes), order)
+        return self.step
+
+    def _make_plan(self, fast_ok: bool) -> StepPlan:
         fast = None
-        # Not in the first backward (it records the order) nor under ZeRO-2 (a bucket's memory comes back at its
-        # first write, ``copy_in``)
-        if (common_path and self.expect_hooks and self.grad_mode == COPY and not self.usage.active
-                and self._observed_order is None and self.events is None and self.zero is None):
+        if fast_ok:
             self._fast_cache = cached_fast_table(self._fast_cache, self.layout_version, self.buckets, len(self.params),
                                                  self.divisor, hooked=self.comm_hook is not None)
             fast = self._fast_cache[1]
-        plan = plan_backward(mode=self.grad_mode, divisor=self.divisor, comm_hook=self.comm_hook, fused=self.fused,
+        return plan_backward(mode=self.grad_mode, divisor=self.divisor, comm_hook=self.comm_hook, fused=self.fused,
                              nonfinite=self.nonfinite, has_sparse=self.has_sparse,
                              last_bucket_sparse=self.buckets[-1].plan.sparse, tracks_usage=self.usage.active, fast=fast,
-                             zero=self.zero)
-        sequence = None if self.overlap is None else self.overlap.sequence_for(self.layout_version)
-        serial = self.serial_launch and self.overlap is None  # the overlapped step's drain must not wait
-        carrier = sequence is not None and plan.nonfinite is not None
-        order = LaunchOrder(self.buckets, self._launch, plan.one_in_flight or serial, sequence, carrier)
-        if sequence is not None and self.overlap is not None:
-            order.stop = self.overlap.window_stop(sequence)  # the rest go from the next forward, one at a time
-        self.step = Backward(plan, list(self._sizes), order)
-        return self.step
+                             strategy=self.strategy)
 
     def on_backward_start(self, from_hook: bool = False) -> None:
         """The first node of backward ran (or the first hook fired): plan it, queue its end, mark the unused."""
         if self.step is not None:
             return
-        refuse_compiled_autograd()  # its trace would run our hooks, not the real backward (``compiled``)
+        compiled_autograd = sys.modules.get(COMPILED_AUTOGRAD)  # loaded with dynamo; its flag, a module attribute
+        if compiled_autograd is not None and (getattr(compiled_autograd, COMPILED_REGION, True)
+                                              or torch.compiler.is_compiling()):
+            refuse_compiled_autograd()  # its trace would run our hooks, not the real backward (``compiled``)
         self._backward_start_s = time.perf_counter()
-        if self.overlap is not None:
-            self.overlap.finish()  # a round still in flight (a backward with no forward through the wrapper)
-            self.overlap.before_backward()  # the launch sequence, agreed once per layout
-        if self.zero is not None:
-            self.zero.finish()  # the last step's all-gathers (a forward not through the wrapper)
         # Runs once the whole backward is done: the only safe point to wait for the buckets.
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-        self.release_works(keep=False)  # before this backward launches its own
-        self.idle.at_backward_start()
-        step = self._begin(common_path=True)
+        for bucket in self.buckets:  # the last backward's works, all complete, before this one launches its own
+            bucket.work = None
+        if self.usage.last_work is not None:  # and the status exchange's (a comm hook, find_unused, ZeRO-2)
+            self.usage.drop_work()
+        if self.nonfinite is not None:  # and the NaN check's
+            self.release_works(keep=False)
+        if self.idle.release is not False:
+            self.idle.at_backward_start()
+        step = self._begin(common_path=True)  # the strategy finishes what is still in flight first (``backward_start``)
         if self.observer is not None:
             self.observer.backward_start()
         if self._unused_at_start and (from_hook or backward_accumulates(self._accumulators)):
@@ -349,8 +365,7 @@ class Reducer:
         if self.events is not None:
             self.events.append(("ready", index))
         copy_in(step, self.params, self.names, index, bucket, slot, grad, hooked)
-        if step.plan.zero is not None:  # its .grad is in the bucket now: ZeRO-2 keeps only the bucket's copy
-            step.plan.zero.copied(self.params[index], bucket, slot)
+        self.strategy.copied(self.params[index], bucket, slot)
         step.pending[b] -= 1
         if step.pending[b] == 0:
             self.bucket_full(step, b)
@@ -359,10 +374,6 @@ class Reducer:
         if self.observer is not None:
             self.observer.bucket_ready(b)
         step.order.mark_ready(b)
-        zero = step.plan.zero
-        if zero is not None:  # reduce-scatters done already: their buckets' memory goes while backward runs
-            zero.reap(self.buckets, step.order.next_index)
-            zero.bound_in_flight(self.buckets, step.order.next_index)
 
     # ------------------------------------------------------------- launch (in index order: ``launch_order``)
     def _launch(self, bucket: Bucket) -> None:
@@ -373,18 +384,16 @@ class Reducer:
         observer = self.observer
         if observer is not None:
             observer.bucket_launch(bucket.index, bucket.flat.numel(), bucket.seq)
-        step = self.step
-        if step is None and self.overlap is not None and self.overlap.round is not None:
-            step = self.overlap.round.step  # a deferred round's bucket, launched from the next forward
+        step = self.step if self.step is not None else self.strategy.held_backward()  # from the next forward
         assert step is not None
         if step.order.next_index == 0:
             self._first_launch_s = time.perf_counter()  # read by _measure_link and the overlapped step's timing
-        if step.plan.nonfinite is not None and bucket.index == len(self.buckets) - 1 and self.overlap is not None:
+        nonfinite = step.plan.nonfinite  # the carrier of the verdict goes first: the held ones checked now
+        if nonfinite is not None and step.order.carrier_last_ready and bucket.index == len(self.buckets) - 1:
             unlaunched = step.order.sequence[step.order.next_index + 1:]  # all ready (``LaunchOrder``)
-            step.plan.nonfinite.check_ahead([self.buckets[b] for b in unlaunched], step.plan.divisor, step.plan.hooked)
+            nonfinite.check_ahead([self.buckets[b] for b in unlaunched], step.plan.divisor, step.plan.hooked)
         self.direct_launches += bucket.direct is not None
-        group, hook, state = self.process_group, self.comm_hook, self.comm_hook_state
-        bucket.work = issue_bucket(bucket, step, len(self.buckets), group, hook, state, self.hierarchy)
+        bucket.work = self.strategy.issue(bucket, step, bucket.index == len(self.buckets) - 1)
         if observer is not None:
             observer.bucket_launched(bucket.index, bucket.seq)
 
@@ -393,21 +402,20 @@ class Reducer:
         step = self.step
         if step is None:
             return
-        if nothing_to_reduce(step, self.buckets):  # a torch.autograd.grad through the outputs: nothing, as torch
+        if not step.hooks_fired and nothing_to_reduce(step, self.buckets):  # an autograd.grad: nothing, as torch
             self._end_step()
             return
         self.expect_hooks = False
         deferred = False
         try:
             missing = self._mark_the_rest(step)
-            if self.overlap is not None:  # launched up to the window; the round may stay in flight
-                deferred = self.overlap.defer(step, missing)
-                if deferred:
-                    if self.observer is not None:  # the backward ends here; its waits come in the next forward
-                        self.observer.backward_end(self.num_syncs + 1)
-                    return
+            deferred = self.strategy.defers and self.strategy.defer(step, missing)  # in flight to the next forward
+            if deferred:
+                if self.observer is not None:  # the backward ends here; its waits come in the next forward
+                    self.observer.backward_end(self.num_syncs + 1)
+                return
             fast, early = copy_back_path(step)
-            judged = self._judges_the_link()
+            judged = self.link.pending and self._judges_the_link()
             if judged:  # the tail: from the backward's end to its last average back (a slow wire's serial drain too)
                 ended_s = time.perf_counter()
                 backward_s, self.link.tail_bytes = ended_s - self._backward_start_s, step.order.bytes_to_cross()
@@ -416,25 +424,23 @@ class Reducer:
             status, waited = finish_collectives(step, self.buckets, self.usage, self.process_group, missing,
                                                 joined=False, copy_each=early, observer=self.observer, futures=futures,
                                                 names=self.names, explain=explain)
-            self._measure_link(waited)
+            # After the waits: one bucket at a time from the next backward on where the wire is slow
+            elapsed_s = time.perf_counter() - self._first_launch_s
+            self.serial_launch = self._layout_bytes >= SERIAL_MIN_BYTES and wire_is_slow(self._layout_bytes, elapsed_s,
+                                                                                         waited)
             if judged:
                 self.link.tail_s = tail_s = time.perf_counter() - ended_s
                 self.link.vote = tail_wants_trials(self.link.tail_bytes, tail_s, backward_s)
                 self._agree_on_the_link()
-            if step.plan.zero is not None:
-                step.plan.zero.note_unused(status.globally_used)  # find_unused_parameters: skipped in the step
-            if not early and step.plan.zero is None:  # ZeRO-2: the averages are in the shards, not .grad
-                copy_back(self.buckets, self.params, status.globally_used, self.grad_mode, fast)
-            if self.overlap is not None:
-                self.overlap.finished_in_full()
+            self.strategy.after_collectives(self.buckets, self.params, status, self.grad_mode, fast, early)
             self.end_round(waited, reset=False)
         except Exception as error:  # as torch's reducer, noted for the wrapper's logging data
             self.logged_error = error_for_log(error)
-            if self.zero is not None:
-                self.zero.zero_grad(set_to_none=True)  # no shard keeps what raised: a step after it moves nothing
+            self.strategy.on_error()
             raise
         finally:
-            self.dist_autograd.at_end_of_backward(self.params)  # under distributed autograd: averages into the context
+            if self.dist_autograd.saved is not None:  # under distributed autograd: averages into the context
+                self.dist_autograd.at_end_of_backward(self.params)
             if deferred:
                 self.step = None  # the buckets keep this backward's gradients until its round closes (``overlap``)
             else:
@@ -454,12 +460,6 @@ class Reducer:
             self.tuner = trials_for_slow_wire(self.link.tail_bytes, self.link.tail_s,
                                               dist.get_rank(self.process_group))
 
-    def _measure_link(self, waited_s: float) -> None:
-        """After a backward's waits: one bucket at a time from the next backward on where the wire is slow."""
-        elapsed_s = time.perf_counter() - self._first_launch_s
-        nbytes = sum(b.plan.numel * b.plan.dtype.itemsize for b in self.buckets)
-        self.serial_launch = wire_is_slow(nbytes, elapsed_s, waited_s)
-
     def end_round(self, waited_s: float, reset: bool = True) -> None:
         """A synchronised backward's averages are in ``.grad``: its bookkeeping (``reset``: a deferred round's close,
         whose backward told the observer already; the end of backward resets the buckets itself)."""
@@ -478,14 +478,15 @@ class Reducer:
     def _mark_the_rest(self, step: Backward) -> list[int]:
         """Mark every parameter still without a gradient, so every bucket launches (the other ranks wait in them);
         return the missing ones the flag is about (none with find_unused_parameters: those are unused)."""
-        if self.usage.in_static_first_iteration():  # nothing launched during backward; now every count is known
+        if self.usage.active and self.usage.in_static_first_iteration():  # nothing launched in it; counts known now
             order = self.usage.finish_static_first_iteration()
             if self._observed_order is not None:
                 self._observed_order = order
             for i in order + self.usage.static_unused:
                 if not self.is_ready(i):  # find_unused_parameters marked the unused ones already
                     self._mark_ready(step, i, self.params[i].grad)
-        missing, step.missing_flag = still_missing(self.buckets, self.usage.find_unused)  # find_unused: no flag
+        missing = [i for b in self.buckets for i, seen in zip(b.plan.param_indices, b.seen) if not seen]
+        step.missing_flag = bool(missing) and not self.usage.find_unused  # find_unused: unused this time, not an error
         for i in missing:
             self._mark_ready(step, i, self.params[i].grad)
         return missing if step.missing_flag else []
@@ -494,20 +495,16 @@ class Reducer:
         """A joined rank's stand-in for one backward (``join``): the same collectives, in the same order, with zeros."""
         self.release_works(keep=False)  # as at a real backward's start
         zero_for_shadow(self.buckets, self.grad_mode)  # nothing of its own: adds nothing to the sum
-        if self.zero is not None:
-            self.zero.zero_grad(set_to_none=True)  # the training ranks' zero_grad: each shadow step is on its own round
+        self.strategy.before_shadow()  # as the training ranks' zero_grad
         step = self._begin(common_path=False)
         try:
             status, _ = finish_collectives(step, self.buckets, self.usage, self.process_group, [], joined=True,
                                            copy_each=False, observer=None, futures=(), names=self.names, explain=None)
-            if self.zero is not None:
-                self.zero.note_unused(status.globally_used)
             if self._judges_the_link():  # the training ranks' agreement on the wire; this rank votes "not slow"
                 self._agree_on_the_link()
         finally:
             self._end_step()
-        if self.zero is not None:
-            self.zero.shadow_step()  # the training ranks' opt.step(): this rank's shards stepped and all-gathered
+        self.strategy.after_shadow(status)  # as the training ranks' opt.step()
         self.rounds += 1
         # As after a real backward: the training ranks rebuild at their next forward (a broadcast), so must this one.
         if self._observed_order is not None and not self.buckets_rebuilt:
@@ -519,7 +516,8 @@ class Reducer:
             self.nonfinite.reset()
         for bucket in self.buckets:
             bucket.reset()
-        self.usage.reset_backward()
+        if self.usage.active:
+            self.usage.reset_backward()
 
     # ------------------------------------------------------------- hooks and works
     def remove_hooks(self) -> None:
@@ -532,6 +530,58 @@ class Reducer:
     def __del__(self, _release: Callable[..., None] = release_reducer_works) -> None:
         # A dropped DDP object, or finalisation's: works not freed here (``lifetime``); bound: globals may be gone.
         _release(self.__dict__, keep=True, clear=False)
+
+
+# ----------------------------------------------------------------- the end of backward's collectives, written once
+# A training rank (``Reducer._finalize_backward``) and a joined rank standing in for one backward
+# (``Reducer.shadow_backward``, under ``join``) must issue the same collectives in the same order, or they pair up
+# wrongly and hang. So both call ``finish_collectives``: the buckets still held back launch (in index order); the
+# status exchange, where this backward needs one, is launched right behind them so it hides behind their waits; the
+# waits (the strategy's); the non-finite agreement; the status read; and, where any rank missed a gradient, the
+# gather that names them. What differs between the two callers is only data (a joined rank's buckets hold zeros, it
+# has no gradient missing and used none), never a collective. ``tests/test_schedule.py`` records both ranks'
+# collectives in every mode and compares them.
+def finish_collectives(
+    step: Backward,
+    buckets: Sequence[Bucket],
+    usage: UsageTracker,
+    group: dist.ProcessGroup,
+    missing: list[int],
+    *,
+    joined: bool,
+    copy_each: bool,
+    observer: Observer | None,
+    futures: Sequence[torch.futures.Future],
+    names: Sequence[str],
+    explain: Callable[[list[int]], str] | None,
+) -> tuple[Status, float]:
+    """Issue and finish the rest of this backward's collectives; return the agreed status and the seconds waited.
+
+    ``missing``: the parameters this rank marked without a gradient (the flag is already in ``step``);
+    ``joined``: a joined rank's shadow (zeros, nothing used). ``copy_each``: each bucket's averages go into
+    its gradients right after its wait (``AllReduce.wait``). ``futures``: a buffer comm hook's, waited
+    for after the buckets. Raises the missing-gradient error on every rank alike, the joined one included.
+    """
+    plan = step.plan
+    step.order.drain()  # every bucket launched, in index order; a hooked one after the previous is done
+    # Every collective of this backward is now issued unless a hook issues some from its callbacks: the status
+    # exchange (comm hook, find_unused_parameters) queues behind them and hides behind their waits.
+    launched = None
+    if not plan.one_in_flight and (usage.active or plan.flag_apart):  # else the flag travels in the last bucket
+        launched = usage.launch_status(missing, plan.flag_apart, buckets[-1], group, joined)
+    waited = plan.strategy.wait(buckets, plan, observer, copy_each)  # the reduction's (``strategy``)
+    if futures:
+        start = time.perf_counter()
+        for future in futures:
+            future.wait()
+        waited += time.perf_counter() - start
+    if plan.nonfinite is not None:
+        # raises on every rank alike; ZeRO-2 checked the local gradients before the reduce-scatters, as a hook's
+        plan.nonfinite.after_wait(buckets, plan.checks_local, plan.flag_apart)
+    status = usage.exchange_status(missing, plan.flag_apart, buckets[-1], group, joined, launched)
+    if status.any_missing:
+        raise_missing_gradients(status.missing, names, group, usage.static_graph, status.late, explain)
+    return status, waited
 
 
 # ----------------------------------------------------------------- the per-parameter hook

@@ -162,15 +162,6 @@ class Bucket:
         self.seen = [False] * len(self.params)
 
 
-def still_missing(buckets: Sequence[Bucket], find_unused: bool) -> tuple[list[int], bool]:
-    """At the end of backward: the parameters still without a gradient (in bucket order), and whether that is the
-    missing-gradient flag. With find_unused_parameters, a parameter reachable from the outputs that got no gradient
-    (an output the loss did not use, an undefined gradient) is unused this time, as in torch, not an error: it
-    contributes zeros and its .grad stays as it was where no rank used it."""
-    missing = [i for b in buckets for i, s in zip(b.plan.param_indices, b.seen) if not s]
-    return missing, bool(missing) and not find_unused
-
-
 @dataclass
 class Status:
     any_missing: bool
@@ -270,7 +261,10 @@ class UsageTracker:
         self.graph_static = True  # torch's ddp_graph_static: no change yet in the unused set between iterations
         self._last_unused: list[int] | None = None
 
-    def reset_backward(self) -> None:
+    def drop_work(self) -> None:  # at the next backward's start: the status all-reduce kept since (``lifetime``)
+        self.last_work = None
+
+    def reset_backward(self) -> None:  # the reducer calls it where ``active`` only
         if self.active:
             self.used = [False] * self.num_params
             self._counts = [0] * self.num_params
@@ -368,7 +362,7 @@ class UsageTracker:
         once (a host sync on CUDA: find_unused_parameters and static graph's first exchange).
         ``launched``: what an earlier ``launch_status`` of this backward returned.
         """
-        if launched is None:
+        if launched is None and (self.active or comm_hook):  # else nothing to launch: the flag is in the bucket
             launched = self.launch_status(missing, comm_hook, last_bucket, group, joined)
         if launched is None:
             status = self.flag.read(last_bucket.buffer, missing)

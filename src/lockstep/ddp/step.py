@@ -25,7 +25,7 @@ from lockstep.ddp.launch_order import LaunchOrder
 from lockstep.ddp.reducer_state import Bucket
 from lockstep.diagnostics.nonfinite import NonfiniteCheck
 
-_FLOAT32_SCALED = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT32_SCALED = (torch.float32, torch.float16, torch.bfloat16)
 
 # How a gradient enters its bucket and how the average comes back (``copy_in`` has the three).
 COPY, ALIAS, VIEW = "copy", "alias", "view"
@@ -77,15 +77,14 @@ class StepPlan:
     """The NaN/Inf check (``detect_nonfinite=True``), or None."""
     fast: list[FastEntry | None] | None
     """The hook's common-path table (``fast_table``), or None: every hook takes the slow path."""
-    zero: Any = None
-    """ZeRO-2's shards (``zero2.ZeroShards``): each bucket reduce-scattered, not all-reduced; None: plain DDP."""
+    strategy: Any = None
+    """The reducer's reduction strategy (``strategy.AllReduce`` or a subclass), whose points this backward runs."""
 
-    def scale_for(self, grad: torch.Tensor) -> Any:
-        """1/divisor for ``grad``: the cached float32 tensor for float32/float16/bfloat16 CPU gradients, else a float
-        (a float32 reciprocal would round float64 and other dtypes differently)."""
-        if grad.dtype in _FLOAT32_SCALED and grad.is_cpu:
-            return reciprocal_f32(self.divisor)
-        return 1.0 / self.divisor
+    @property
+    def checks_local(self) -> bool:
+        """The non-finite check reads each bucket's local gradients before its launch (a comm hook's buckets, or
+        ZeRO-2's, which no rank keeps whole), not the averages after the waits."""
+        return self.hooked or (self.strategy is not None and self.strategy.shards_buckets)
 
 
 def fused_now(
@@ -104,15 +103,12 @@ def one_in_flight(comm_hook: Any, fused: FusedCompression | None) -> bool:
 def plan_backward(
     *, mode: str, divisor: int, comm_hook: Any, fused: FusedCompression | None, nonfinite: NonfiniteCheck | None,
     has_sparse: bool, last_bucket_sparse: bool, tracks_usage: bool, fast: list[FastEntry | None] | None,
-    zero: Any = None,
+    strategy: Any = None,
 ) -> StepPlan:
-    """The plan of the backward about to start (a synchronised one, or a joined rank's shadow of one). ``zero``
-    (ZeRO-2): the shards take the reduce (its compression included), the flag goes apart, nothing is copied back."""
-    if zero is not None:
-        return StepPlan(mode=mode, divisor=divisor, hooked=comm_hook is not None, fused=None, flag_apart=True,
-                        one_in_flight=False, copy_each=False, nonfinite=nonfinite, fast=None, zero=zero)
+    """The plan of the backward about to start (a synchronised one, or a joined rank's shadow of one), as
+    ``strategy`` runs it (``AllReduce.plan``: ZeRO-2's shards take the reduce, its compression included)."""
     fused = fused_now(fused, nonfinite, has_sparse)
-    return StepPlan(
+    plan = StepPlan(
         mode=mode,
         divisor=divisor,
         hooked=comm_hook is not None,
@@ -124,7 +120,9 @@ def plan_backward(
         copy_each=mode == COPY and not tracks_usage and nonfinite is None,
         nonfinite=nonfinite,
         fast=fast,
+        strategy=strategy,
     )
+    return plan if strategy is None else strategy.plan(plan)
 
 
 def fast_table(buckets: Sequence[Bucket], num_params: int, divisor: int, hooked: bool) -> list[FastEntry | None]:
@@ -142,7 +140,7 @@ def fast_table(buckets: Sequence[Bucket], num_params: int, divisor: int, hooked:
         for slot, (i, view) in enumerate(zip(bucket.plan.param_indices, bucket.views)):
             # A comm hook gets the local gradients as they are (as torch's); otherwise the 1/world-size
             # scaling rides on the copy (``copy_in``: the same multiply, so the same bits).
-            scale = None if hooked else (reciprocal_f32(divisor) if view.dtype in _FLOAT32_SCALED and view.is_cpu
+            scale = None if hooked else (reciprocal_f32(divisor) if view.dtype in FLOAT32_SCALED and view.is_cpu
                                          else 1.0 / divisor)
             table[i] = (bucket, slot, view, scale)
     return table
@@ -185,11 +183,3 @@ def nothing_to_reduce(step: Backward, buckets: Sequence[Bucket]) -> bool:
     tensors). Nothing to reduce, as in torch, and, as torch's reducer, still expecting this forward's backward: R1's
     loss.backward() after its autograd.grad."""
     return not step.hooks_fired and not any(any(b.seen) for b in buckets)
-
-
-def copy_back_path(step: Backward) -> tuple[bool, bool]:
-    """At the end of ``step``: (fast, early). ``fast``: ``copy_back``'s common path, each slot copied into its
-    ``.grad`` (not with bucket views, a gradient carrying a graph, a missing gradient or a fixup). ``early``: also
-    each bucket copied back as soon as its wait returns, torch's order, overlapping the buckets still in flight."""
-    fast = not (step.plan.mode == VIEW or step.graph_grads or step.missing_flag or step.fixups)
-    return fast, fast and step.plan.copy_each

@@ -288,7 +288,7 @@ class TorchReducer(Reducer):
             tensors = (
                 [t for t in outputs if isinstance(t, torch.Tensor)] if isinstance(outputs, (list, tuple)) else outputs
             )
-            self.prepare_after_forward(tensors if tensors else None)
+            self.after_forward(tensors if tensors else None)
 
     def _ddp_graph_static(self) -> bool:
         """With find_unused_parameters, False once the unused set differed from the last iteration's."""

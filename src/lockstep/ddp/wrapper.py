@@ -11,8 +11,9 @@ docs/architecture.md has its call path.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from lockstep.collectives.hierarchical import hierarchy_for
 from lockstep.comm_hooks.base import contract_error
-from lockstep.ddp import buffer_sync, diagnose, module_changes
+from lockstep.ddp import buffer_sync, compiled, diagnose, module_changes
 from lockstep.ddp.args import (
     ignored_names,
     produces_sparse_gradient,
@@ -31,11 +32,7 @@ from lockstep.ddp.args import (
     resolve_group,
     warn_like_torch,
 )
-from lockstep.ddp.compiled import (
-    call_module,
-    forward_outside_dynamo,
-    skip_lockstep_in_dynamo,
-)
+from lockstep.ddp.compiled import forward_outside_dynamo, skip_lockstep_in_dynamo
 from lockstep.ddp.config import DEFAULT_DIRECT_MIN_BYTES, BucketCaps, DiagnosticsOptions
 from lockstep.ddp.fused_compress import fused_compression
 from lockstep.ddp.graph import on_backward_start
@@ -46,7 +43,7 @@ from lockstep.ddp.join import (
     join_divisor,
     notify_not_joined,
 )
-from lockstep.ddp.overlap_step import OverlappedStep, register_waits
+from lockstep.ddp.overlap_step import OverlappedOptimizer, OverlappedStep
 from lockstep.ddp.pickling import Pickling
 from lockstep.ddp.replicas import (
     broadcast_coalesced,
@@ -54,6 +51,7 @@ from lockstep.ddp.replicas import (
     verify_params_across_ranks,
 )
 from lockstep.ddp.step import COPY
+from lockstep.ddp.strategy import AllReduce, register_waits
 from lockstep.ddp.torch_surface import (
     TorchReducer,
     WrapperSurface,
@@ -61,7 +59,7 @@ from lockstep.ddp.torch_surface import (
     closed_message,
     move_to,
 )
-from lockstep.ddp.zero2 import ZeroOptimizer, ZeroShards, check_optimizer_class, observer_of
+from lockstep.ddp.zero2 import ZeroOptimizer, ZeroShards, check_optimizer_class
 from lockstep.diagnostics.progress import observer_for
 from lockstep.diagnostics.watchdog import FROM_ENV, resolve_hang_timeout, watch_for_hangs
 from lockstep.process_group import admission_pending
@@ -281,8 +279,9 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         The reducer is made again for the new world size (its hooks and pending works dropped), flat (the
         hierarchy was the old nodes'); the replica check runs at the next synchronised forward."""
         old = self.reducer
-        if old.comm_hook is not None or old.overlap is not None:  # their state holds the old group
-            raise RuntimeError("DistributedDataParallel.rebind: not with a comm hook or overlap_optimizer_step")
+        if old.comm_hook is not None or type(old.strategy) is not AllReduce:  # their state holds the old group
+            raise RuntimeError("DistributedDataParallel.rebind: not with a comm hook, overlap_optimizer_step or "
+                               "zero_optimizer")
         old.remove_hooks()
         old.release_works(keep=False)
         self.process_group = resolve_group(process_group, None)
@@ -293,70 +292,83 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
 
     # ----------------------------------------------------------------- forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """One forward (docs/architecture.md traces it); what a steady step does not need (join, the profiler's
+        ranges, a module change, no buffers to send) costs an attribute read."""
         if torch.compiler.is_compiling():  # torch.compile(DDP(module)): ours runs eagerly (``compiled``)
-            return forward_outside_dynamo(self._forward, inputs, kwargs)
-        return self._forward(*inputs, **kwargs)
-
-    def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
+            return forward_outside_dynamo(self.forward, inputs, kwargs)
         if self.device_ids is not None:
             inputs, kwargs = move_to(inputs, self.device), move_to(kwargs, self.device)
+        reducer, module = self.reducer, cast(nn.Module, self._modules["module"])  # (nn.Module's __getattr__: a call)
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         in_join = self._join_config.enable  # inside model.join() (torch's flag; it stays set after, as torch's)
-        # overlap_optimizer_step's round: its flag read now; join and the replica check finish it (and ZeRO-2's gathers)
-        self.reducer.overlap_at_forward_start(full=in_join or self._replica_check_due())
-        if diagnose.profiler_enabled() is not self._profiling:  # one flag read per forward
+        check = self._replica_check  # it reads every parameter: a round in flight counts as done (``strategy``)
+        check_due = check is not None and reducer.num_syncs + 1 >= check.next_due and check.due(
+            reducer.num_syncs + reducer.strategy.round_in_flight())
+        if torch._C._autograd._profiler_enabled() is not self._profiling:  # one flag read per forward
             diagnose.toggle_profiler_ranges(self, not self._profiling)
-        observer = self.reducer.observer
+        observer, changes = reducer.observer, reducer.module_changes
         if observer is not None:
             observer.forward_start()
-        changes = self.reducer.module_changes
         if changes is not None and changes.seen != module_changes.GENERATION[0]:  # a module or parameter assigned
             changes.warn_not_averaged()  # a layer added or replaced after construction would never be averaged
         if not self._lazy_init_done:  # as torch's lazy init: _apply_optimizer_in_backward may come after construction
             self._lazy_init_done = True
-            self.reducer.take_over_optimizers_in_backward()
+            reducer.take_over_optimizers_in_backward()
         join_work = notify_not_joined(self) if in_join else None  # every forward, as torch
-        if synced:
-            self.reducer.set_divisor(join_divisor(self, join_work))
-            self.reducer.prepare_for_forward()  # before any other collective of this iteration
-            if self._replica_check is not None and not in_join:  # inside join() a joined rank would not come
-                self._replica_check.maybe_check(self.reducer.num_syncs)
-        elif torch.is_grad_enabled():
-            # As torch: the one-time rebuild (and the auto-tuning switches) in the next forward with grad, no_sync too
-            self.reducer.between_steps()
-        # As torch: buffers follow the *previous* forward. They are broadcast when it was synchronised
-        # (so also in an eval or no_sync forward right after a training step), which is what keeps
-        # BatchNorm statistics bit-identical to torch's under gradient accumulation.
-        sync_buffers = (self.require_forward_param_sync and self.forward_sync_buffers
-                        and dist.get_world_size(self.process_group) > 1)
-        buffer_hook, pending = self._buffer_hook, None  # torch's _register_buffer_comm_hook: (hook, state, pre?)
-        if sync_buffers and buffer_hook is None:
-            # Read afresh; waited for before the first BatchNorm where only such layers own buffers (``buffer_sync``).
-            # Under join: from a rank still training, waited for here (the join's own collectives come next).
-            src = (lambda: common_rank(self, True)) if in_join else (lambda: 0)  # asked only where there are buffers
-            pending = buffer_sync.sync_buffers(self.module, self.parameters_to_ignore, self.process_group, src,
-                                               not in_join)
-        elif sync_buffers and buffer_hook is not None and buffer_hook[2]:
-            self._run_buffer_hook()
+        divisor = (join_divisor(self, join_work) if in_join else reducer.world_size) if synced else None
+        reducer.before_forward(in_join or check_due, divisor)  # before any other collective of this iteration
+        if synced and check_due and not in_join:  # inside join() a joined rank would not come
+            check.maybe_check(reducer.num_syncs)
+        nothing = buffer_sync.NOTHING_TO_SEND.get(module)  # (generation, ignore) of the last walk that found none
+        pending = self._start_buffer_sync(module, in_join) if (
+            self._buffer_hook is not None or nothing is None or nothing[0] != buffer_sync.GENERATION[0]
+            or nothing[1] is not self.parameters_to_ignore) else None
         if in_join:
             backward_sync_round(self, synced, joined=False)
+        # As torch's: dynamo's active DDP module while the module runs, restored after (``compiled`` says why)
+        previous = nn.parallel.DistributedDataParallel._active_ddp_module
+        if self.bucket_bytes_cap >= compiled.DYNAMO_FIRST_BUCKET_BYTES:
+            nn.parallel.DistributedDataParallel._active_ddp_module = self
+        in_compiled = compiled.skipped and compiled.frame_callback() not in (None, False)
+        run = compiled.module_for_dynamo(module) if in_compiled else module
         try:
-            outputs = call_module(self, inputs, kwargs)  # as torch's: dynamo's DDPOptimizer splits at our buckets
+            outputs = run(*inputs, **kwargs)
         finally:
+            nn.parallel.DistributedDataParallel._active_ddp_module = previous
             if pending is not None:
                 pending.finish()
-            self.reducer.finish_in_flight()  # the buckets / all-gathers of parameters this forward did not use
+            reducer.strategy.finish()  # the buckets / all-gathers of parameters this forward did not use
         if observer is not None:
             observer.forward_end()
-        if sync_buffers and buffer_hook is not None and not buffer_hook[2]:
+        if self._buffer_hook is not None and not self._buffer_hook[2] and self._syncs_buffers():
             self._run_buffer_hook()
         # Read again: Lightning sets require_backward_grad_sync inside the module's forward (training_step).
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         self.require_forward_param_sync = synced
         if synced:
-            self.reducer.prepare_after_forward(outputs)
-            on_backward_start(outputs, self.reducer.on_backward_start)
+            reducer.after_forward(outputs)
+            on_backward_start(outputs, reducer.on_backward_start)
         return outputs
+
+    def _syncs_buffers(self) -> bool:
+        return self.require_forward_param_sync and self.forward_sync_buffers and self.reducer.world_size > 1
+
+    def _start_buffer_sync(self, module: nn.Module, in_join: bool) -> Any:
+        """As torch: buffers follow the *previous* forward. They are broadcast when it was synchronised (so also in
+        an eval or no_sync forward right after a training step), which is what keeps BatchNorm statistics
+        bit-identical to torch's under gradient accumulation. Returns the pending broadcast, or None. A model whose
+        last walk found no buffer to send, and none registered since, costs a dict lookup (``buffer_sync``)."""
+        if not (self.require_forward_param_sync and self.forward_sync_buffers and self.reducer.world_size > 1):
+            return None
+        buffer_hook = self._buffer_hook  # torch's _register_buffer_comm_hook: (hook, state, pre?)
+        if buffer_hook is not None:
+            if buffer_hook[2]:
+                self._run_buffer_hook()
+            return None
+        # Read afresh; waited for before the first BatchNorm where only such layers own buffers (``buffer_sync``).
+        # Under join: from a rank still training, waited for here (the join's own collectives come next).
+        src = (lambda: common_rank(self, True)) if in_join else (lambda: 0)  # asked only where there are buffers
+        return buffer_sync.sync_buffers(module, self.parameters_to_ignore, self.process_group, src, not in_join)
 
     @property  # torch's is a method; every caller here reads the buffers
     def _sync_buffers(self) -> list[torch.Tensor]:  # type: ignore[override]
@@ -406,15 +418,14 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             enable: False turns the context manager into a no-op.
             throw_on_early_termination: raise on every rank as soon as one runs out of data.
         """
-        if self.reducer.overlap is not None and enable:
-            raise RuntimeError("DistributedDataParallel.join: not with overlap_optimizer_step (a joined rank's "
-                               "stand-in backwards do not defer); use the plain step for uneven inputs")
+        refused = self.reducer.strategy.refuse_join()
+        if refused is not None and enable:
+            raise RuntimeError(refused)
         return _Join([self], enable, throw_on_early_termination,
                      divide_by_initial_world_size=divide_by_initial_world_size)
 
     def _set_joining(self, joining: bool) -> None:  # ``_Join``: ZeRO-2's clip is refused inside join()
-        if self.reducer.zero is not None:
-            self.reducer.zero.set_joining(joining)
+        self.reducer.strategy.set_joining(joining)
 
     def join_hook(self, **kwargs: Any) -> DDPJoinHook:
         """The Joinable interface: what this model does while its rank has joined."""
@@ -433,20 +444,15 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         """Time this rank spent waiting for all-reduces at the end of backward (not hidden by overlap)."""
         return {"comm_wait_s": self.reducer.comm_wait_s, "steps": self.reducer.num_syncs}
 
-    def _replica_check_due(self) -> bool:
-        """The replica check reads the parameters at this forward (a round in flight counts as done by then)."""
-        if self._replica_check is None:
-            return False
-        overlap = self.reducer.overlap
-        return self._replica_check.due(self.reducer.num_syncs + (overlap is not None and overlap.round is not None))
-
     def overlap_optimizer_step(self, optimizer: torch.optim.Optimizer,
-                               sent_during_backward_mb: float | None = None) -> None:
+                               sent_during_backward_mb: float | None = None) -> OverlappedOptimizer:
         """Step ``optimizer`` in the next forward, per bucket, as each average lands (not in lockstep's torch API).
 
-        After this, ``optimizer.step()`` returns at once and each module's parameters are updated just before that
-        module's next forward runs, once its bucket's average is back; the buckets the first layers need are sent
-        ahead of the large late ones. Parameters are bit-identical to the plain step for element-wise optimizers
+        Returns the optimizer to step from now on (``opt = model.overlap_optimizer_step(opt)``; the one given is left
+        as it was, and stepping it directly while bound raises). Its ``step()`` returns at once and each module's
+        parameters are updated just before that module's next forward runs, once its bucket's average is back; the
+        buckets the first layers need are sent ahead of the large late ones. Parameters are bit-identical to the
+        plain step for element-wise optimizers
         (SGD, Adam, AdamW, ...). Until the next forward (or ``finish_step()``) ``.grad`` holds this rank's own
         gradients and the parameters the last step's values: see docs/ddp.md#overlapping-the-optimizer-step.
 
@@ -455,12 +461,15 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             sent_during_backward_mb: bytes of buckets sent in index order during backward before the rest go
                 first-layers-first; None measures the link over two rounds and agrees across ranks.
         """
-        self.reducer.bind_overlap(OverlappedStep(self.reducer, optimizer, self.module, sent_during_backward_mb))
+        self.reducer.check_unbound("overlap_optimizer_step")
+        overlap = OverlappedStep(self.reducer, optimizer, self.module, sent_during_backward_mb)
+        self.reducer.bind(overlap, "overlap_optimizer_step")
+        return OverlappedOptimizer(overlap)
 
     def finish_step(self) -> None:
         """With ``overlap_optimizer_step``: wait for every bucket and apply the noted step now (a full wait). Before
         reading ``.grad`` (clipping by global norm, a GradScaler's unscale_) or the parameters outside a forward."""
-        self.reducer.finish_in_flight()
+        self.reducer.strategy.finish()
 
     def zero_optimizer(self, optimizer_class: type[torch.optim.Optimizer], stage: int = 2,
                        **defaults: Any) -> ZeroOptimizer:
@@ -480,11 +489,11 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             **defaults: the optimizer's arguments (``lr=...``), one parameter group.
         """
         self._check_zero(stage, defaults)
-        shards = ZeroShards(self.process_group, self.reducer.buckets[0].plan.device, observer_of(self.reducer))
+        shards = ZeroShards(self.process_group, self.reducer.buckets[0].plan.device, weakref.ref(self.reducer))
         shards.check_hook(self.reducer.comm_hook, self.reducer.fused)
         check_optimizer_class(optimizer_class)
-        self.reducer.bind_zero(shards)
-        shards.handles = register_waits(self.module, self.reducer.params, shards.in_flight, shards.finish_params,
+        self.reducer.bind(shards, "zero_optimizer")
+        shards.handles = register_waits(self.module, self.reducer.params, shards.finish_params,
                                         shards.finish)
         return ZeroOptimizer(shards, optimizer_class, self.reducer.params, list(self.module.parameters()), defaults)
 
@@ -506,9 +515,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             raise ValueError(f"zero_optimizer: stage must be 2 (ZeRO-2; 1 is lockstep.ZeroRedundancyOptimizer, 3 is "
                              f"FSDP: torch.distributed.fsdp), got {stage!r}")
         reducer = self.reducer
-        if reducer.zero is not None or reducer.overlap is not None:
-            raise RuntimeError("zero_optimizer: an optimizer is bound already (zero_optimizer or "
-                               "overlap_optimizer_step: one per DistributedDataParallel)")
+        reducer.check_unbound("zero_optimizer")
         if reducer.grad_mode != COPY:
             raise ValueError("zero_optimizer needs gradient_as_bucket_view=False (the default): the buckets are "
                              "freed after their reduce-scatter, so .grad cannot live in them")

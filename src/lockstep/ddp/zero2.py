@@ -14,7 +14,7 @@ reducer and returns a ``ZeroOptimizer``. The one idea: a bucket's flat layout is
 * ``opt.step()`` steps one bucket's shard at a time, the first layers' first, and launches its **all-gather** into
   the flat parameter buffer at once (in place: slice r is this rank's input), so each all-gather overlaps the steps
   after it and the next forward; a module's forward pre-hook waits for the buckets holding its own parameters
-  (``overlap_step.register_waits``, the overlapped step's per-module waits).
+  (``strategy.register_waits``, shared with the overlapped step).
 
 Which collectives carry them (``choose_collectives``): on NCCL and other backends ``reduce_scatter_tensor`` and
 ``all_gather_into_tensor``. On gloo (torch 2.13, CPU) those two cost 1.5-7 x an all-reduce of the same buffer and
@@ -35,9 +35,11 @@ docs/ddp.md#zero-2-sharded-gradients-and-optimizer-state, docs/zero.md#clipping-
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import operator
 import os
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,8 +50,9 @@ from torch import nn
 from lockstep.collectives.clean import launch_clean
 from lockstep.ddp.fused_compress import FusedCompression, narrow_in_place, wire_view
 from lockstep.ddp.observe import Observer
-from lockstep.ddp.overlap_step import call_on
-from lockstep.ddp.reducer_state import Bucket, slot_view
+from lockstep.ddp.reducer_state import Bucket, Status, slot_view
+from lockstep.ddp.step import Backward, StepPlan
+from lockstep.ddp.strategy import AllReduce, call_on
 from lockstep.ddp.zero2_norm import (
     NormPlan,
     Request,
@@ -100,17 +103,22 @@ def choose_collectives(group: dist.ProcessGroup, device: torch.device) -> bool:
     return True
 
 
-class ZeroShards:
-    """The reducer's ZeRO-2 state: per bucket the flat parameter buffer, this rank's shard of it (a parameter
-    the optimizer steps), the shard's gradient and the collectives in flight. Holds no reference to the reducer
-    (the module's pre-hooks hold this object); ``observer`` reads the reducer's observer through a weak reference."""
+class ZeroShards(AllReduce):
+    """ZeRO-2's reduction strategy and state: per bucket the flat parameter buffer, this rank's shard of it (a
+    parameter the optimizer steps), the shard's gradient and the collectives in flight. Holds no reference to the
+    reducer (the module's pre-hooks hold this object); ``owner`` is a weak reference to it, for its observer."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, observer: Callable[[], Observer | None]):
+    name = "ZeRO-2"
+    common_path = False  # a bucket's memory comes back at its first write (``copy_in``), and .grad goes at once
+    shards_buckets = True
+    keeps_layout = True  # a rebuild's new shards would leave the optimizer's state behind
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, owner: Callable[[], Any]):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.flat_collectives = choose_collectives(group, device)
-        self.observer = observer
+        self.owner = owner  # weakref.ref(reducer): its ``observer`` (a C call and an attribute read)
         self.compress: FusedCompression | None = None  # an fp16/bf16 compress hook's arithmetic on the wire
         self.joining = False  # inside DistributedDataParallel.join() (``set_joining``): the clip is refused there
         self.buckets: list[Bucket] = []
@@ -119,7 +127,8 @@ class ZeroShards:
         self.grads: list[torch.Tensor] = []  # per bucket: the shard's gradient storage (``.grad`` when it has one)
         self.location: list[tuple[int, int]] = []  # per parameter index: (bucket, slot)
         self.names: list[str] = []  # per parameter index: its name (the reducer's), for errors
-        self._received: list[tuple[torch.Tensor, bool] | None] = []  # per bucket in flight: (output, accumulate)
+        # per bucket in flight: (output, accumulate, the all-reduced whole bucket or None for a reduce-scatter)
+        self._received: list[tuple[torch.Tensor, bool, torch.Tensor | None] | None] = []
         self._reaped: list[bool] = []  # per bucket: its reduce-scatter was finished this backward
         self.gathers: list[Any] = []  # per bucket: the all-gather in flight, or None
         self.gather_seq = 0  # all-gathers issued, the same count on every rank
@@ -144,6 +153,92 @@ class ZeroShards:
         if self.flat_collectives:
             return "reduce_scatter_tensor", "all_gather_into_tensor"
         return "all_reduce, slice kept", "all_reduce, -0.0 elsewhere"
+
+    # ----------------------------------------------------------------- the reducer's points (``strategy``)
+    def take_hook(self, hook: Any, fused: FusedCompression | None) -> None:
+        self.check_hook(hook, fused)
+        self.compress = fused
+
+    def at_forward_start(self, full: bool) -> None:
+        if full:
+            self.finish()  # the all-gathers of the last step: every parameter is read
+
+    def backward_start(self, layout_version: int) -> tuple[list[int] | None, int | None]:
+        self.finish()  # the last step's all-gathers (a forward not through the wrapper)
+        return None, None
+
+    def plan(self, plan: StepPlan) -> StepPlan:
+        """The shards take the reduce (the compress hook's arithmetic included), the flag goes apart, nothing is
+        copied back, no common path."""
+        return dataclasses.replace(plan, fused=None, flag_apart=True, one_in_flight=False, copy_each=False, fast=None)
+
+    def issue(self, bucket: Bucket, step: Backward, last: bool) -> Any:
+        """The non-finite check on the local gradients (no rank keeps the average whole), then the reduce-scatter;
+        the missing-gradient flag travels apart. Then the buckets launched before whose reduce-scatter is done go
+        (their memory freed while backward runs), and at most ``MAX_IN_FLIGHT`` stay held by theirs."""
+        plan = step.plan
+        if plan.nonfinite is not None:
+            plan.nonfinite.check_bucket(bucket, plan.divisor, True)
+        b = bucket.index
+        source = bucket.buffer[: bucket.plan.padded_numel]
+        accumulate = self.shards[b].grad is not None  # a second synchronised backward before zero_grad: add, as .grad
+        wire = source
+        if self.compress is not None:  # the fp16/bf16 hook's arithmetic: cast, divide in the wire dtype, sum
+            narrowed = wire_view(source, self.compress.dtype)
+            if narrowed is None:
+                narrowed = source.to(self.compress.dtype)
+            else:
+                narrow_in_place(source, narrowed)
+            wire = narrowed
+            wire.div_(self.compress.world_size)
+        size = source.numel() // self.world_size
+        out = torch.empty(size, dtype=wire.dtype, device=wire.device) if accumulate or wire is not source else None
+        target = self.grads[b] if out is None else out
+        self._reaped[b] = False
+        # With clipping in use, a bucket whose shards split a parameter is all-reduced on every path: its whole
+        # average is where the split parameters' norms are taken (``zero2_norm``); twice a reduce-scatter's bytes.
+        if self.flat_collectives and not (self.norm_request is not None and self.norm_plan.split[b]):
+            self._received[b] = (target, accumulate, None)
+            work = launch_clean(_REDUCE_SCATTER, target, wire, group=self.group, async_op=True)
+        else:  # the reduce-scatter as an all-reduce of the whole bucket, this rank's slice kept (``_finish_reduce``)
+            self._received[b] = (target, accumulate, wire)
+            work = launch_clean(dist.all_reduce, wire, group=self.group, async_op=True)
+        self._reap(step.order.next_index)  # this bucket's position: the ones before it are issued
+        return work
+
+    def wait(self, buckets: Sequence[Bucket], plan: StepPlan, observer: Observer | None, copy_each: bool) -> float:
+        """End of backward: wait for every bucket's reduce-scatter (the hang report names it); seconds waited. The
+        averages land in the shards and each bucket's memory is freed."""
+        waited = 0.0
+        if observer is not None:
+            observer.collective("reduce-scatter")  # the hang report names it
+        for bucket in buckets:
+            if self._reaped[bucket.index]:
+                continue
+            if observer is not None:
+                observer.wait_start(bucket.index, bucket.seq)
+            start = time.perf_counter()
+            bucket.work.wait()
+            waited += time.perf_counter() - start
+            if observer is not None:
+                observer.wait_end(bucket.index, bucket.seq)
+            self._finish_reduce(bucket)
+        return waited
+
+    def after_collectives(self, buckets: Sequence[Bucket], params: Sequence[nn.Parameter], status: Status,
+                          mode: str, fast: bool, copied: bool) -> None:
+        if status.globally_used is not None or self.used is not None:  # else nothing was or is unused
+            self.note_unused(status.globally_used)  # find_unused_parameters: skipped in the step; nothing into .grad
+
+    def on_error(self) -> None:
+        self.zero_grad(set_to_none=True)  # no shard keeps what raised: a step after it moves nothing
+
+    def before_shadow(self) -> None:
+        self.zero_grad(set_to_none=True)  # the training ranks' zero_grad: each shadow step is on its own round
+
+    def after_shadow(self, status: Status) -> None:
+        self.note_unused(status.globally_used)
+        self.shadow_step()
 
     # ----------------------------------------------------------------- layout (once, at binding)
     def take_layout(self, buckets: Sequence[Bucket], location: Sequence[tuple[int, int]],
@@ -182,72 +277,32 @@ class ZeroShards:
         param.grad = None
         bucket.grads[slot] = None
 
-    def bound_in_flight(self, buckets: Sequence[Bucket], launched: int) -> None:
-        """At most ``MAX_IN_FLIGHT`` buckets held by their reduce-scatter: wait for the oldest ones beyond that
-        (waits only, in index order: no collective, so every rank's sequence stays the same)."""
-        pending = [b for b in buckets[:launched] if b.work is not None and not self._reaped[b.index]]
-        for bucket in pending[: max(0, len(pending) - MAX_IN_FLIGHT)]:
-            self._finish_reduce(bucket)
-
-    def launch(self, bucket: Bucket) -> Any:
-        """Issue the bucket's reduce-scatter (its local gradients, scaled as without ZeRO); return its work."""
-        b = bucket.index
-        source = bucket.buffer[: bucket.plan.padded_numel]
-        shard = self.shards[b]
-        accumulate = shard.grad is not None  # a second synchronised backward before zero_grad: add, as .grad does
-        size = source.numel() // self.world_size
-        wire = source
-        if self.compress is not None:  # the fp16/bf16 hook's arithmetic: cast, divide in the wire dtype, sum
-            narrowed = wire_view(source, self.compress.dtype)
-            if narrowed is None:
-                narrowed = source.to(self.compress.dtype)
-            else:
-                narrow_in_place(source, narrowed)
-            wire = narrowed
-            wire.div_(self.compress.world_size)
-        out = torch.empty(size, dtype=wire.dtype, device=wire.device) if accumulate or wire is not source else None
-        target = self.grads[b] if out is None else out
-        self._received[b] = (target, accumulate)
-        self._reaped[b] = False
-        # With clipping in use, a bucket whose shards split a parameter is all-reduced on every path: its whole
-        # average is where the split parameters' norms are taken (``zero2_norm``); twice a reduce-scatter's bytes.
-        if self.flat_collectives and not (self.norm_request is not None and self.norm_plan.split[b]):
-            return launch_clean(_REDUCE_SCATTER, target, wire, group=self.group, async_op=True)
-        return _SliceOfAllReduce(launch_clean(dist.all_reduce, wire, group=self.group, async_op=True), wire,
-                                 target, self.rank)
-
-    def reap(self, buckets: Sequence[Bucket], launched: int) -> None:
-        """During backward: finish the buckets (of the first ``launched`` in index order) whose reduce-scatter has
-        completed, so their memory goes while backward still runs. No wait, no collective."""
-        for bucket in buckets[:launched]:
+    def _reap(self, launched: int) -> None:
+        """During backward, at a bucket's launch (its position ``launched``): finish the buckets before it whose
+        reduce-scatter has completed, so their memory goes while backward still runs; then, with this one, at most
+        ``MAX_IN_FLIGHT`` stay held by theirs: wait for the oldest beyond that (waits only, in index order: no
+        collective, so every rank's sequence stays the same)."""
+        pending = []
+        for bucket in self.buckets[:launched]:
             work = bucket.work
-            if work is not None and not self._reaped[bucket.index] and work.is_completed():
-                self._finish_reduce(bucket)
-
-    def wait_buckets(self, buckets: Sequence[Bucket], observer: Observer | None) -> float:
-        """End of backward: wait for every bucket's reduce-scatter (the hang report names it); seconds waited."""
-        waited = 0.0
-        _name(observer, "reduce-scatter")
-        for bucket in buckets:
-            if self._reaped[bucket.index]:
-                continue
-            if observer is not None:
-                observer.wait_start(bucket.index, bucket.seq)
-            start = time.perf_counter()
-            bucket.work.wait()
-            waited += time.perf_counter() - start
-            if observer is not None:
-                observer.wait_end(bucket.index, bucket.seq)
+            if work is not None and not self._reaped[bucket.index]:
+                if work.is_completed():
+                    self._finish_reduce(bucket)
+                else:
+                    pending.append(bucket)
+        for bucket in pending[: max(0, len(pending) - (MAX_IN_FLIGHT - 1))]:
             self._finish_reduce(bucket)
-        return waited
 
     def _finish_reduce(self, bucket: Bucket) -> None:
         b = bucket.index
         bucket.work.wait()  # completed already where reaped: returns at once
         received = self._received[b]
         assert received is not None
-        target, accumulate = received
+        target, accumulate, whole = received
         self._received[b] = None
+        if whole is not None:  # an all-reduce's whole average: this rank's slice is the shard's
+            size = target.numel()
+            target.copy_(whole[self.rank * size:(self.rank + 1) * size])
         self._reaped[b] = True
         grad = self.grads[b]
         if accumulate:
@@ -255,19 +310,19 @@ class ZeroShards:
         elif target is not grad:
             grad.copy_(target)  # the wire dtype back in the parameters' (the compress hook's cast back)
         self.shards[b].grad = grad
-        self._keep_split_norms(b, bucket.work, grad, accumulate)
+        if self.norm_request is not None or self.split_cache[b] is not None or self._zeroed[b]:
+            self._keep_split_norms(b, whole, grad, accumulate)
         bucket.work = None  # it holds the buffer: the memory goes with the storage below
         bucket.free_storage()
 
-    def _keep_split_norms(self, b: int, work: Any, grad: torch.Tensor, accumulate: bool) -> None:
-        """With clipping in use: the norms of the bucket's split parameters, from its whole average while it is
+    def _keep_split_norms(self, b: int, whole: torch.Tensor | None, grad: torch.Tensor, accumulate: bool) -> None:
+        """With clipping in use: the norms of the bucket's split parameters, from its ``whole`` average while it is
         here (an all-reduce's; a reduce-scatter leaves none), as ``clip_grad_norm_`` will want them. A pass over
         those parameters' elements each backward; none where nothing is clipped."""
         self.split_cache[b] = None
         entries, request = self.norm_plan.split[b], self.norm_request
-        whole_average = isinstance(work, _SliceOfAllReduce) and (not accumulate or self._zeroed[b])
-        if request is not None and entries and whole_average:
-            norms = split_norms(work.wire, entries, self.params_by_index, request, grad.dtype)
+        if request is not None and entries and whole is not None and (not accumulate or self._zeroed[b]):
+            norms = split_norms(whole, entries, self.params_by_index, request, grad.dtype)
             self.split_cache[b] = SplitNorms(request, grad, grad._version, norms)
         self._zeroed[b] = False
 
@@ -292,12 +347,16 @@ class ZeroShards:
         all-gather issued at once, from the last bucket back on every rank: the buckets are in backward's order, so
         the last holds the first layers, which the next forward waits for first."""
         self.finish()  # a step with no forward since the last one: its parameters first
-        self.check_views()
-        _name(self.observer(), "all-gather")
+        self._check_views()
+        observer = getattr(self.owner(), "observer", None)
+        if observer is not None:
+            observer.collective("all-gather")  # the hang report names it
         for b in reversed(range(len(self.shards))):
             shard = self.shards[b]
-            if shard.grad is not None:
+            if shard.grad is not None and self.unused[b]:
                 self._step_skipping(b, step_bucket)
+            elif shard.grad is not None:
+                step_bucket(shard)
             self.gather_seq += 1
             self.gather_seqs[b] = self.gather_seq
             flat = self.param_flats[b]
@@ -323,7 +382,7 @@ class ZeroShards:
         self.step_and_gather(self.step_bucket)
         self.finish()
 
-    def check_views(self) -> None:
+    def _check_views(self) -> None:
         """Every parameter still lives in its bucket's flat buffer, where the all-gather writes; one pointer
         comparison a parameter per step. ``module.to(...)``, ``.half()`` or a ``p.data = ...`` after binding gives a
         parameter new storage, which the step would silently stop updating: a one-line error naming it instead."""
@@ -341,9 +400,6 @@ class ZeroShards:
         """Step shard ``b``, leaving the parts no rank used as they were (values and per-element state), as plain
         DDP's optimizer skips a parameter whose ``.grad`` is None. A shard's step count still advances."""
         shard, ranges = self.shards[b], self.unused[b]
-        if not ranges:
-            step_bucket(shard)
-            return
         if sum(hi - lo for lo, hi in ranges) == shard.numel():
             return  # nothing in it was used: skipped whole, step count included
         state = self.optimizer_state(shard) if self.optimizer_state is not None else {}
@@ -364,6 +420,8 @@ class ZeroShards:
 
     def finish_params(self, indices: Sequence[int]) -> None:
         """Wait for the all-gathers of the buckets holding these parameters (a module's forward pre-hook)."""
+        if not any(self.gathers):  # nothing in flight (a Work is truthy): C's any, no call of ours
+            return
         for b in sorted({self.location[i][0] for i in indices}):
             self._finish_gather(b)
 
@@ -376,9 +434,9 @@ class ZeroShards:
         work = self.gathers[b]
         if work is None:
             return
-        observer = self.observer()
+        observer = getattr(self.owner(), "observer", None)
         if observer is not None:
-            _name(observer, "all-gather")
+            observer.collective("all-gather")  # the hang report names it
             observer.wait_start(b, self.gather_seqs[b])
         work.wait()
         self.gathers[b] = None
@@ -439,45 +497,9 @@ class ZeroShards:
         return mine
 
 
-class _SliceOfAllReduce:
-    """The reduce-scatter as an all-reduce (``choose_collectives``): the whole bucket, then this rank's slice kept."""
-
-    def __init__(self, work: Any, wire: torch.Tensor, target: torch.Tensor, rank: int):
-        self.work, self.wire, self.target, self.rank = work, wire, target, rank
-        self._copied = False
-
-    def is_completed(self) -> bool:
-        return bool(self.work.is_completed())
-
-    def wait(self) -> bool:
-        self.work.wait()
-        if not self._copied:
-            self._copied = True
-            size = self.target.numel()
-            self.target.copy_(self.wire[self.rank * size:(self.rank + 1) * size])
-        return True
-
-
 def _per_element(value: Any, shard: torch.Tensor) -> bool:
     """A state value with one entry per element of the shard (momentum, Adam's moments), not a count."""
     return isinstance(value, torch.Tensor) and value.shape == shard.shape and value.dim() == 1
-
-
-def _name(observer: Observer | None, kind: str) -> None:
-    """Tell the observer which collective the next waits are (the hang report names it)."""
-    if observer is not None:
-        observer.collective(kind)
-
-
-def observer_of(reducer: Any) -> Callable[[], Observer | None]:
-    """The reducer's current observer, read through a weak reference (the shards must not keep the reducer)."""
-    ref = weakref.ref(reducer)
-
-    def current() -> Observer | None:
-        r = ref()
-        return None if r is None else r.observer
-
-    return current
 
 
 # Optimizers whose update of an element reads other elements (a norm, a factored second moment, a line search):
@@ -526,7 +548,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._shards.kinds
 
     def _step_bucket(self, shard: nn.Parameter) -> None:
-        call_on(self._inner, lambda p: p is shard, self._inner.step)
+        call_on(self._inner, functools.partial(operator.is_, shard), self._inner.step)  # C calls: p is shard
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

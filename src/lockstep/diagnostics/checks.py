@@ -12,6 +12,7 @@ largest difference, so every rank raises the same error, naming the parameter, t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 
 import torch
@@ -152,6 +153,13 @@ class PeriodicReplicaCheck:
         self.first = first
         self.ignored = tuple(ignored)
         self._last_checked = 0
+        self.next_due = self._next_due(0)
+        """The first ``num_syncs`` at which ``due`` may be True: the wrapper asks ``due`` from one step before."""
+
+    def _next_due(self, num_syncs: int) -> int | float:
+        if self.first:
+            return 0
+        return math.inf if self.every is None else (num_syncs // self.every + 1) * self.every
 
     def due(self, num_syncs: int) -> bool:
         """Whether ``maybe_check(num_syncs)`` would check (it reads every parameter: an overlapped step must land)."""
@@ -162,6 +170,7 @@ class PeriodicReplicaCheck:
     def maybe_check(self, num_syncs: int) -> None:
         if self.first:
             self.first = False
+            self.next_due = self._next_due(num_syncs)
             if num_syncs == 0:
                 check_replicas(self.model, self.group, where="at the first synchronised forward", ignored=self.ignored,
                                hint=FIRST_FORWARD_HINT)
@@ -169,5 +178,6 @@ class PeriodicReplicaCheck:
         if self.every is None or num_syncs == 0 or num_syncs % self.every or num_syncs == self._last_checked:
             return
         self._last_checked = num_syncs
+        self.next_due = self._next_due(num_syncs)
         where = f"after {num_syncs} synchronised steps (checked at the next forward)"
         check_replicas(self.model, self.group, where=where, ignored=self.ignored)

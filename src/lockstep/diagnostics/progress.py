@@ -68,16 +68,17 @@ def set_phase(phase: str) -> None:
 
 class ProgressObserver:
     """The reducer's observer that keeps ``PROGRESS`` current (duck-typed ``StepObserver``: ``diagnostics``
-    sits below ``ddp`` and does not import it). ``expects_backward()`` says whether the reducer still waits for
-    the backward of its last synchronised forward: true at a forward's start means that backward was skipped."""
+    sits below ``ddp`` and does not import it). ``owner()`` is the reducer (held weakly: a ``weakref.ref``, a C
+    call) or None; its ``expect_hooks`` says whether it still waits for the backward of its last synchronised
+    forward: true at a forward's start means that backward was skipped."""
 
-    def __init__(self, expects_backward: Callable[[], bool], progress: Progress = PROGRESS):
+    def __init__(self, owner: Callable[[], object | None], progress: Progress = PROGRESS):
         self.progress = progress
-        self.expects_backward = expects_backward
+        self.owner = owner
 
     def forward_start(self) -> None:
         p = self.progress
-        if p.skipped_backward is None and self.expects_backward():
+        if p.skipped_backward is None and getattr(self.owner(), "expect_hooks", False):
             p.skipped_backward = (p.step_done + 1, user_location(sys._getframe(1)))  # once: a frame walk
         p.thread_id = threading.get_ident()
         p.phase, p.bucket, p.since = "forward", -1, time.monotonic()
@@ -123,8 +124,7 @@ def _ignore(*args: Any) -> None: ...
 
 def observer_for(reducer: Any) -> ProgressObserver:
     """A progress observer for ``reducer`` (held weakly: the reducer holds the observer)."""
-    ref = weakref.ref(reducer)
-    return ProgressObserver(lambda: bool(getattr(ref(), "expect_hooks", False)))
+    return ProgressObserver(weakref.ref(reducer))
 
 
 # ------------------------------------------------------------------- where in the user's code

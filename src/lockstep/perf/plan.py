@@ -368,7 +368,7 @@ def _what_pays(step_ms: StepTimes) -> str:
     """Whether the overlapped optimizer step and fp16 compression pay, by their predicted step against DDP's."""
     plain = step_ms["overlap"]
     lines = []
-    for key, what in (("overlap_step", "model.overlap_optimizer_step(opt) (the same bits)"),
+    for key, what in (("overlap_step", "opt = model.overlap_optimizer_step(opt) (the same bits)"),
                       ("fp16", "the fp16 compress hook (fp16 rounding of the averages)")):
         gain = 1 - step_ms[key] / plain  # type: ignore[literal-required]
         verdict = "pays" if gain >= 0.05 else "does not pay"

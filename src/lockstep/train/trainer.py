@@ -144,8 +144,8 @@ class Trainer:
         # Before any scheduler wraps optimizer.step (a scheduler made later wraps the deferred step: torch's order).
         self.overlapped = self._inplace is None and not cfg.zero and wants_overlap(
             cfg, optimizer, self.precision.scaler is not None, self.world_size)
-        if self.overlapped:
-            self.ddp.overlap_optimizer_step(optimizer)
+        if self.overlapped:  # the bound optimizer steps in the next forward (the user's is left as it was)
+            self.optimizer = self.ddp.overlap_optimizer_step(optimizer)
         self._last_step_at = ""  # "(epoch E, batch B of N)" of the last optimizer step: an overlapped step's errors
         self.on_step_end, self.on_epoch_end, self.metric_fn = on_step_end, on_epoch_end, metric_fn
         self.train_data, self.eval_data = train_data, eval_data
@@ -348,7 +348,7 @@ class Trainer:
             inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
             if self.overlapped:  # the last step's verdicts (NaN, missing gradient) before this forward: that step's
                 try:
-                    self.ddp.reducer.overlap_at_forward_start(full=False)
+                    self.ddp.reducer.strategy.at_forward_start(False)
                 except NonfiniteGradientError as e:
                     raise NonfiniteGradientError(f"at optimizer step {self.step} {self._last_step_at}: {e.detail}",
                                                  self.step, e.detail) from None
