@@ -141,8 +141,7 @@ def _resume(rank: int, n: int, m: int) -> dict:
 def _refusals() -> dict:
     """The refusals that need a model (and a group): each message, first line only."""
     out = {}
-    for name, kwargs in {"fragments>buckets": dict(sync_every=10, fragments=5, bucket_cap_mb=SMALL_BUCKETS),
-                         "fragments_one_bucket": dict(sync_every=10, fragments=2)}.items():
+    for name, kwargs in {"fragments>parameters": dict(sync_every=20, fragments=7)}.items():
         try:
             DiLoCo(Net(), DiLoCoConfig(**kwargs))
         except ValueError as e:
@@ -268,8 +267,7 @@ def test_resume_bit_for_bit(ranks):
 
 def test_bad_arguments_refused_in_one_line(ranks):
     refusals = ranks[0]["refusals"]
-    assert "DiLoCoConfig.fragments=5 is more than the 4 bucket(s)" in refusals["fragments>buckets"]
-    assert "DiLoCoConfig.fragments=2 is more than the 1 bucket(s)" in refusals["fragments_one_bucket"]
+    assert "DiLoCoConfig.fragments=7 is more than the 6 parameter tensors" in refusals["fragments>parameters"]
     for message in refusals.values():
         assert "\n" not in message
 
@@ -306,6 +304,7 @@ def test_schedule_and_buckets():
     assert [s for s in range(1, 20) if config.launches_at(s)] == [2, 4, 6, 8, 10, 12, 14, 16, 18]
     assert config.launches_at(8) == [0] and config.launches_at(10) == [1]
     assert assign_buckets([5, 5, 20, 1, 1], 10) == [[0, 1], [2], [3, 4]]
+    assert assign_fragments([429, 33, 561, 17, 85, 5], 2) == [[0, 1], [2, 3, 4, 5]]
     assert assign_fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
     assert assign_fragments([100, 1, 1], 3) == [[0], [1], [2]]
     assert assign_fragments([1, 1, 100], 2) == [[0, 1], [2]]

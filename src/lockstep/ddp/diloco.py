@@ -54,7 +54,8 @@ class DiLoCoConfig:
     wire_dtype: str = "fp32"
     """How the pseudo-gradients cross the link: "fp32", "bf16" or "fp16" (half the bytes); averaged in fp32 after."""
     fragments: int = 1
-    """Groups of buckets synced at staggered steps (streaming when > 1); at most the number of buckets."""
+    """Groups of buckets synced at staggered steps (streaming when > 1): consecutive parameters of about equal
+    elements each, at most one a parameter tensor."""
     overlap_steps: int | None = None
     """Inner steps between a fragment's all-reduce launch and its landing (the overlap). None: 0 with one fragment
     (a blocking sync), 1 when streaming. Must be < sync_every // fragments, so a fragment lands before the next
@@ -124,14 +125,15 @@ def assign_buckets(numels: list[int], cap_numel: int) -> list[list[int]]:
     return buckets
 
 
-def assign_fragments(bucket_numels: list[int], fragments: int) -> list[list[int]]:
-    """Bucket indices cut into ``fragments`` consecutive groups of about equal elements, none empty."""
-    total, done = sum(bucket_numels), 0
+def assign_fragments(numels: list[int], fragments: int) -> list[list[int]]:
+    """Indices (of parameters) cut into ``fragments`` consecutive groups of about equal elements, none empty."""
+    total, done = sum(numels), 0
     out: list[list[int]] = [[]]
-    for b, n in enumerate(bucket_numels):
+    for b, n in enumerate(numels):
         to_open = fragments - len(out)
-        # the next fragment starts once this one holds its share, or when each one left needs a bucket of its own
-        if out[-1] and to_open and (len(bucket_numels) - b <= to_open or done * fragments >= len(out) * total):
+        # the next fragment starts where this index's middle lies past this one's share, or when each one left
+        # needs an index of its own
+        if out[-1] and to_open and (len(numels) - b <= to_open or (2 * done + n) * fragments >= 2 * len(out) * total):
             out.append([])
         out[-1].append(b)
         done += n
@@ -200,13 +202,19 @@ class DiLoCo:
         self.world_size = dist.get_world_size(group)
         self.local_rank = dist.get_rank(node_group) if node_group is not None else 0
         self.local_size = dist.get_world_size(node_group) if node_group is not None else 1
+        if config.fragments > len(self.params):
+            raise ValueError(f"DiLoCoConfig.fragments={config.fragments} is more than the {len(self.params)} "
+                             f"parameter tensors of this model: a fragment holds whole parameters")
+        # fragments first (consecutive parameters, about equal elements), then each cut into buckets: a fragment
+        # is a group of buckets, whatever the cap
         cap_numel = max(1, int(config.bucket_cap_mb * MIB) // 4)  # fp32 elements
-        self.buckets = assign_buckets([p.numel() for p in self.params], cap_numel)
-        bucket_numels = [sum(self.params[i].numel() for i in b) for b in self.buckets]
-        if config.fragments > len(self.buckets):
-            raise ValueError(f"DiLoCoConfig.fragments={config.fragments} is more than the {len(self.buckets)} "
-                             f"bucket(s) of this model at bucket_cap_mb={config.bucket_cap_mb}; lower one of them")
-        self.fragments = assign_fragments(bucket_numels, config.fragments)
+        numels = [p.numel() for p in self.params]
+        self.buckets: list[list[int]] = []  # parameter indices, in model order
+        self.fragments: list[list[int]] = []  # bucket indices
+        for members in assign_fragments(numels, config.fragments):
+            cut = assign_buckets([numels[i] for i in members], cap_numel)
+            self.fragments.append(list(range(len(self.buckets), len(self.buckets) + len(cut))))
+            self.buckets += [[members[j] for j in bucket] for bucket in cut]
         # The synced copy lives where the all-reduce reads: gloo sends from host memory, so on CPU the anchors
         # cost no extra copy on the wire and keep 3 x the parameters (anchor, outer momentum, pseudo-gradient)
         # out of accelerator memory, as torchft's CPU backup does; a sync then copies the parameters over PCIe
