@@ -13,9 +13,9 @@ per-rank batches:
     streaming    lockstep.DiLoCo(sync_every=50, fragments=2, overlap_steps=1): each fragment's all-reduce
                  launched after its step and landed one inner step later
 
-The tasks: ``gpt``, a 4-layer character-level GPT (0.8M parameters, context 32, 8 sequences a step) on a text corpus generated
-deterministically here (``corpus``: sentences of a small grammar over a few hundred words, so the loss keeps
-falling for thousands of steps), and ``cnn``, the demo's DigitsCNN on scikit-learn's digits
+The tasks: ``gpt``, a 4-layer character-level GPT (0.8M parameters, context 32, 8 sequences a step) on a text
+corpus generated deterministically here (``corpus``: sentences of a small grammar over some sixty words, so the
+loss keeps falling for thousands of steps), and ``cnn``, the demo's DigitsCNN on scikit-learn's digits
 (``lockstep.train.data``). The eval loss is measured every ``--eval-every`` steps on rank 0 (DiLoCo's: of the
 synced copy, the model every node agrees on), off the clock; wall time is the training's alone. Rank 0 reads its
 veth's ``tx_bytes`` (``wire_account.py``'s counter) around each contender: the bytes node 0 sent a step.
@@ -34,14 +34,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -307,7 +305,7 @@ def markdown(rate: str, task: str, s: dict) -> list[str]:
         goal = f"{r['bytes_goal']:.4f}" if r["bytes_goal"] is not None else "-"
         out.append(f"| {name} | {r['step_ms']:.1f} | {reach} | {ratio} | {r['eval_loss_at_steps']:.4f} | "
                    f"{r['loss_vs_ddp']:+.1%} | {r['bytes_per_step'] / 1e3:.1f} kB | {bratio} | {goal} |")
-    return out + [""]
+    return [*out, ""]
 
 
 def plot(results: dict, rates: list[str], tasks: list[str], path: Path) -> bool:
@@ -399,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             for node in nodes:
                 node.shape(rate)
             cfg = {"tasks": tasks, "contenders": args.contenders.split(","), "steps": steps, "rate": rate,
-                   "eval_every": {t: args.eval_every for t in tasks}, "result": str(Path(tmp) / f"{rate}.json")}
+                   "eval_every": dict.fromkeys(tasks, args.eval_every), "result": str(Path(tmp) / f"{rate}.json")}
             cfg_path = Path(tmp) / f"{rate}.cfg.json"
             cfg_path.write_text(json.dumps(cfg))
             if _launch(nodes, cfg_path, args.timeout_s):
