@@ -77,6 +77,26 @@ def _h1_parity(rank: int) -> dict:
             "update": (_flat(model) - _flat(Net())).abs().max().item()}
 
 
+def _warmup_parity(rank: int) -> dict:
+    """The warm-up is data parallelism: inner SGD with every step averaged (warmup_steps = STEPS, H far away)
+    against torch's DDP; the default outer optimizer (Nesterov, lr 0.7) is built but never steps."""
+    torch.manual_seed(0)
+    ref = nn.parallel.DistributedDataParallel(Net())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    diloco = DiLoCo(model, DiLoCoConfig(sync_every=50, warmup_steps=STEPS, bucket_cap_mb=SMALL_BUCKETS))
+    g_ref, g = torch.Generator().manual_seed(100 + rank), torch.Generator().manual_seed(100 + rank)
+    for _ in range(STEPS):
+        _inner_step(ref, ref_opt, g_ref)
+        _inner_step(model, opt, g)
+        diloco.step()
+    return {"diff": (_flat(ref.module) - _flat(model)).abs().max().item(),
+            "update": (_flat(model) - _flat(Net())).abs().max().item(),
+            "momentum": len(diloco.outer_optimizer.state)}
+
+
 def _run(rank: int, config: DiLoCoConfig, steps: int = STEPS) -> dict:
     """Adam inner steps under DiLoCo; the parameters after each step, which fragments landed where."""
     torch.manual_seed(rank)  # different starts: the start-up broadcast must make them equal
@@ -101,9 +121,11 @@ def _state_bytes(obj) -> bytes:
     return buffer.getvalue()
 
 
-def _resume(rank: int, n: int, m: int) -> dict:
+RESUME_CONFIG = DiLoCoConfig(sync_every=4, fragments=2, bucket_cap_mb=SMALL_BUCKETS)  # overlap 1
+
+
+def _resume(rank: int, n: int, m: int, config: DiLoCoConfig = RESUME_CONFIG) -> dict:
     """N + M steps straight, against N steps, a save, fresh objects loaded, M steps (a fragment in flight at N)."""
-    config = DiLoCoConfig(sync_every=4, fragments=2, bucket_cap_mb=SMALL_BUCKETS)  # overlap 1
 
     def build(seed: int):
         torch.manual_seed(seed)
@@ -146,6 +168,11 @@ def _refusals() -> dict:
             DiLoCo(Net(), DiLoCoConfig(**kwargs))
         except ValueError as e:
             out[name] = str(e)
+    state = DiLoCo(Net(), DiLoCoConfig(sync_every=5, warmup_steps=3)).state_dict()
+    try:
+        DiLoCo(Net(), DiLoCoConfig(sync_every=5)).load_state_dict(state)
+    except ValueError as e:
+        out["warmup_steps differs"] = str(e)
     return out
 
 
@@ -173,7 +200,12 @@ CONFIGS = {
     "streaming": DiLoCoConfig(sync_every=6, fragments=2, bucket_cap_mb=SMALL_BUCKETS),
     "streaming_overlap2": DiLoCoConfig(sync_every=8, fragments=2, overlap_steps=2, wire_dtype="bf16",
                                        bucket_cap_mb=SMALL_BUCKETS),
+    "warmup": DiLoCoConfig(sync_every=5, warmup_steps=4, bucket_cap_mb=SMALL_BUCKETS),
+    "warmup_streaming": DiLoCoConfig(sync_every=6, fragments=2, warmup_steps=3, bucket_cap_mb=SMALL_BUCKETS),
 }
+# a save in the warm-up, resumed across its end into the outer loop (fragment 1 launched after 3 + 3, landing
+# after 7; the save after step 2)
+WARMUP_RESUME = DiLoCoConfig(sync_every=6, fragments=2, warmup_steps=3, bucket_cap_mb=SMALL_BUCKETS)
 
 
 def _cases(rank: int, world_size: int) -> dict:
@@ -181,6 +213,9 @@ def _cases(rank: int, world_size: int) -> dict:
     out: dict = {"h1": _h1_parity(rank)}
     out.update({name: _run(rank, config) for name, config in CONFIGS.items()})
     out["resume"] = _resume(rank, n=6, m=9)
+    out["warmup_parity"] = _warmup_parity(rank)
+    out["resume_in_warmup"] = _resume(rank, n=2, m=12, config=WARMUP_RESUME)
+    out["resume_after_warmup"] = _resume(rank, n=6, m=8, config=WARMUP_RESUME)
     out["refusals"] = _refusals()
     out["hang"] = _hang(rank)
     return out
@@ -209,6 +244,37 @@ def test_replicas_equal_after_each_sync(ranks, name):
             assert torch.equal(a["after"][t], b["after"][t]), f"step {t + 1}"
         else:
             assert not torch.equal(a["after"][t], b["after"][t])  # between syncs each node trains on its own
+
+
+def test_warmup_averages_every_step_then_syncs_every_h(ranks):
+    a, b = ranks[0]["warmup"], ranks[1]["warmup"]
+    synced = [t + 1 for t, landed in enumerate(a["landed"]) if landed]
+    assert synced == [1, 2, 3, 4, 9, 14, 19]  # the warm-up's 4 steps, then every 5 after it
+    for t in range(STEPS):
+        assert torch.equal(a["anchors"][t], b["anchors"][t])
+        assert torch.equal(a["after"][t], b["after"][t]) == (t + 1 in synced), f"step {t + 1}"
+    assert a["wire_nbytes"] == 7 * a["numel"] * 4  # each warm-up step carries DDP's bytes, once
+
+
+def test_warmup_with_streaming_lands_each_fragment_once_a_cycle(ranks):
+    a, b = ranks[0]["warmup_streaming"], ranks[1]["warmup_streaming"]
+    # warm-up: both fragments after steps 1-3; then fragment 1 launched after 3 + 3k (k >= 1), fragment 0 after
+    # 3 + 6k, each landed one step later
+    expected = [[0, 1]] * 3 + [sorted(k for k in range(2) if t - 1 - 3 > 0 and (t - 1 - 3 - 3 * k) % 6 == 0
+                                      and t - 1 - 3 >= 3 * k) for t in range(4, STEPS + 1)]
+    assert a["landed"] == expected == b["landed"]
+    bounds = _fragment_bounds(a)
+    for t in range(STEPS):
+        for k in a["landed"][t]:
+            lo, hi = bounds[k]
+            assert torch.equal(a["after"][t][lo:hi], b["after"][t][lo:hi]), f"fragment {k} at step {t + 1}"
+
+
+def test_warmup_is_ddp_within_rounding(ranks):
+    for r in ranks:
+        assert r["warmup_parity"]["update"] > 1e-3
+        assert r["warmup_parity"]["diff"] <= H1_TOLERANCE, r["warmup_parity"]
+        assert r["warmup_parity"]["momentum"] == 0  # the outer optimizer never stepped in the warm-up
 
 
 def test_wire_bytes(ranks):
@@ -263,11 +329,17 @@ def test_resume_bit_for_bit(ranks):
     for r in ranks:
         assert r["resume"]["in_flight_at_save"] == 1  # fragment 1 launched after step 6, lands after 7
         assert torch.equal(r["resume"]["straight"], r["resume"]["resumed"])
+        for name in ("resume_in_warmup", "resume_after_warmup"):
+            assert torch.equal(r[name]["straight"], r[name]["resumed"]), name
+        assert r["resume_after_warmup"]["in_flight_at_save"] == 1  # fragment 1, launched after 6, lands after 7
 
 
 def test_bad_arguments_refused_in_one_line(ranks):
     refusals = ranks[0]["refusals"]
     assert "DiLoCoConfig.fragments=7 is more than the 6 parameter tensors" in refusals["fragments>parameters"]
+    assert refusals["warmup_steps differs"] == ("DiLoCo.load_state_dict: the state was saved with "
+                                                "DiLoCoConfig.warmup_steps=3, this DiLoCo has 0: the outer schedule "
+                                                "would shift")
     for message in refusals.values():
         assert "\n" not in message
 
@@ -284,6 +356,9 @@ def test_bad_arguments_refused_in_one_line(ranks):
     (dict(sync_every=10, fragments=2, overlap_steps=5), "DiLoCoConfig.overlap_steps=5 must be <"),
     (dict(sync_every=10, bucket_cap_mb=0), "DiLoCoConfig.bucket_cap_mb must be a number > 0"),
     (dict(sync_every=10, timeout_s=0), "DiLoCoConfig.timeout_s must be None or a number > 0"),
+    (dict(sync_every=10, warmup_steps=-1), "DiLoCoConfig.warmup_steps must be an int >= 0, got -1"),
+    (dict(sync_every=10, warmup_steps=2.5), "DiLoCoConfig.warmup_steps must be an int >= 0, got 2.5"),
+    (dict(sync_every=10, warmup_steps=True), "DiLoCoConfig.warmup_steps must be an int >= 0, got True"),
 ])
 def test_config_refuses_in_one_line(kwargs, field):
     with pytest.raises(ValueError) as info:
@@ -303,6 +378,10 @@ def test_schedule_and_buckets():
     assert [config.offset(k) for k in range(4)] == [0, 2, 4, 6]
     assert [s for s in range(1, 20) if config.launches_at(s)] == [2, 4, 6, 8, 10, 12, 14, 16, 18]
     assert config.launches_at(8) == [0] and config.launches_at(10) == [1]
+    warm = DiLoCoConfig(sync_every=8, fragments=4, warmup_steps=5)
+    assert [s for s in range(1, 9) if warm.averages_at(s)] == [1, 2, 3, 4, 5]
+    assert [s for s in range(1, 20) if warm.launches_at(s)] == [7, 9, 11, 13, 15, 17, 19]
+    assert warm.launches_at(13) == [0] and warm.launches_at(7) == [1]
     assert assign_buckets([5, 5, 20, 1, 1], 10) == [[0, 1], [2], [3, 4]]
     assert assign_fragments([429, 33, 561, 17, 85, 5], 2) == [[0, 1], [2, 3, 4, 5]]
     assert assign_fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]

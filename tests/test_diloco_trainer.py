@@ -1,9 +1,10 @@
 """The Trainer with DiLoCo (``TrainerConfig(diloco_sync_every=H)``) on 2 real gloo ranks, one rank a node.
 
-One group runs: a straight run of 14 optimizer steps (H = 4, streaming with 2 fragments, dropout on: each rank's
-RNG matters); the same run crashed after step 7 (fragment 1 in flight: launched after 6, landing after 7) and
-resumed from its checkpoint of step 6 (``save_every_steps=3``); the metrics lines; the synced copies equal on every
-rank. Asserted: the resumed run's parameters and synced copies equal the straight run's bit for bit, on each rank;
+One group runs: a straight run of 14 optimizer steps (2 synchronous warm-up steps, then H = 4, streaming with 2
+fragments, dropout on: each rank's RNG matters); the same run crashed after step 7 and resumed from its checkpoint
+of step 6 (``save_every_steps=3``; fragment 0 in flight there: launched after 6, landing after 7); the metrics
+lines; the synced copies equal on every rank.
+Asserted: the resumed run's parameters and synced copies equal the straight run's bit for bit, on each rank;
 then a 1-rank group resumes the 2-rank checkpoint (another world size: it starts from the synced copy).
 """
 
@@ -21,7 +22,9 @@ from torch.utils.data import TensorDataset
 from lockstep import Trainer, TrainerConfig
 
 N_TRAIN, N_EVAL = 240, 37
-DILOCO = dict(diloco_sync_every=4, diloco_fragments=2, diloco_wire_dtype="bf16")
+# 2 warm-up steps (averaged after each), then fragment 1 launched after steps 4, 8, 12 and fragment 0 after 6, 10,
+# 14, each landing one step later: the checkpoint of step 6 holds fragment 0 in flight
+DILOCO = dict(diloco_sync_every=4, diloco_fragments=2, diloco_wire_dtype="bf16", diloco_warmup_steps=2)
 
 
 def _data(n: int, seed: int) -> TensorDataset:
@@ -105,9 +108,10 @@ def test_replicas_agree_on_the_synced_copy(ranks):
 def test_metrics_name_the_last_sync(ranks):
     train = [line for line in ranks[0]["metrics"] if line.get("event") == "train"]
     by_step = {line["step"]: line for line in train}
-    assert "diloco_last_sync_step" not in by_step[2]  # fragment 1 launched after step 2, lands after 3
-    assert by_step[3]["diloco_last_sync_step"] == 3 and by_step[4]["diloco_last_sync_step"] == 3
-    assert by_step[5]["diloco_last_sync_step"] == 5  # fragment 0: launched after 4, landed after 5
+    assert by_step[1]["diloco_last_sync_step"] == 1 and by_step[2]["diloco_last_sync_step"] == 2  # the warm-up
+    assert by_step[3]["diloco_last_sync_step"] == 2 and by_step[4]["diloco_last_sync_step"] == 2
+    assert by_step[5]["diloco_last_sync_step"] == 5  # fragment 1: launched after 4, landed after 5
+    assert by_step[7]["diloco_last_sync_step"] == 7  # fragment 0: launched after 6, landed after 7
     assert by_step[14]["diloco_last_sync_step"] == 13
     assert all(line["diloco_last_sync_s"] >= 0 for line in train if "diloco_last_sync_s" in line)
     assert by_step[14]["diloco_wire_nbytes"] > 0
@@ -127,6 +131,7 @@ def test_resume_at_one_rank(ranks):
     (dict(diloco_sync_every=0), "TrainerConfig.diloco_sync_every must be an int >= 1, got 0"),
     (dict(diloco_sync_every=10, diloco_wire_dtype="int4"), "TrainerConfig.diloco_wire_dtype must be one of"),
     (dict(diloco_sync_every=10, diloco_fragments=11), "TrainerConfig.diloco_fragments=11 must be <= sync_every=10"),
+    (dict(diloco_sync_every=10, diloco_warmup_steps=-5), "TrainerConfig.diloco_warmup_steps must be an int >= 0"),
     (dict(diloco_sync_every=10, zero=1), "TrainerConfig.diloco_sync_every excludes TrainerConfig.zero"),
     (dict(diloco_sync_every=10, check_replicas_every=5), "excludes TrainerConfig.check_replicas_every"),
 ])

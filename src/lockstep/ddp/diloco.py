@@ -64,12 +64,21 @@ class DiLoCoConfig:
     """The cap of one bucket of the outer all-reduce, MiB of fp32 pseudo-gradient (a parameter is never split)."""
     timeout_s: float | None = None
     """How long a wait for the outer all-reduce may take before OuterSyncError; None: the process group's timeout."""
+    warmup_steps: int = 0
+    """Inner steps of synchronous training first: after each of them the parameters are averaged across nodes
+    (an outer step of lr 1.0 without momentum, DDP's bytes every step), then the outer loop starts, its first sync
+    ``sync_every`` steps later. DiLoCo's paper starts from a model pretrained synchronously (24k of 88k steps):
+    from scratch the replicas move far apart in the first steps, where the loss falls fastest, and the outer
+    momentum then carries the early disagreement along."""
 
     def __post_init__(self) -> None:
         for name in ("sync_every", "fragments"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DiLoCoConfig.{name} must be an int >= 1, got {value!r}")
+        warmup = self.warmup_steps
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"DiLoCoConfig.warmup_steps must be an int >= 0, got {warmup!r}")
         if self.fragments > self.sync_every:
             raise ValueError(f"DiLoCoConfig.fragments={self.fragments} must be <= sync_every={self.sync_every}: "
                              f"each fragment syncs at its own inner step")
@@ -106,9 +115,15 @@ class DiLoCoConfig:
         return fragment * self.sync_every // self.fragments
 
     def launches_at(self, inner_step: int) -> list[int]:
-        """The fragments whose all-reduce launches after inner step ``inner_step`` (counted from 1)."""
+        """The fragments whose all-reduce launches after inner step ``inner_step`` (counted from 1); none in the
+        warm-up, whose steps each average every parameter (``averages_at``), and the schedule starts after it."""
+        step = inner_step - self.warmup_steps
         return [k for k in range(self.fragments)
-                if inner_step >= self.offset(k) and (inner_step - self.offset(k)) % self.sync_every == 0]
+                if step > 0 and step >= self.offset(k) and (step - self.offset(k)) % self.sync_every == 0]
+
+    def averages_at(self, inner_step: int) -> bool:
+        """Whether inner step ``inner_step`` is one of the warm-up's, after which the parameters are averaged."""
+        return inner_step <= self.warmup_steps
 
 
 # -- pure helpers: buckets and fragments ------------------------------------------------------------
@@ -244,6 +259,8 @@ class DiLoCo:
         """After one inner optimizer step: launch the fragments due, land those whose overlap is over; returns the
         syncs landed here (usually none). Every rank of ``group`` must call it after every inner step."""
         self.inner_step += 1
+        if self.config.averages_at(self.inner_step):  # the warm-up: DDP's bytes, every step, blocking
+            return [self._land(self._launch(k), average=True) for k in range(len(self.fragments))]
         for k in self.config.launches_at(self.inner_step):
             self.in_flight.append(self._launch(k))
         landed = []
@@ -312,16 +329,22 @@ class DiLoCo:
         flight.averaged = [w if w.dtype == torch.float32 else w.float() for w in flight.wires]
         flight.seconds += time.perf_counter() - t0
 
-    def _land(self, flight: _InFlight) -> SyncRecord:
-        """The outer step on fragment k's anchors with the averaged pseudo-gradients, copied into the parameters."""
+    def _land(self, flight: _InFlight, average: bool = False) -> SyncRecord:
+        """The outer step on fragment k's anchors with the averaged pseudo-gradients, copied into the parameters.
+        ``average`` (the warm-up): anchor - mean(anchor - current), the replicas' mean, without the outer
+        optimizer (its momentum starts with the outer loop)."""
         self._complete(flight)
         t0 = time.perf_counter()
         assert flight.averaged is not None
         buckets = self.fragments[flight.fragment]
         with torch.no_grad():
-            for b, averaged in zip(buckets, flight.averaged):
-                self.anchors[b].grad = averaged
-            self.outer_optimizer.step()  # the other fragments' anchors have no .grad: torch's optimizers skip them
+            if average:
+                for b, averaged in zip(buckets, flight.averaged):
+                    self.anchors[b].sub_(averaged)
+            else:
+                for b, averaged in zip(buckets, flight.averaged):
+                    self.anchors[b].grad = averaged
+                self.outer_optimizer.step()  # the other fragments' anchors have no .grad: torch's optimizers skip them
             for b in buckets:
                 self.anchors[b].grad = None
                 self._scatter_params(b, self.anchors[b])
@@ -388,6 +411,7 @@ class DiLoCo:
             self._complete(flight)
         return {"inner_step": self.inner_step, "bucket_numels": [a.numel() for a in self.anchors],
                 "fragments": [list(f) for f in self.fragments], "sync_every": self.config.sync_every,
+                "warmup_steps": self.config.warmup_steps,
                 "anchors": [a.detach().clone() for a in self.anchors],
                 "outer_optimizer": self.outer_optimizer.state_dict(),
                 "in_flight": [{"fragment": f.fragment, "launched_at": f.launched_at,
@@ -402,6 +426,10 @@ class DiLoCo:
             raise ValueError(f"DiLoCo.load_state_dict: the state's buckets {state['bucket_numels']} in fragments "
                              f"{state['fragments']} differ from this DiLoCo's {numels} in {self.fragments}: the same "
                              f"model, bucket_cap_mb and fragments are needed")
+        warmup = state.get("warmup_steps", 0)
+        if warmup != self.config.warmup_steps:
+            raise ValueError(f"DiLoCo.load_state_dict: the state was saved with DiLoCoConfig.warmup_steps={warmup}, "
+                             f"this DiLoCo has {self.config.warmup_steps}: the outer schedule would shift")
         if self.in_flight:
             raise ValueError("DiLoCo.load_state_dict: fragments of this DiLoCo are in flight; load before training")
         with torch.no_grad():

@@ -66,6 +66,7 @@ class TrainerConfig:
     diloco_outer_momentum: float = 0.9
     diloco_fragments: int = 1  # > 1: streaming (fragments synced at staggered steps, each overlapped with compute)
     diloco_wire_dtype: str = "fp32"  # "bf16" / "fp16": half the bytes on the link
+    diloco_warmup_steps: int = 0  # synchronous steps first (the parameters averaged after each), then the outer loop
     check_replicas_every: int | None = None  # check the replicas' parameters agree every N optimizer steps
     trace_dir: str | None = None  # record the overlap timeline of trace_steps there (Chrome trace, summary, PNG)
     trace_steps: tuple[int, int] = (5, 10)  # first and last optimizer step of the timeline, inclusive
@@ -156,7 +157,8 @@ class TrainerConfig:
             return DiLoCoConfig(sync_every=self.diloco_sync_every, outer_lr=self.diloco_outer_lr,
                                 outer_momentum=self.diloco_outer_momentum,
                                 nesterov=_positive_number(self.diloco_outer_momentum),
-                                wire_dtype=self.diloco_wire_dtype, fragments=self.diloco_fragments)
+                                wire_dtype=self.diloco_wire_dtype, fragments=self.diloco_fragments,
+                                warmup_steps=self.diloco_warmup_steps)
         except ValueError as e:
             raise ValueError(str(e).replace("DiLoCoConfig.", "TrainerConfig.diloco_")) from None
 
