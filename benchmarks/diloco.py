@@ -6,12 +6,18 @@ RATE burst 256kb latency 100ms``) at each of ``--rates``; one rank (1 thread, gl
 Per rate and task the two ranks train each contender in turn, from the same initial parameters and the same
 per-rank batches:
 
-    ddp          lockstep.DistributedDataParallel (its defaults), AdamW: every step all-reduces the gradients
-    single       rank 0 alone (the other rank waits), the same AdamW and batch a rank: what one node does alone;
-                 it may take up to 2 x the steps (it sees half the samples a step)
-    diloco_h<H>  lockstep.DiLoCo(sync_every=H), AdamW inner steps, the paper's outer SGD (lr 0.7, Nesterov 0.9)
+    ddp          lockstep.DistributedDataParallel (its defaults), AdamW: every step all-reduces the gradients;
+                 it trains ``--steps`` steps, and its final eval loss and wall time set the target and the cap
+    single       rank 0 alone (the other rank waits), the same AdamW and batch a rank: what one node does alone
+    diloco_h<H>  lockstep.DiLoCo(sync_every=H), AdamW inner steps; the outer optimizer ``--outer-lr`` /
+                 ``--outer-momentum`` (default SGD lr 1.0 without momentum: the best of the settings measured in
+                 300 GPT steps, docs/diloco.md; the paper's lr 0.7 with Nesterov 0.9 overshoots in runs this
+                 short) and ``--warmup-steps`` synchronous steps first (default 0)
     streaming    lockstep.DiLoCo(sync_every=50, fragments=2, overlap_steps=1): each fragment's all-reduce
                  launched after its step and landed one inner step later
+
+Every contender but DDP trains at least DDP's steps (its eval loss there is the "equal inner steps" figure) and
+then on until its eval loss reaches DDP's final one or its wall time passes ``--time-cap`` x DDP's.
 
 The tasks: ``gpt``, a 4-layer character-level GPT (0.8M parameters, context 32, 8 sequences a step) on a text
 corpus generated deterministically here (``corpus``: sentences of a small grammar over some sixty words, so the
@@ -22,16 +28,18 @@ veth's ``tx_bytes`` (``wire_account.py``'s counter) around each contender: the b
 
 Reported per rate and task: DDP's final eval loss (the target), each contender's wall time to reach it (the first
 evaluation at or below it) as a ratio to DDP's, its eval loss after as many inner steps as DDP took (DiLoCo: after
-a last full sync), and its bytes a step as a multiple of DDP's (the goal: <= 1.1 / H). A plot of eval loss
+a last full sync), and its bytes a step as a multiple of DDP's, over the whole run and over the outer loop alone
+(after the warm-up; the goal: <= 1.1 / H). A plot of eval loss
 against wall time per rate and task (matplotlib), all in ``--out`` (benchmarks/results/diloco-<date>.md, .json,
 .png).
 
-    python benchmarks/diloco.py [--rates 100mbit,1gbit] [--tasks gpt,cnn] [--steps gpt:400,cnn:600] [--out DIR]
+    python benchmarks/diloco.py [--rates 100mbit,1gbit] [--tasks gpt,cnn] [--steps gpt:200,cnn:300] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -49,6 +57,7 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 CONTENDERS = ("ddp", "single", "diloco_h10", "diloco_h50", "diloco_h200", "streaming")
+WARMUP_STEPS, OUTER_LR, OUTER_MOMENTUM = 0, 1.0, 0.0  # measured best in 300 GPT steps (docs/diloco.md)
 
 
 # ---------------------------------------------------------------------------------------------- the corpus
@@ -177,16 +186,21 @@ def _tx_bytes() -> int:
     return int(path.read_text()) if path.exists() else 0
 
 
-def _diloco_config(name: str):
+def _diloco_config(name: str, outer: dict):
     from lockstep import DiLoCoConfig
 
     if name == "streaming":
-        return DiLoCoConfig(sync_every=50, fragments=2, overlap_steps=1)
-    return DiLoCoConfig(sync_every=int(name.removeprefix("diloco_h")))
+        return DiLoCoConfig(sync_every=50, fragments=2, overlap_steps=1, **outer)
+    return DiLoCoConfig(sync_every=int(name.removeprefix("diloco_h")), **outer)
 
 
-def train_contender(task: Task, name: str, steps: int, eval_every: int) -> dict:
-    """One contender on this rank; rank 0's curve of (inner step, wall s, eval loss) and bytes sent."""
+def train_contender(task: Task, name: str, steps: int, eval_every: int, outer: dict, target: float | None = None,
+                    time_cap_s: float | None = None) -> dict:
+    """One contender on this rank; rank 0's curve of (inner step, wall s, eval loss) and bytes sent.
+
+    DDP (``target`` None) trains ``steps`` steps. The others train at least ``steps`` (their eval loss at DDP's
+    steps) and go on until their eval loss is at or below ``target`` (DDP's final) or their wall time passes
+    ``time_cap_s``: rank 0 decides at each evaluation and tells the other (off the clock)."""
     import lockstep
 
     rank = dist.get_rank()
@@ -200,13 +214,17 @@ def train_contender(task: Task, name: str, steps: int, eval_every: int) -> dict:
     if name == "ddp":
         net = lockstep.DistributedDataParallel(model)
     elif name != "single":
-        diloco = lockstep.DiLoCo(model, _diloco_config(name))
+        diloco = lockstep.DiLoCo(model, _diloco_config(name, outer))
     opt = torch.optim.AdamW(model.parameters(), lr=task.lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(1000 + rank)
-    total = 2 * steps if alone else steps
     curve = [(0, 0.0, task.eval_loss(model))] if rank == 0 else []
-    wall_s, tx_start = 0.0, _tx_bytes()
-    for step in range(1, total + 1):
+    wall_s, tx_start, step, going = 0.0, _tx_bytes(), 0, True
+    warmup = diloco.config.warmup_steps if diloco is not None else 0
+    tx_warm = tx_start
+    while going:
+        if step == warmup:
+            tx_warm = _tx_bytes()  # the outer loop's bytes are counted from here
+        step += 1
         t0 = time.perf_counter()
         x, y = task.batch(g)
         task.loss(net, x, y).backward()
@@ -215,21 +233,23 @@ def train_contender(task: Task, name: str, steps: int, eval_every: int) -> dict:
         if diloco is not None:
             diloco.step()
             if step == steps:
-                diloco.sync()  # every fragment at the end: the model evaluated at equal inner steps
+                diloco.sync()  # every fragment at DDP's step count: the model evaluated at equal inner steps
         wall_s += time.perf_counter() - t0
-        if step % eval_every == 0 or step == total:
+        if step % eval_every == 0 or (target is None and step == steps):
+            stop = torch.zeros(1)
             if rank == 0:
-                if diloco is not None:
-                    with diloco.global_parameters():
-                        curve.append((step, wall_s, task.eval_loss(model)))
-                else:
+                with diloco.global_parameters() if diloco is not None else contextlib.nullcontext():
                     curve.append((step, wall_s, task.eval_loss(model)))
+                reached = target is not None and curve[-1][2] <= target
+                stop[0] = step >= steps and (target is None or reached or wall_s >= (time_cap_s or 0.0))
             if not alone:
-                dist.barrier()  # the other rank waits for rank 0's evaluation: off the clock on both
+                dist.broadcast(stop, src=0)  # the other rank waits for rank 0's evaluation: off the clock on both
+            going = not bool(stop[0])
     tx = _tx_bytes() - tx_start
     if alone:
         dist.barrier()
-    return {"curve": curve, "tx_bytes": tx, "steps": total, "numel": sum(p.numel() for p in model.parameters()),
+    return {"curve": curve, "tx_bytes": tx, "steps": step, "numel": sum(p.numel() for p in model.parameters()),
+            "warmup_steps": warmup, "outer_tx_bytes": _tx_bytes() - tx_warm,
             "sync_nbytes": diloco.wire_nbytes if diloco is not None else None}
 
 
@@ -242,10 +262,17 @@ def worker(config_path: str) -> int:
         results = {}
         for task_name in cfg["tasks"]:
             task = Task(task_name)
-            for name in cfg["contenders"]:
+            target = cap = None
+            for name in ["ddp", *(c for c in cfg["contenders"] if c != "ddp")]:  # DDP first: it sets the target
                 dist.barrier()
-                results[f"{task_name}/{name}"] = train_contender(task, name, cfg["steps"][task_name],
-                                                                 cfg["eval_every"][task_name])
+                r = train_contender(task, name, cfg["steps"][task_name], cfg["eval_every"][task_name],
+                                    cfg["outer"], target, cap)
+                results[f"{task_name}/{name}"] = r
+                if name == "ddp":
+                    final = torch.tensor([r["curve"][-1][2], r["curve"][-1][1]] if r["curve"] else [0.0, 0.0],
+                                         dtype=torch.float64)
+                    dist.broadcast(final, src=0)
+                    target, cap = float(final[0]), cfg["time_cap"] * float(final[1])
                 if dist.get_rank() == 0:
                     print(f"diloco.py: {cfg['rate']} {task_name} {name}: {_short(results[f'{task_name}/{name}'])}",
                           flush=True)
@@ -262,9 +289,9 @@ def _short(r: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the report
-def time_to(curve: list, target: float) -> float | None:
-    """Wall seconds at the first evaluation at or below ``target`` (None: never)."""
-    return next((wall for _, wall, loss in curve if loss <= target), None)
+def time_to(curve: list, target: float) -> tuple[int, float] | None:
+    """(inner step, wall seconds) at the first evaluation at or below ``target`` (None: never)."""
+    return next(((step, wall) for step, wall, loss in curve if loss <= target), None)
 
 
 def loss_at(curve: list, step: int) -> float:
@@ -283,28 +310,39 @@ def summarise(results: dict, task: str, steps: int) -> dict:
             continue
         reach = time_to(r["curve"], target)
         h = 50 if name == "streaming" else int(name.removeprefix("diloco_h")) if name.startswith("diloco") else 1
-        rows[name] = {"time_to_target_s": reach, "time_ratio": reach / ddp_time if reach is not None else None,
+        outer_steps = r["steps"] - r.get("warmup_steps", 0)
+        rows[name] = {"time_to_target_s": reach[1] if reach else None,
+                      "steps_to_target": reach[0] if reach else None,
+                      "time_ratio": reach[1] / ddp_time if reach is not None else None,
                       "eval_loss_at_steps": loss_at(r["curve"], steps),
                       "loss_vs_ddp": loss_at(r["curve"], steps) / target - 1,
+                      "final_step": r["curve"][-1][0], "final_eval_loss": r["curve"][-1][2],
                       "bytes_per_step": r["tx_bytes"] / r["steps"],
                       "bytes_ratio": r["tx_bytes"] / r["steps"] / ddp_bytes if name != "single" else None,
+                      "outer_bytes_ratio": (r.get("outer_tx_bytes", r["tx_bytes"]) / max(outer_steps, 1) / ddp_bytes
+                                            if name.startswith(("diloco", "streaming")) else None),
                       "bytes_goal": 1.1 / h if name.startswith(("diloco", "streaming")) else None,
                       "wall_s": r["curve"][-1][1], "step_ms": 1e3 * r["curve"][-1][1] / r["curve"][-1][0]}
-    return {"target": target, "ddp_time_s": ddp_time, "rows": rows}
+    return {"target": target, "ddp_time_s": ddp_time, "ddp_steps": ddp["steps"], "rows": rows}
 
 
 def markdown(rate: str, task: str, s: dict) -> list[str]:
     out = [f"### {task} at {rate}", "",
-           f"DDP's final eval loss {s['target']:.4f} after {s['ddp_time_s']:.1f} s (the target).", "",
-           "| contender | step ms | time to DDP's final loss | x DDP's time | eval loss at DDP's steps | vs DDP "
-           "| bytes a step | x DDP's | goal (1.1/H) |", "|---|---|---|---|---|---|---|---|---|"]
+           f"DDP's final eval loss {s['target']:.4f} after {s['ddp_steps']} steps in {s['ddp_time_s']:.1f} s (the "
+           f"target).", "",
+           "| contender | step ms | time to DDP's final loss (at step) | x DDP's time | eval loss at DDP's steps "
+           "| vs DDP | last eval (step) | bytes a step | x DDP's | outer loop's x DDP's | goal (1.1/H) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in s["rows"].items():
-        reach = f"{r['time_to_target_s']:.1f} s" if r["time_to_target_s"] is not None else "not reached"
+        reach = (f"{r['time_to_target_s']:.1f} s ({r['steps_to_target']})" if r["time_to_target_s"] is not None
+                 else "not reached")
         ratio = f"{r['time_ratio']:.3f}" if r["time_ratio"] is not None else "-"
         bratio = f"{r['bytes_ratio']:.4f}" if r["bytes_ratio"] is not None else "-"
+        oratio = f"{r['outer_bytes_ratio']:.4f}" if r.get("outer_bytes_ratio") is not None else "-"
         goal = f"{r['bytes_goal']:.4f}" if r["bytes_goal"] is not None else "-"
         out.append(f"| {name} | {r['step_ms']:.1f} | {reach} | {ratio} | {r['eval_loss_at_steps']:.4f} | "
-                   f"{r['loss_vs_ddp']:+.1%} | {r['bytes_per_step'] / 1e3:.1f} kB | {bratio} | {goal} |")
+                   f"{r['loss_vs_ddp']:+.1%} | {r['final_eval_loss']:.4f} ({r['final_step']}) | "
+                   f"{r['bytes_per_step'] / 1e3:.1f} kB | {bratio} | {oratio} | {goal} |")
     return [*out, ""]
 
 
@@ -375,8 +413,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", default="100mbit,1gbit")
     p.add_argument("--tasks", default="gpt,cnn")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
-    p.add_argument("--steps", default="gpt:400,cnn:600", help="inner steps a task (task:steps,...)")
-    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--steps", default="gpt:200,cnn:300", help="DDP's steps a task (task:steps,...)")
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--time-cap", type=float, default=0.8,
+                   help="the others train until DDP's final eval loss or this multiple of DDP's wall time")
+    p.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, help="DiLoCoConfig.warmup_steps")
+    p.add_argument("--outer-lr", type=float, default=OUTER_LR)
+    p.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM)
     p.add_argument("--timeout-s", type=float, default=3600)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args(argv)
@@ -396,7 +439,10 @@ def main(argv: list[str] | None = None) -> int:
         for rate in rates:
             for node in nodes:
                 node.shape(rate)
+            outer = {"warmup_steps": args.warmup_steps, "outer_lr": args.outer_lr,
+                     "outer_momentum": args.outer_momentum, "nesterov": args.outer_momentum > 0}
             cfg = {"tasks": tasks, "contenders": args.contenders.split(","), "steps": steps, "rate": rate,
+                   "outer": outer, "time_cap": args.time_cap,
                    "eval_every": dict.fromkeys(tasks, args.eval_every), "result": str(Path(tmp) / f"{rate}.json")}
             cfg_path = Path(tmp) / f"{rate}.cfg.json"
             cfg_path.write_text(json.dumps(cfg))
