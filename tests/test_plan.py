@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from dist_utils import run_ranks
 from lockstep.costmodel import LINKS, Link, allreduce_time_s, fit_link
-from lockstep.perf.plan import PlanConfig, cli_main, comm_time_s, make_plan, min_world_size, step_time_s
+from lockstep.perf.plan import PlanConfig, cli_main, comm_time_s, format_plan, make_plan, min_world_size, step_time_s
 
 
 def test_textbook_7b_mixed_adam_needs_112_gb_and_does_not_fit_80():
@@ -309,3 +309,18 @@ def test_loopback_preset_is_the_right_order_of_magnitude(measured_s):
             continue
         ratio = _predict_s(LINKS["loopback"], mib << 20) / t
         assert 1 / 3 <= ratio <= 3, f"{mib} MiB: loopback preset predicts {ratio:.2f}x the measured {t * 1e3:.2f} ms"
+
+
+def test_plan_says_at_which_h_diloco_stops_being_dominated_by_the_link(capsys):
+    # issue #44's case: the 10.3M MLP at 100 Mbit/s (12.5 MB/s), ~0.1 s of compute a step: an fp32 outer sync of
+    # 41.2 MB takes ~3.3 s, so H >= 33 for the sync to cost at most the compute, H >= 330 for 10%
+    from lockstep.costmodel import diloco_sync_every_for
+
+    assert diloco_sync_every_for(3.3, 0.1) == 33 and diloco_sync_every_for(3.3, 0.1, 0.1) == 330
+    assert diloco_sync_every_for(0.01, 0.1) == 1
+    link = Link("100mbit", 100e-6, 0.0125)
+    plan = make_plan(PlanConfig(params=10.3e6, precision="fp32", world_size=2, link=link, compute_ms=100))
+    assert plan.diloco is not None and 3200 < plan.diloco["sync_ms"] < 3400
+    assert plan.diloco["h_dominates"] == 33 and plan.diloco["h_10_percent"] == 330
+    assert make_plan(PlanConfig(params=10.3e6, world_size=2, link=link)).diloco is None  # no compute_ms
+    assert "communication stops dominating at sync_every (H) >= 33" in format_plan(plan)

@@ -134,6 +134,16 @@ def allreduce_time_s(nbytes: float, world_size: int, link: Link, algorithm: str 
             + bytes_factor(world_size, algorithm) * nbytes * link.beta_s_per_byte)
 
 
+def diloco_sync_every_for(sync_s: float, compute_s: float, share: float = 1.0) -> int:
+    """The smallest DiLoCo ``sync_every`` (H) at which an outer sync of ``sync_s`` seconds, once every H inner steps
+    of ``compute_s`` each, costs at most ``share`` of the compute: sync_s / H <= share * compute_s. With share 1 the
+    point where communication stops dominating the step (a blocking sync; streaming hides it behind the next inner
+    steps instead)."""
+    if not (compute_s > 0 and share > 0):
+        raise ValueError(f"compute_s and share must be > 0, got {compute_s!r}, {share!r}")
+    return max(1, math.ceil(sync_s / (share * compute_s) - 1e-9))
+
+
 def bus_bandwidth_gb_s(nbytes: float, world_size: int, time_s: float) -> float:
     """NCCL-tests' bus bandwidth: n * 2(N-1)/N / t, comparable across world sizes."""
     return nbytes * bytes_factor(world_size, "ring") / time_s / 1e9

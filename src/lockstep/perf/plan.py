@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TypedDict
 
-from lockstep.costmodel import LINKS, Link, allreduce_time_s, link_from_bench
+from lockstep.costmodel import LINKS, Link, allreduce_time_s, diloco_sync_every_for, link_from_bench
 
 GB = 1e9
 PRECISIONS = {  # name -> (weight bytes, gradient bytes, master-weight bytes, bytes per optimizer state)
@@ -164,6 +164,8 @@ class Plan:
     recommendation: str = ""
     activations_counted: bool = True
     """False when ``activation_gb`` was not given: ``fits`` is then before activations."""
+    diloco: dict | None = None
+    """DiLoCo across this link (``diloco_plan``): an outer sync's seconds and the H where it stops dominating."""
 
 
 def memory_by_component_gb(config: PlanConfig) -> dict[str, float]:
@@ -223,6 +225,19 @@ def overlapped_step_time_s(config: PlanConfig, comm_s: float) -> float:
     return max(compute, comm_s + compute / buckets_of(config))
 
 
+def diloco_plan(config: PlanConfig) -> dict | None:
+    """An outer sync of DiLoCo (``lockstep.DiLoCo``: the fp32 pseudo-gradients, all-reduced in bucket_cap_mb buckets
+    over world_size nodes) against H inner steps of compute_ms; None without compute_ms."""
+    if config.compute_ms is None:
+        return None
+    pseudo = dataclasses.replace(config, precision="fp32")  # the pseudo-gradients cross as fp32 (bf16: half)
+    sync_s = min(comm_time_s(pseudo, config.world_size, a) for a in ("ring", "tree"))
+    compute_s = config.compute_ms / 1e3
+    return {"sync_nbytes": config.param_count * 4, "sync_ms": sync_s * 1e3,
+            "h_dominates": diloco_sync_every_for(sync_s, compute_s),
+            "h_10_percent": diloco_sync_every_for(sync_s, compute_s, 0.1)}
+
+
 def make_plan(config: PlanConfig) -> Plan:
     memory = memory_by_component_gb(config)
     fits = memory["total"] <= config.device_memory_gb
@@ -253,7 +268,7 @@ def make_plan(config: PlanConfig) -> Plan:
                             efficiency=config.compute_ms / (overlapped * 1e3), algorithm=best,
                             overlap_step=overlapped_step_time_s(config, comm[best] / 1e3) * 1e3, fp16=fp16 * 1e3)
     plan = Plan(config, memory, fits, sharded, comm, step_ms, scaling,
-                activations_counted=config.activation_gb is not None)
+                activations_counted=config.activation_gb is not None, diloco=diloco_plan(config))
     plan.recommendation = recommend(plan)
     return plan
 
@@ -403,6 +418,11 @@ def format_plan(plan: Plan) -> str:
         out.append(f"step time: compute {s['compute']:.2f} ms, without overlap {s['no_overlap']:.2f} ms, "
                    f"with overlap {s['overlap']:.2f} ms ({s['algorithm']}), efficiency {s['efficiency']:.1%}")
         out.append(f"  with overlap_optimizer_step {s['overlap_step']:.2f} ms, with the fp16 hook {s['fp16']:.2f} ms")
+    if plan.diloco:
+        d = plan.diloco
+        out.append(f"DiLoCo across this link (lockstep.DiLoCo): an outer sync all-reduces {d['sync_nbytes'] / 1e6:.1f} "
+                   f"MB in {d['sync_ms']:.1f} ms; communication stops dominating at sync_every (H) >= "
+                   f"{d['h_dominates']} (sync / H <= compute), under 10% of the step at H >= {d['h_10_percent']}")
     out.append("\n     N    ring ms    tree ms   efficiency")
     for row in plan.scaling:
         eff = f"{row['efficiency']:10.1%}" if "efficiency" in row else "       n/a"

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lockstep.train import resize, zero
+from lockstep.train import diloco, resize, zero
 from lockstep.train.checkpoint_files import (  # noqa: F401  (re-exported: the public file API)
     FORMAT,
     UNFINISHED,
@@ -102,6 +102,10 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
     check_fence(trainer)  # a writer whose generation was passed writes nothing, not even ZeRO's parts
     mine = {"sampler": trainer.sampler.state_dict(), "rng": capture_rng_state(),
             "loss_sum": trainer._loss_sum, "loss_count": trainer._loss_count}
+    outer = trainer.diloco  # DiLoCo: each rank's own model and optimizer, the synced state once (train/diloco.py)
+    if outer is not None:
+        mine["diloco_local"] = diloco.local_state(trainer.model, trainer.optimizer)
+    outer_state = outer.state_dict() if outer is not None else None  # every rank: it waits for what is in flight
     stage = trainer.config.zero
     if stage:  # every rank's optimizer shard in a part file first; rank 0 commits the checkpoint only if all are
         mine["part_error"] = zero.save_part(trainer.optimizer, checkpoint_path(trainer.config.checkpoint_dir,
@@ -118,7 +122,7 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
         try:
             if stage:
                 zero.check_parts(target, [r.get("part_error", "") for r in gathered])  # type: ignore[union-attr]
-            path = save_atomic(_payload(trainer, gathered or []), target, kill=kill)
+            path = save_atomic(_payload(trainer, gathered or [], outer_state), target, kill=kill)
         except Exception as e:  # whatever it is, every rank must hear of it: rank 0 alone must not leave
             if stage:
                 zero.remove_parts(target)  # parts of a checkpoint never committed
@@ -181,7 +185,7 @@ def check_fence(trainer) -> None:
         raise StaleGenerationError(verdict[0])
 
 
-def _payload(trainer, gathered: list) -> dict:
+def _payload(trainer, gathered: list, outer_state: dict | None) -> dict:
     """Global rank 0's checkpoint: the shared state, and every rank's own (``gathered``)."""
     scheduler, stage = trainer.scheduler, trainer.config.zero
     fence = trainer.fence
@@ -195,7 +199,8 @@ def _payload(trainer, gathered: list) -> dict:
             "optimizer": None if stage else trainer.optimizer.state_dict(),
             "optimizer_parts": zero.parts_entry(trainer.step, stage, trainer.world_size) if stage else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None, "ranks": gathered,
-            "scaler": trainer.precision.state_dict()}  # fp16's GradScaler: scale and growth tracker
+            "scaler": trainer.precision.state_dict(),  # fp16's GradScaler: scale and growth tracker
+            "diloco": outer_state}
 
 
 def open_writer_files(trainer):
@@ -302,6 +307,11 @@ def load_trainer_checkpoint(trainer) -> str | None:
     if trainer.scheduler is not None:
         trainer.scheduler.load_state_dict(payload["scheduler"])
     trainer.precision.load_state_dict(payload.get("scaler"), path)
+    if (payload.get("diloco") is None) != (trainer.diloco is None):
+        raise ValueError(f"checkpoint {path} and this Trainer disagree on TrainerConfig.diloco_sync_every")
+    if trainer.diloco is not None:  # at another world size every rank starts from the synced copy
+        diloco.load(trainer.diloco, trainer.model, trainer.optimizer, payload["diloco"],
+                    None if resized else payload["ranks"][trainer.rank]["diloco_local"])
     trainer.step, trainer.epoch, trainer.batches_done = payload["step"], payload["epoch"], payload["batches_done"]
     if payload.get("run_id"):  # the resumed run is that run: its later checkpoints and metrics lines join it
         trainer.run_id = payload["run_id"]

@@ -5,7 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from lockstep.ddp.diloco import DiLoCoConfig
 from lockstep.train.precision import AUTOCAST_DTYPES as _AUTOCAST_DTYPES
+
+
+def _positive_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 @dataclass
@@ -53,6 +58,15 @@ class TrainerConfig:
     # gradients too (DistributedDataParallel.zero_optimizer); the Trainer builds it from the optimizer it is given
     # (its class, groups and settings). Checkpoints then hold one optimizer part a rank (train/zero.py).
     zero: int | None = None
+    # DiLoCo (docs/diloco.md): every node trains on its own and the nodes average every diloco_sync_every optimizer
+    # steps (the outer step: SGD with Nesterov momentum on the pseudo-gradients); None: DDP, every step. The rest
+    # are DiLoCoConfig's fields of the same name; checkpoints then carry the synced copy and the outer optimizer.
+    diloco_sync_every: int | None = None
+    diloco_outer_lr: float = 0.7
+    diloco_outer_momentum: float = 0.9
+    diloco_fragments: int = 1  # > 1: streaming (fragments synced at staggered steps, each overlapped with compute)
+    diloco_wire_dtype: str = "fp32"  # "bf16" / "fp16": half the bytes on the link
+    diloco_warmup_steps: int = 0  # synchronous steps first (the parameters averaged after each), then the outer loop
     check_replicas_every: int | None = None  # check the replicas' parameters agree every N optimizer steps
     trace_dir: str | None = None  # record the overlap timeline of trace_steps there (Chrome trace, summary, PNG)
     trace_steps: tuple[int, int] = (5, 10)  # first and last optimizer step of the timeline, inclusive
@@ -122,9 +136,31 @@ class TrainerConfig:
         if self.resume and self.overwrite:
             raise ValueError("TrainerConfig.resume and TrainerConfig.overwrite exclude each other: "
                              "resume continues the run in checkpoint_dir, overwrite replaces it")
+        self.diloco()  # its own validation, in DiLoCoConfig, reported under these fields' names
+        if self.diloco_sync_every is not None:
+            if self.zero or self.overlap_step:
+                raise ValueError("TrainerConfig.diloco_sync_every excludes TrainerConfig.zero and overlap_step=True: "
+                                 "each node keeps its own whole optimizer and steps it before the outer sync")
+            if self.check_replicas_every is not None:
+                raise ValueError("TrainerConfig.diloco_sync_every excludes TrainerConfig.check_replicas_every: the "
+                                 "nodes' replicas differ between syncs by design")
         for name in ("resume", "save_every_steps", "overwrite"):
             if getattr(self, name) and self.checkpoint_dir is None:
                 raise ValueError(f"TrainerConfig.{name} needs TrainerConfig.checkpoint_dir to be set")
+
+    def diloco(self) -> DiLoCoConfig | None:
+        """The DiLoCoConfig of the diloco_* fields (None without diloco_sync_every); a bad value raises a ValueError
+        naming the TrainerConfig field."""
+        if self.diloco_sync_every is None:
+            return None
+        try:
+            return DiLoCoConfig(sync_every=self.diloco_sync_every, outer_lr=self.diloco_outer_lr,
+                                outer_momentum=self.diloco_outer_momentum,
+                                nesterov=_positive_number(self.diloco_outer_momentum),
+                                wire_dtype=self.diloco_wire_dtype, fragments=self.diloco_fragments,
+                                warmup_steps=self.diloco_warmup_steps)
+        except ValueError as e:
+            raise ValueError(str(e).replace("DiLoCoConfig.", "TrainerConfig.diloco_")) from None
 
     def resolved_log_dir(self) -> str | None:
         """Where the per-run CSV / TensorBoard folders go (TrainerConfig.log_dir's default spelled out)."""

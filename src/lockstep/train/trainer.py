@@ -31,6 +31,7 @@ from lockstep.diagnostics.watchdog import FROM_ENV
 from lockstep.process_group import socket_fds
 from lockstep.sampler import DistributedSampler
 from lockstep.train import checkpoint as ckpt
+from lockstep.train import diloco as outer
 from lockstep.train.config import TrainerConfig
 from lockstep.train.departures import explain_departure, next_fit
 from lockstep.train.epoch_meter import EpochMeter
@@ -122,12 +123,16 @@ class Trainer:
         # not building a DDP: it makes none of the construction's collectives and takes the state in fit()
         newcomer = self._joining()
         sockets_before = socket_fds()  # DDP's subgroups (the hierarchical all-reduce): in-place recovery shuts them
+        groups = self._diloco_groups(group)  # DiLoCo: the DDP runs inside the node (train/diloco.py)
         self.ddp = DistributedDataParallel(
-            model, device_ids=device_ids, process_group=group, check_replicas_every=cfg.check_replicas_every,
+            model, device_ids=device_ids, process_group=group if groups is None else groups.ddp,
+            check_replicas_every=cfg.check_replicas_every,
             detect_nonfinite=cfg.detect_nonfinite and self.precision.scaler is None, trace_dir=cfg.trace_dir,
             trace_steps=(cfg.trace_steps[0], cfg.trace_steps[1]) if cfg.trace_dir else None,  # a list given: a tuple
             hang_timeout_s=FROM_ENV if cfg.hang_timeout_s is None else cfg.hang_timeout_s, init_sync=not newcomer,
             hierarchical_all_reduce=False if newcomer else None)
+        diloco_config = cfg.diloco()
+        self.diloco = None if groups is None or diloco_config is None else outer.build(model, diloco_config, groups)
         if cfg.zero:  # the optimizer's class, groups and settings, sharded (train/zero.py); before any scheduler
             if scheduler is not None:
                 raise ValueError("Trainer: scheduler= was built on the optimizer that TrainerConfig.zero replaces; "
@@ -142,7 +147,7 @@ class Trainer:
         self._committed: dict | None = None  # the state the last committed step left (``_snapshot``)
         self._regrouped: Regrouped | None = None  # a re-formation to report after the first step at the new size
         # Before any scheduler wraps optimizer.step (a scheduler made later wraps the deferred step: torch's order).
-        self.overlapped = self._inplace is None and not cfg.zero and wants_overlap(
+        self.overlapped = self._inplace is None and not cfg.zero and self.diloco is None and wants_overlap(
             cfg, optimizer, self.precision.scaler is not None, self.world_size)
         if self.overlapped:  # the bound optimizer steps in the next forward (the user's is left as it was)
             self.optimizer = self.ddp.overlap_optimizer_step(optimizer)
@@ -380,6 +385,8 @@ class Trainer:
             regrouped = self._inplace.commit(self.step + 1) if self._inplace is not None else None
             self.precision.step(self.optimizer, self._clip)  # fp16: unscaled, then skipped on an Inf/NaN
             self.optimizer.zero_grad(set_to_none=True)
+            if self.diloco is not None:
+                self.diloco.step()  # every H steps: the outer sync (its cost is in this step's time)
             if self.scheduler is not None:
                 self.scheduler.step()
             if tracer is not None:
@@ -444,6 +451,15 @@ class Trainer:
         elif self.config.resume:
             self.load_latest()
         return joined
+
+    def _diloco_groups(self, group: dist.ProcessGroup | None) -> outer.DiLoCoGroups | None:
+        """DiLoCo's groups where the config asks for it (before the DDP, which runs on the node's group)."""
+        if self.config.diloco_sync_every is None:
+            return None
+        if group is not None or self._inplace is not None:
+            raise ValueError("TrainerConfig.diloco_sync_every: the default group only, and no in-place recovery "
+                             "(launch with --recovery restart: a resume starts from the last synced parameters)")
+        return outer.make_groups()
 
     def _joining(self) -> bool:
         """This process joins a running in-place job (a node come back) and has not taken its state yet."""
@@ -547,12 +563,14 @@ class Trainer:
         share = meter.comm_share if self._comm_wait_total_s() is not None else None
         # the bar: this rank's mean loss so far this epoch (the last line: every rank's, as the summary's)
         running_loss = self._loss_sum / self._loss_count if self._loss_count else loss_value
-        bar.set_postfix(step_postfix(running_loss, meter.samples_per_s, step_s, share), refresh=False)
+        bar.set_postfix({**step_postfix(running_loss, meter.samples_per_s, step_s, share),
+                         **outer.sync_postfix(self.diloco)}, refresh=False)
         bar.update(1)
         if self.step % cfg.log_every_steps == 0:
             lr = self.optimizer.param_groups[0]["lr"]
             self.metrics.write({"event": "train", "step": self.step, "epoch": self.epoch + 1, "loss": loss_value,
-                                "lr": lr, "samples_per_s": meter.samples_per_s, "comm_share": share})
+                                "lr": lr, "samples_per_s": meter.samples_per_s, "comm_share": share,
+                                **outer.sync_metrics(self.diloco)})
         if cfg.save_every_steps and self.step % cfg.save_every_steps == 0:
             self.save_checkpoint()
         if self.on_step_end is not None:
@@ -604,10 +622,12 @@ class Trainer:
             self.on_epoch_end(self, record)
 
     def evaluate(self) -> dict:
-        """Loss (and accuracy for class-index targets) over the eval set, each sample counted once."""
-        return evaluate(self.model, self.loss_fn, self.eval_data, self._loader, self.world_size, self.rank,
-                        self.config.eval_batch_size or self.config.batch_size, self.device, self._autocast, self.group,
-                        metric_fn=self.metric_fn)
+        """Loss (and accuracy for class-index targets) over the eval set, each sample counted once; with DiLoCo, of
+        the parameters of the last sync (the model every node agrees on)."""
+        with contextlib.nullcontext() if self.diloco is None else self.diloco.global_parameters():
+            return evaluate(self.model, self.loss_fn, self.eval_data, self._loader, self.world_size, self.rank,
+                            self.config.eval_batch_size or self.config.batch_size, self.device, self._autocast,
+                            self.group, metric_fn=self.metric_fn)
 
     # -- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, on_error: str | None = None):
