@@ -24,6 +24,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from lockstep import keys
 from lockstep.launch import console, elastic, orphan, rendezvous
 from lockstep.launch.output import RANK_PREFIX_TEMPLATE, LaunchError, RankLogsSpecs
 from lockstep.launch.repeats import restarts_end_on_a_repeat
@@ -275,8 +276,8 @@ def _agent_environment(
         updates["LOCKSTEP_LOG_DIR"] = log_dir  # hang reports go beside the ranks' logs
     updates.update(extra or {})
     if options.in_place:
-        updates[elastic.INPLACE_ENV] = "1"  # the Trainer recovers from a lost node in place (train/inplace.py)
-        updates[elastic.INPLACE_MIN_WORLD_ENV] = str((options.min_nodes or 1) * options.nproc_per_node)
+        updates[keys.INPLACE_ENV] = "1"  # the Trainer recovers from a lost node in place (train/inplace.py)
+        updates[keys.INPLACE_MIN_WORLD_ENV] = str((options.min_nodes or 1) * options.nproc_per_node)
     if options.as_torch_ddp:
         # read in every worker at `import torch` (lockstep.integrations.autoload)
         updates["LOCKSTEP_AS_TORCH_DDP"] = "1"
@@ -286,7 +287,7 @@ def _agent_environment(
     # torch's launch_agent sets this variable and installs handlers for these signals without undoing
     # either; launch_function runs in the caller's process, whose Ctrl-C must behave as before afterwards.
     # and the job's id, which the rendezvous handler sets once the round knows it (launch/rendezvous.py)
-    saved = {k: os.environ.get(k) for k in [*updates, elastic.JOB_ENV]}
+    saved = {k: os.environ.get(k) for k in [*updates, keys.JOB_ENV]}
     handled = [getattr(signal, name) for name in _SIGNALS_TO_HANDLE.split(",") if hasattr(signal, name)]
     in_main_thread = threading.current_thread() is threading.main_thread()
     saved_handlers = {sig: signal.getsignal(sig) for sig in handled} if in_main_thread else {}
@@ -337,7 +338,7 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
             # Each worker dies with this launcher, even a kill -9 of it (orphan.py): torch's agent cannot.
             entrypoint, args = orphan.guarded_command(entrypoint, args)
         with (
-            _agent_environment(options, log_dir, {PREEMPT_DIR_ENV: preempt_dir, elastic.REPORT_ENV: "1"}),
+            _agent_environment(options, log_dir, {PREEMPT_DIR_ENV: preempt_dir, keys.REPORT_ENV: "1"}),
             console.single_prefix() as shown,
             console.quiet_agent_log(logs, shown),
             restarts_end_on_a_repeat(logs, options.max_restarts) as guard,

@@ -53,6 +53,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
+from lockstep import keys
 from lockstep.launch import elastic
 from lockstep.launch.liveness import (
     READ_TIMEOUT_S,
@@ -65,7 +66,6 @@ from lockstep.launch.liveness import (
     worker_pids,
 )
 from lockstep.network import accepts, route_source_addr, serve_store
-from lockstep.process_group import INPLACE_JOIN_ENV
 
 BACKEND = "lockstep"
 # A node 0 that starts waits this long for a survivor to write the running round into its fresh store (the
@@ -196,7 +196,7 @@ class LockstepRendezvous(RendezvousHandler):
         if self.node_rank == 0:
             self._store.compare_set(elastic.JOB_KEY, "", uuid.uuid4().hex[:12])
         self.job_id = self._store.get(elastic.JOB_KEY).decode()
-        os.environ[elastic.JOB_ENV] = self.job_id
+        os.environ[keys.JOB_ENV] = self.job_id
 
     def _before_in_place_round(self) -> RendezvousInfo | None:
         """In place, before torch's round: this node's standby store; a node that was never in torch's round joins
@@ -209,7 +209,7 @@ class LockstepRendezvous(RendezvousHandler):
             self._standby = serve_store(self.local_addr, 0, READ_TIMEOUT_S)
         if self._last_nodes is None:  # never in torch's round: may join a running one
             self.joined_in_place = False
-            os.environ.pop(INPLACE_JOIN_ENV, None)  # workers started after torch's round must not try to join
+            os.environ.pop(keys.INPLACE_JOIN_ENV, None)  # workers started after torch's round must not try to join
             if self.node_rank == 0:  # its store is new: a survivor writes the running round there if one runs
                 self._await_running_round()
             joined = self._join_running()
@@ -225,7 +225,7 @@ class LockstepRendezvous(RendezvousHandler):
         self._round_nodes = nodes
         self._relay = _Relay(store)
         self._round = (self._relay, len(nodes))
-        os.environ[elastic.INPLACE_STORES_ENV] = json.dumps({"store_node": nodes[0]["node_rank"], "nodes": [
+        os.environ[keys.INPLACE_STORES_ENV] = json.dumps({"store_node": nodes[0]["node_rank"], "nodes": [
             {"node_rank": n["node_rank"], "addr": n["addr"], "port": n["standby"],
              "ranks": list(range(i * self.nproc, (i + 1) * self.nproc))} for i, n in enumerate(nodes)]})
         self._in_place_report = elastic.InPlaceReport(master, port, nodes, self.nproc, self._left_in_place,
@@ -268,7 +268,7 @@ class LockstepRendezvous(RendezvousHandler):
         known = {n["node_rank"]: n for n in [self._node_record(), *(self._last_nodes or [])]}
         for node in sorted(known.values(), key=lambda n: n["node_rank"]):
             if node["node_rank"] != gone and "standby" in node and holds(node["addr"], node["standby"],
-                                                                            elastic.INPLACE_TAKEOVER_KEY):
+                                                                            keys.INPLACE_TAKEOVER_KEY):
                 self._moved_to(node, gone)
                 return node["addr"], node["standby"]
         return None
@@ -336,9 +336,9 @@ class LockstepRendezvous(RendezvousHandler):
                                 f"({there[self.node_rank]['addr']}); give this node another --node-rank")
         addr = running.get("addr", self.master_addr)
         me = self._node_record()
-        os.environ.pop(elastic.INPLACE_STORES_ENV, None)  # its workers learn the stores with their admission
+        os.environ.pop(keys.INPLACE_STORES_ENV, None)  # its workers learn the stores with their admission
         # inherited by the workers the agent starts next (torch copies os.environ): process_group.init() joins
-        os.environ[INPLACE_JOIN_ENV] = json.dumps({"base": running["base"], "node": me, "t0": self._started_at})
+        os.environ[keys.INPLACE_JOIN_ENV] = json.dumps({"base": running["base"], "node": me, "t0": self._started_at})
         self.joined_in_place = True
         print(f"lockstep launch: node {self.node_rank} joins the running job in place (workers' store "
               f"{addr}:{running['port']}); its ranks start at the others' next step boundary",
@@ -358,7 +358,7 @@ class LockstepRendezvous(RendezvousHandler):
         node that comes back later finds the running job whoever was lost."""
         self.job_id = running.get("job") or self.job_id
         if self.job_id:
-            os.environ[elastic.JOB_ENV] = self.job_id
+            os.environ[keys.JOB_ENV] = self.job_id
         self._token = uuid.uuid4().hex  # names this agent's own exit barrier (``_Relay``) in a store moved to
         self._round_nodes = running.get("round_nodes") or running["nodes"]
         self._last_nodes = sorted(running["nodes"], key=lambda n: n["node_rank"])  # this node once admitted
@@ -511,7 +511,7 @@ class LockstepRendezvous(RendezvousHandler):
     def shutdown(self) -> bool:
         self._stop_watchdog()
         if self.joined_in_place:
-            os.environ.pop(INPLACE_JOIN_ENV, None)
+            os.environ.pop(keys.INPLACE_JOIN_ENV, None)
             return True  # not in torch's round: closing the rendezvous is node 0's, at the job's end
         if self._moved is not None or (self.lost_reason is not None and self.node_rank != 0):
             return False  # node 0's store is gone or unreachable: closing it would only wait for a timeout
@@ -567,7 +567,7 @@ def _admits(host: str, port: int) -> bool | None:
     try:
         if not accepts(host, port, 5):
             return None  # gone: no TCPStore client's refused tries (each logs a line)
-        return connect(host, port, 10).check([elastic.INPLACE_ACCEPTS_JOINS_KEY])
+        return connect(host, port, 10).check([keys.INPLACE_ACCEPTS_JOINS_KEY])
     except Exception:
         return None
 
@@ -577,7 +577,7 @@ def _next_report(host: str, port: int) -> int:
     written there yet: the report passes over generations whose record never comes)."""
     try:
         store = connect(host, port, 10)
-        latest = f"{elastic.INPLACE_REPORT_KEY}/latest"
+        latest = f"{keys.INPLACE_REPORT_KEY}/latest"
         return int(store.get(latest)) + 1 if store.check([latest]) else 1
     except Exception:
         return 1

@@ -43,33 +43,25 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lockstep import keys
 from lockstep.diagnostics.watchdog import report_hang_now
+from lockstep.keys import INPLACE_BASE_KEY, INPLACE_ENDED_KEY, INPLACE_PREFIX, INPLACE_TIMEOUT_ENV
 from lockstep.network import accepts
-from lockstep.process_group import (
-    INPLACE_BASE_KEY,
-    INPLACE_ENDED_KEY,
-    INPLACE_PREFIX,
-    INPLACE_TIMEOUT_ENV,
-    group_sockets,
-    socket_fds,
-    take_admission,
-)
+from lockstep.process_group import group_sockets, socket_fds, take_admission
 from lockstep.train.resize import derived_rng_state
 
-ENV = "LOCKSTEP_INPLACE"  # "1": set by ``lockstep launch --nnodes MIN:MAX`` (launch/elastic.py's INPLACE_ENV)
+ENV = keys.INPLACE_ENV
 TIMEOUT_ENV = INPLACE_TIMEOUT_ENV  # gloo's per-operation timeout in an in-place run
-MIN_WORLD_ENV = "LOCKSTEP_INPLACE_MIN_WORLD"  # --nnodes MIN x --nproc-per-node: fewer survivors leave it to the agent
-PREFIX = INPLACE_PREFIX  # a newcomer's admission (process_group.py) reads and writes the same keys
-REPORT_KEY = f"{PREFIX}/report"  # + "/<generation>": what the launcher prints (launch/elastic.py, the same key)
+MIN_WORLD_ENV = keys.INPLACE_MIN_WORLD_ENV
+PREFIX = INPLACE_PREFIX
+REPORT_KEY = keys.INPLACE_REPORT_KEY
 BEAT_S = 0.2  # each rank's heartbeat in the store
 SILENT_S = 1.5  # a member that did not rejoin and whose heartbeat stood still this long is gone
 ALARM_SILENT_S = 15.0  # a member silent this long raises the alarm by itself (a cut link: no socket closes)
 DECIDE_TIMEOUT_S = 60.0
 MAX_REJOINS_WITHOUT_PROGRESS = 3  # an error that comes back after every re-formation is no lost peer: raise it
-# Set by ``lockstep launch`` (launch/rendezvous.py, the same name): every node's standby store (each agent serves
-# one) and the launch ranks on that node, and which node serves the workers' store now.
-STORES_ENV = "LOCKSTEP_INPLACE_STORES"
-TAKEOVER_KEY = f"{PREFIX}/takeover"  # in a standby store: the generation whose re-formation moved the workers there
+STORES_ENV = keys.INPLACE_STORES_ENV
+TAKEOVER_KEY = keys.INPLACE_TAKEOVER_KEY
 STANDBY_CONNECT_S = 2.0  # a standby store that does not take a connection this fast is not the successor
 
 
@@ -118,7 +110,7 @@ def _shut(fds: set[int], keep_port: int) -> None:
             sock.close()
 
 
-ACCEPTS_JOINS_KEY = f"{PREFIX}/accepts_joins"  # set by a Trainer or InPlaceRecovery: a node may join in place
+ACCEPTS_JOINS_KEY = keys.INPLACE_ACCEPTS_JOINS_KEY
 
 
 class Joins:
