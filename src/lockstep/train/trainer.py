@@ -18,6 +18,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 import torch
@@ -53,7 +54,7 @@ from lockstep.train.progress import epoch_line, nothing_left_line, progress_bar,
 from lockstep.train.resize import accum_steps_for, batches_done_at
 from lockstep.train.run_identity import claim_checkpoint_dir
 from lockstep.train.stragglers import BLOCKS, find_straggler, gather_epoch, straggler_line
-from lockstep.train.zero import sharded_optimizer
+from lockstep.train.zero import load_optimizer_state, sharded_optimizer
 
 __all__ = ["Trainer", "TrainerConfig"]
 
@@ -172,7 +173,8 @@ class Trainer:
         self._loss_sum, self._loss_count = 0.0, 0  # this rank's training loss this epoch (kept in checkpoints)
         self._train_time_s, self._samples_seen = 0.0, 0
         self.history: list[dict] = []
-        self.last_checkpoint, self.resumed_from = None, None
+        self.last_checkpoint: Path | str | None = None  # a Path once saved here, its str once loaded or adopted
+        self.resumed_from: str | None = None
         self._saved_at: tuple[int, int] | None = None  # (step, epoch) of the last checkpoint saved or loaded
         self.resized_from: int | None = None  # the world size of a checkpoint resumed at another size
         # set by open_writer_files (rank 0's, on every rank); a resume adopts the checkpoint's
@@ -181,7 +183,9 @@ class Trainer:
         # by the writer; passed on to the next writer when the group re-forms in place
         self.fence: JobFence | None = None
         # rank 0's files checked on every rank alike (a newcomer: rank 0 checked them long ago; its run id comes in fit)
-        self.metrics = MetricsLog(None, enabled=False) if self._joining() else ckpt.open_writer_files(self)
+        self.metrics = MetricsLog(None, enabled=False)
+        if not self._joining():
+            self.metrics, self.run_id = ckpt.open_writer_files(self)
         self.save_errors: list[str] = []  # checkpoints that failed under on_save_error="continue"
         self.preempted = False
         self._watch: PreemptionWatch | None = None
@@ -614,11 +618,42 @@ class Trainer:
         """Every rank must call this (it gathers each rank's sampler position and RNG); global rank 0 writes.
 
         ``on_error`` ("raise" / "continue") overrides TrainerConfig.on_save_error for this save."""
-        return ckpt.save_trainer_checkpoint(self, on_error)
+        saved = ckpt.save_trainer_checkpoint(self, on_error)
+        if saved.error is not None:
+            self.save_errors.append(saved.error)
+        else:
+            self._saved_at, self.last_checkpoint = (self.step, self.epoch), saved.checkpoint
+        return saved.path
 
     def load_latest(self):
         """Load the newest checkpoint in checkpoint_dir on every rank; returns its path, or None if there is none."""
-        return ckpt.load_trainer_checkpoint(self)
+        state = ckpt.load_trainer_checkpoint(self)
+        if state is None:
+            return None
+        self._resume(state)
+        return state.path
+
+    def _resume(self, state: ckpt.ResumedState) -> None:
+        """Take a checkpoint read back (``checkpoint.load_trainer_checkpoint``, checked already): the model, the
+        optimizer, the scheduler and the scaler, where training stands, this rank's data position, loss and RNG.
+        The RNG last: nothing after it may draw randomness."""
+        self.model.load_state_dict(state.model)
+        load_optimizer_state(self.optimizer, state.optimizer, state.own_shard)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state.scheduler)
+        self.precision.load_state_dict(state.scaler, state.path)
+        self.step, self.epoch, self.batches_done = state.step, state.epoch, state.batches_done
+        if state.run_id:  # the resumed run is that run: its later checkpoints and metrics lines join it
+            self.run_id = state.run_id
+        self._saved_at = (self.step, self.epoch)
+        if state.resized_from is not None:  # the same global batch at this world size (train/resize.py)
+            assert state.global_batch is not None and state.grad_accum_steps is not None
+            self.grad_accum_steps, self.global_batch = state.grad_accum_steps, state.global_batch
+            self.resized_from = state.resized_from
+        self.sampler.load_state_dict(state.sampler)
+        self._loss_sum, self._loss_count = state.loss_sum, state.loss_count
+        state.restore_rng(self.config.seed, self.rank)
+        self.last_checkpoint = self.resumed_from = state.path
 
     # -- reporting -------------------------------------------------------------------------
     def comm_report(self) -> dict:
