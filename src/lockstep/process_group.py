@@ -240,7 +240,7 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, env: dict | None
 
 # -- joining a running in-place group (train/inplace/; the keys are lockstep/keys.py's) -------------------------
 JOIN_WAIT_S = 600.0  # how long a newcomer waits to be admitted (the others admit at their next step boundary)
-_ADMISSION: list[dict] = []  # what the survivors admitted this process as (read once by train/inplace.py)
+_ADMISSION: list[dict] = []  # what the survivors admitted this process as (read once by train/inplace/group.py)
 
 
 def _join_in_place(backend: str, spec: dict, local_rank: int) -> None:
@@ -316,7 +316,7 @@ def admission_pending() -> bool:
 
 def take_admission() -> dict | None:
     """How this process joined a running in-place group (``_join_in_place``), once; None where it did not. The
-    heartbeat it kept stops: the caller's (train/inplace.py's watcher) takes over."""
+    heartbeat it kept stops: the caller's (train/inplace/watcher.py) takes over."""
     if not _ADMISSION:
         return None
     admission = _ADMISSION.pop()
@@ -325,7 +325,7 @@ def take_admission() -> dict | None:
 
 
 # The sockets the default group's creation opened (gloo's connections, the store's client): in-place recovery
-# (train/inplace.py) shuts them down to end a collective that waits on a lost peer; gloo cannot abort one.
+# (train/inplace/watcher.py) shuts them down to end a collective that waits on a lost peer; gloo cannot abort one.
 _GROUP_SOCKETS: list[int] = []
 
 

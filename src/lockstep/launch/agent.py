@@ -85,7 +85,7 @@ class LaunchOptions:
     # --nnodes MIN:MAX: the job runs on MIN to nnodes nodes and re-forms when one leaves or joins
     # (launch/elastic.py); None: exactly nnodes
     min_nodes: int | None = None
-    # --nnodes MIN:MAX: "in-place" (the survivors' workers re-form the group themselves, train/inplace.py) or
+    # --nnodes MIN:MAX: "in-place" (the survivors' workers re-form the group themselves, train/inplace/) or
     # "restart" (every worker restarted, torchrun's way)
     recovery: str = "in-place"
 
@@ -276,7 +276,7 @@ def _agent_environment(
         updates["LOCKSTEP_LOG_DIR"] = log_dir  # hang reports go beside the ranks' logs
     updates.update(extra or {})
     if options.in_place:
-        updates[keys.INPLACE_ENV] = "1"  # the Trainer recovers from a lost node in place (train/inplace.py)
+        updates[keys.INPLACE_ENV] = "1"  # the Trainer recovers from a lost node in place (train/inplace/)
         updates[keys.INPLACE_MIN_WORLD_ENV] = str((options.min_nodes or 1) * options.nproc_per_node)
     if options.as_torch_ddp:
         # read in every worker at `import torch` (lockstep.integrations.autoload)

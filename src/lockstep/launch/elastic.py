@@ -96,7 +96,7 @@ def describe_in_place(record: dict, nodes: list[dict], nproc: int) -> tuple[str,
     for a grow, 'node 1 (10.201.0.2) joined at step 815: world 2 -> 4 in 6.2 s from its launch, the others
     paused 0.4 s', and the nodes that joined.
 
-    ``record`` is what the workers' new rank 0 wrote (train/inplace.py): the launch ranks that left (or the
+    ``record`` is what the workers' new rank 0 wrote (train/inplace/): the launch ranks that left (or the
     ids that joined), the sizes, the step the group went on from, the seconds from the first alarm (from the
     newcomers' launcher start) to the first step at the new size. Launch rank r ran on the round's node
     r // nproc (nodes numbered by --node-rank); a newcomer's node is in the record's ``where``."""

@@ -21,13 +21,13 @@ With ``--recovery in-place`` node 0 also records the running round (its workers'
 rendezvous store. A node that starts while such a round runs, and whose workers admit newcomers (a Trainer, or
 ``InPlaceRecovery`` in a script's loop), skips torch's rendezvous: its agent gets a round of its own (rank 0 of 1,
 so torch's rank assignment and exit barrier need nobody else), its workers the running job's store and
-``LOCKSTEP_INPLACE_JOIN``, and they join the running group at a step boundary (train/inplace.py). The running agents
+``LOCKSTEP_INPLACE_JOIN``, and they join the running group at a step boundary (train/inplace/). The running agents
 never see a node waiting, so they restart nothing. Otherwise (no such round, workers that admit nobody) the node
 takes torch's way: the running agents see it waiting and restart their workers at the larger size.
 
 No node is special in place: every agent also serves a standby store, listed in the round's records. When node 0's
 stores stop answering (every process of node 0 gone), the survivors' workers move to the standby store of the
-lowest surviving node (train/inplace.py, fenced by the generation) and go on; the agents find the store they moved
+lowest surviving node (train/inplace/store_move.py, fenced by the generation) and go on; the agents find the store they moved
 to (``_find_standby``) and follow: heartbeats, the in-place lines, torch's exit barrier (``_Relay``). The lowest
 surviving node knocks at node 0's endpoint (``EndpointProbe``); a node 0 that starts waits ``RETURN_WAIT_S`` for
 such a record in its new store, and joins the running job in place when it finds one.
@@ -126,7 +126,7 @@ class LockstepRendezvous(RendezvousHandler):
         self._running: dict | None = None  # node 0, in place: the running round's workers' store and first new id
         self.joined_in_place = False  # this node's workers joined a running in-place round (``_join_running``)
         # In place, several nodes: a store each agent serves for its whole life, empty until node 0's stores stop
-        # answering and the workers move theirs here (train/inplace.py); every node's is in the round's records.
+        # answering and the workers move theirs here (train/inplace/); every node's is in the round's records.
         self._standby: dist.TCPStore | None = None
         self._moved: dict | None = None  # the node whose standby store the workers (and the agents) moved to
         self._round_nodes: list[dict] = []  # the nodes of torch's round: launch rank r ran on node r // nproc
@@ -262,7 +262,7 @@ class LockstepRendezvous(RendezvousHandler):
     # ------------------------------------------------------------------ node 0 gone: the standby stores
     def _find_standby(self) -> tuple[str, int] | None:
         """The liveness thread, once the store has not answered for a while: did the workers move their store
-        to a standby (train/inplace.py's takeover)? The agents follow them there; None: they did not (yet)."""
+        to a standby (train/inplace/store_move.py)? The agents follow them there; None: they did not (yet)."""
         gone = self._store_node
         # this node too, even before a record names it (a node that joined)
         known = {n["node_rank"]: n for n in [self._node_record(), *(self._last_nodes or [])]}
