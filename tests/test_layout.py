@@ -331,3 +331,34 @@ def test_shared_keys_have_one_home():
     assert spelled_shared_names("lockstep.launch.elastic", 'KEY = "lockstep/inplace/takeover"\n')
     assert spelled_shared_names("lockstep.train.x", 'k = f"lockstep/inplace/{g}/alarm"\n')
     assert not spelled_shared_names("lockstep.keys", 'KEY = "lockstep/inplace/takeover"\n')
+
+
+# Issue #43: the Trainer's fields are written by the Trainer alone. A checkpoint read back is a state the Trainer
+# applies (``Trainer._resume``), a save's outcome one it records; checkpoint.py wrote 18 of its fields before.
+def trainer_writes(module: str, source: str) -> list[str]:
+    """``module:line target`` for each assignment to ``trainer.<attr>`` (or ``trainer.<attr>.append``) outside
+    train/trainer.py."""
+    if module == "lockstep.train.trainer":
+        return []
+    bad = set()
+    for node in ast.walk(ast.parse(source)):
+        for target in _assigned_targets(node):
+            while isinstance(target, ast.Subscript):
+                target = target.value
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
+                    and target.value.id == "trainer":
+                bad.add(f"{module}:{node.lineno} {ast.unparse(target)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "append" \
+                and isinstance(node.func.value, ast.Attribute) and isinstance(node.func.value.value, ast.Name) \
+                and node.func.value.value.id == "trainer":
+            bad.add(f"{module}:{node.lineno} {ast.unparse(node.func)}")
+    return sorted(bad)
+
+
+def test_only_the_trainer_writes_its_fields():
+    bad = [b for module, source in all_modules().items() for b in trainer_writes(module, source)]
+    assert not bad, "Trainer fields assigned outside train/trainer.py (return a state the Trainer applies):\n" + \
+        "\n".join(bad)
+    assert trainer_writes("lockstep.train.checkpoint", "trainer.step, trainer.epoch = 1, 2\n")
+    assert trainer_writes("lockstep.train.checkpoint", "trainer.save_errors.append('x')\n")
+    assert not trainer_writes("lockstep.train.trainer", "trainer.step = 1\n")
