@@ -308,7 +308,8 @@ def test_checker_catches_a_reducer_write():
 
 # Issue #43: a key the launcher and the workers share is spelled once, in lockstep/keys.py. Two spellings of one key
 # (the store takeover's was a literal in launch/elastic.py and another in train/inplace.py) drift apart silently.
-SHARED_NAME = re.compile(r"^(lockstep/(inplace|resumed)|LOCKSTEP_(INPLACE|JOB_ID|REPORT_RESUME))")
+SHARED_NAME = re.compile(r"^(lockstep/(inplace|resumed)|LOCKSTEP_(INPLACE\w*|JOB_ID|REPORT_RESUME|HANG_TIMEOUT_S|LOG_DIR|"
+                         r"GLOO_IFNAME_PICKED|AS_TORCH_DDP)\b)")
 
 
 def spelled_shared_names(module: str, source: str) -> list[str]:
@@ -330,6 +331,9 @@ def test_shared_keys_have_one_home():
     assert not bad, "store keys or environment names spelled outside lockstep/keys.py:\n" + "\n".join(bad)
     assert spelled_shared_names("lockstep.launch.elastic", 'KEY = "lockstep/inplace/takeover"\n')
     assert spelled_shared_names("lockstep.train.x", 'k = f"lockstep/inplace/{g}/alarm"\n')
+    assert spelled_shared_names("lockstep.launch.agent", 'updates["LOCKSTEP_INPLACE_STORES"] = "{}"\n')
+    assert spelled_shared_names("lockstep.launch.agent", 'updates["LOCKSTEP_LOG_DIR"] = log_dir\n')
+    assert not spelled_shared_names("lockstep.launch.agent", 'updates["LOCKSTEP_LOG_DIRECTORY"] = log_dir\n')
     assert not spelled_shared_names("lockstep.keys", 'KEY = "lockstep/inplace/takeover"\n')
 
 

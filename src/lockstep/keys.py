@@ -20,6 +20,10 @@ INPLACE_TIMEOUT_ENV = "LOCKSTEP_INPLACE_TIMEOUT_S"  # gloo's per-operation timeo
 # workers' store now: {"store_node": N, "nodes": [{"node_rank", "addr", "port", "ranks"}, ...]}
 INPLACE_STORES_ENV = "LOCKSTEP_INPLACE_STORES"
 INPLACE_JOIN_ENV = "LOCKSTEP_INPLACE_JOIN"  # set for the workers of a node that joins a running job in place
+HANG_TIMEOUT_ENV = "LOCKSTEP_HANG_TIMEOUT_S"  # the DDP's hang_timeout_s default (``lockstep launch --hang-timeout``)
+LOG_DIR_ENV = "LOCKSTEP_LOG_DIR"  # where hang reports go: the job's log folder
+GLOO_IFNAME_PICKED_ENV = "LOCKSTEP_GLOO_IFNAME_PICKED"  # the GLOO_SOCKET_IFNAME the launcher picked (not the user)
+AS_TORCH_DDP_ENV = "LOCKSTEP_AS_TORCH_DDP"  # "1": every worker's ``import torch`` uses lockstep's DDP (autoload)
 
 # -- keys in the workers' store (MASTER_ADDR:MASTER_PORT) --------------------------------------------------------
 RESUME_KEY = "lockstep/resumed"  # the step the workers resumed from: the launcher's membership line

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.keys import (
+    GLOO_IFNAME_PICKED_ENV,
     INPLACE_BASE_KEY,
     INPLACE_ENDED_KEY,
     INPLACE_JOIN_COUNT_KEY,
@@ -158,7 +159,7 @@ def detect_launch_env(env: dict | None = None) -> LaunchEnv:
 
 def _gloo_interface(master_addr: str) -> str:
     """Point gloo at the interface that reaches the master unless the user did; the log line says which."""
-    picked_by_launch = os.environ.get("LOCKSTEP_GLOO_IFNAME_PICKED")
+    picked_by_launch = os.environ.get(GLOO_IFNAME_PICKED_ENV)
     if picked_by_launch and os.environ.get("GLOO_SOCKET_IFNAME") == picked_by_launch:
         return (f"gloo uses interface {picked_by_launch}, the one that reaches the master {master_addr} "
                 "(chosen by lockstep launch)")

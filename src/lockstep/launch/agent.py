@@ -269,18 +269,18 @@ def _agent_environment(
         # name resolves to (127.0.0.1 in many containers, which strands the other nodes); a user's choice stands.
         picked = pick_gloo_interface(options.master_addr)
         if picked is not None:
-            updates["GLOO_SOCKET_IFNAME"] = updates["LOCKSTEP_GLOO_IFNAME_PICKED"] = picked[0]
+            updates["GLOO_SOCKET_IFNAME"] = updates[keys.GLOO_IFNAME_PICKED_ENV] = picked[0]
     if options.hang_timeout_s is not None:
-        updates["LOCKSTEP_HANG_TIMEOUT_S"] = f"{options.hang_timeout_s:g}"  # DDP's default (diagnostics.watchdog)
+        updates[keys.HANG_TIMEOUT_ENV] = f"{options.hang_timeout_s:g}"  # DDP's default (diagnostics.watchdog)
     if log_dir:
-        updates["LOCKSTEP_LOG_DIR"] = log_dir  # hang reports go beside the ranks' logs
+        updates[keys.LOG_DIR_ENV] = log_dir  # hang reports go beside the ranks' logs
     updates.update(extra or {})
     if options.in_place:
         updates[keys.INPLACE_ENV] = "1"  # the Trainer recovers from a lost node in place (train/inplace/)
         updates[keys.INPLACE_MIN_WORLD_ENV] = str((options.min_nodes or 1) * options.nproc_per_node)
     if options.as_torch_ddp:
         # read in every worker at `import torch` (lockstep.integrations.autoload)
-        updates["LOCKSTEP_AS_TORCH_DDP"] = "1"
+        updates[keys.AS_TORCH_DDP_ENV] = "1"
     if "OMP_NUM_THREADS" not in os.environ and options.nproc_per_node > 1:
         # As torchrun does: N workers each starting one thread per core would oversubscribe the CPUs.
         updates["OMP_NUM_THREADS"] = "1"
