@@ -454,18 +454,14 @@ def test_in_place_line_names_the_node_the_step_the_sizes_and_the_time():
     (["--nnodes", "2"], (None, None)),  # a fixed size has no smaller size to go on at
 ])
 def test_in_place_is_on_for_min_max_unless_restart_is_asked_for(argv, expected):
-    from lockstep.launch import elastic
+    from lockstep import keys  # the one home of the names the launcher and the workers share
     from lockstep.launch.agent import _agent_environment
     from lockstep.launch.launcher import parse_launch_args
-    from lockstep.train import inplace
 
-    assert (elastic.INPLACE_ENV, elastic.INPLACE_MIN_WORLD_ENV) == (inplace.ENV, inplace.MIN_WORLD_ENV)
-    assert elastic.INPLACE_REPORT_KEY == inplace.REPORT_KEY
-    assert elastic.INPLACE_ACCEPTS_JOINS_KEY == inplace.ACCEPTS_JOINS_KEY
     options, _, _ = parse_launch_args([*argv, "--master-addr", "10.0.0.9", "--master-port", "29999", SCRIPT])
     with _agent_environment(options):
-        assert (os.environ.get(elastic.INPLACE_ENV), os.environ.get(elastic.INPLACE_MIN_WORLD_ENV)) == expected
-    assert os.environ.get(elastic.INPLACE_ENV) is None
+        assert (os.environ.get(keys.INPLACE_ENV), os.environ.get(keys.INPLACE_MIN_WORLD_ENV)) == expected
+    assert os.environ.get(keys.INPLACE_ENV) is None
 
 
 def test_bad_recovery_is_one_line_naming_the_flag(capsys):

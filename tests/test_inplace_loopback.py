@@ -250,7 +250,7 @@ def test_a_stuck_rank_is_named_by_the_hang_report_at_gloos_timeout_not_a_bare_gl
     watchdog off (hang_timeout_s=0) the waiting rank raises a named error instead."""
     import re
 
-    from lockstep.train.inplace import TIMEOUT_ENV
+    from lockstep.keys import INPLACE_TIMEOUT_ENV as TIMEOUT_ENV
 
     procs = _start_ranks(INPLACE, 2, str(tmp_path / "a"), "--pause-at", "3", "--pause-rank", "1",
                          env={TIMEOUT_ENV: "6"})
@@ -285,7 +285,7 @@ def test_both_of_gloos_timeout_texts_are_read_as_a_timeout():
     """The stuck-rank path above starts from gloo's timeout, which says so in two ways: the pair that waited gets
     "Timed out waiting", and the test above may see either. Before, the first was read as a lost peer (the
     survivors then waited 60 s to drop one rank of a node), the second as a bug in the step (raised bare)."""
-    from lockstep.train.inplace import _timed_out
+    from lockstep.train.inplace.regroup import timed_out as _timed_out
 
     assert _timed_out(RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
                                    "6000ms for recv operation to complete"))

@@ -286,10 +286,11 @@ def test_a_node_lost_between_torchs_round_and_the_node_exchange_is_a_named_error
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     from lockstep.launch.rendezvous import LockstepRendezvous
+    from lockstep.launch.store_takeover import Takeover
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=1), wait_for_workers=False)
     handler = object.__new__(LockstepRendezvous)
-    handler.node_rank, handler.nnodes_spec, handler.local_addr, handler._standby = 0, "2", "127.0.0.1", None
+    handler.node_rank, handler.nnodes_spec, handler.local_addr, handler._takeover = 0, "2", "127.0.0.1", Takeover()
     handler.min_nodes = handler.max_nodes = 2
     started = time.monotonic()
     with pytest.raises(RendezvousConnectionError, match=r"^node 0: the round's node\(s\) of rendezvous rank \[1\] "

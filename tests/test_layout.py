@@ -20,7 +20,7 @@ PACKAGE = ROOT / "src" / "lockstep"
 
 # part -> layer. A part is a subpackage or a top-level module; a module may import parts of lower layers.
 LAYERS = {
-    "slurm": 0, "sampler": 0, "network": 0, "code_paths": 0, "costmodel": 0,
+    "slurm": 0, "sampler": 0, "network": 0, "code_paths": 0, "costmodel": 0, "keys": 0,
     "process_group": 1,
     "collectives": 2,
     "comm_hooks": 3, "optim": 3,
@@ -304,3 +304,65 @@ def test_checker_catches_a_reducer_write():
     assert reducer_writes("lockstep.ddp.wrapper", "def f():\n    r = TorchReducer(p)\n    r.usage = None\n")
     assert not reducer_writes("lockstep.ddp.wrapper", "class Other:\n    def f(self):\n        self.usage = None\n")
     assert not reducer_writes("lockstep.ddp.wrapper", "self.reducer = Reducer()\nreducer.attach_observer(x)\n")
+
+
+# Issue #43: a key the launcher and the workers share is spelled once, in lockstep/keys.py. Two spellings of one key
+# (the store takeover's was a literal in launch/elastic.py and another in train/inplace.py) drift apart silently.
+SHARED_NAME = re.compile(r"^(lockstep/(inplace|resumed)|LOCKSTEP_(INPLACE\w*|JOB_ID|REPORT_RESUME|HANG_TIMEOUT_S|LOG_DIR|"
+                         r"GLOO_IFNAME_PICKED|AS_TORCH_DDP)\b)")
+
+
+def spelled_shared_names(module: str, source: str) -> list[str]:
+    """``module:line literal`` for each string (or f-string's leading text) outside lockstep.keys that spells a
+    shared store key or environment name."""
+    if module == "lockstep.keys":
+        return []
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+            node = node.values[0]
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and SHARED_NAME.match(node.value):
+            found.append(f"{module}:{node.lineno} {node.value!r}")
+    return found
+
+
+def test_shared_keys_have_one_home():
+    bad = [b for module, source in all_modules().items() for b in spelled_shared_names(module, source)]
+    assert not bad, "store keys or environment names spelled outside lockstep/keys.py:\n" + "\n".join(bad)
+    assert spelled_shared_names("lockstep.launch.elastic", 'KEY = "lockstep/inplace/takeover"\n')
+    assert spelled_shared_names("lockstep.train.x", 'k = f"lockstep/inplace/{g}/alarm"\n')
+    assert spelled_shared_names("lockstep.launch.agent", 'updates["LOCKSTEP_INPLACE_STORES"] = "{}"\n')
+    assert spelled_shared_names("lockstep.launch.agent", 'updates["LOCKSTEP_LOG_DIR"] = log_dir\n')
+    assert not spelled_shared_names("lockstep.launch.agent", 'updates["LOCKSTEP_LOG_DIRECTORY"] = log_dir\n')
+    assert not spelled_shared_names("lockstep.keys", 'KEY = "lockstep/inplace/takeover"\n')
+
+
+# Issue #43: the Trainer's fields are written by the Trainer alone. A checkpoint read back is a state the Trainer
+# applies (``Trainer._resume``), a save's outcome one it records; checkpoint.py wrote 18 of its fields before.
+def trainer_writes(module: str, source: str) -> list[str]:
+    """``module:line target`` for each assignment to ``trainer.<attr>`` (or ``trainer.<attr>.append``) outside
+    train/trainer.py."""
+    if module == "lockstep.train.trainer":
+        return []
+    bad = set()
+    for node in ast.walk(ast.parse(source)):
+        for target in _assigned_targets(node):
+            while isinstance(target, ast.Subscript):
+                target = target.value
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
+                    and target.value.id == "trainer":
+                bad.add(f"{module}:{node.lineno} {ast.unparse(target)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "append" \
+                and isinstance(node.func.value, ast.Attribute) and isinstance(node.func.value.value, ast.Name) \
+                and node.func.value.value.id == "trainer":
+            bad.add(f"{module}:{node.lineno} {ast.unparse(node.func)}")
+    return sorted(bad)
+
+
+def test_only_the_trainer_writes_its_fields():
+    bad = [b for module, source in all_modules().items() for b in trainer_writes(module, source)]
+    assert not bad, "Trainer fields assigned outside train/trainer.py (return a state the Trainer applies):\n" + \
+        "\n".join(bad)
+    assert trainer_writes("lockstep.train.checkpoint", "trainer.step, trainer.epoch = 1, 2\n")
+    assert trainer_writes("lockstep.train.checkpoint", "trainer.save_errors.append('x')\n")
+    assert not trainer_writes("lockstep.train.trainer", "trainer.step = 1\n")

@@ -25,6 +25,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lockstep.keys import (
+    GLOO_IFNAME_PICKED_ENV,
+    INPLACE_BASE_KEY,
+    INPLACE_ENDED_KEY,
+    INPLACE_JOIN_COUNT_KEY,
+    INPLACE_JOIN_ENV,
+    INPLACE_TIMEOUT_ENV,
+    admit_key,
+    beat_key,
+    generation_key,
+    join_record_key,
+)
 from lockstep.network import ensure_gloo_interface, is_loopback, serve_store
 from lockstep.slurm import expand_nodelist, port_from_job_id
 
@@ -147,7 +159,7 @@ def detect_launch_env(env: dict | None = None) -> LaunchEnv:
 
 def _gloo_interface(master_addr: str) -> str:
     """Point gloo at the interface that reaches the master unless the user did; the log line says which."""
-    picked_by_launch = os.environ.get("LOCKSTEP_GLOO_IFNAME_PICKED")
+    picked_by_launch = os.environ.get(GLOO_IFNAME_PICKED_ENV)
     if picked_by_launch and os.environ.get("GLOO_SOCKET_IFNAME") == picked_by_launch:
         return (f"gloo uses interface {picked_by_launch}, the one that reaches the master {master_addr} "
                 "(chosen by lockstep launch)")
@@ -227,18 +239,9 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, env: dict | None
     return DistEnv(dist.get_rank(), launch.local_rank, dist.get_world_size(), device, backend)
 
 
-# -- joining a running in-place group (train/inplace.py; the keys are here, the lower of the two modules) ----------
-INPLACE_PREFIX = "lockstep/inplace"  # in the workers' store (MASTER_ADDR:MASTER_PORT)
-INPLACE_JOIN_ENV = "LOCKSTEP_INPLACE_JOIN"  # set by lockstep launch's rendezvous for a node that joins a running job
-INPLACE_TIMEOUT_ENV = "LOCKSTEP_INPLACE_TIMEOUT_S"  # gloo's per-operation timeout in an in-place run
-# the first id a newcomer may take, in a store the workers moved to (train/inplace.py writes it at a failover: the
-# join count starts again there, and ids must never repeat)
-INPLACE_BASE_KEY = f"{INPLACE_PREFIX}/base"
-# set by the running job's rank 0 when its training ended ({"step": N}): a newcomer still waiting to be admitted
-# has nothing to join (train/inplace.py's ``InPlaceGroup.finish``)
-INPLACE_ENDED_KEY = f"{INPLACE_PREFIX}/ended"
+# -- joining a running in-place group (train/inplace/; the keys are lockstep/keys.py's) -------------------------
 JOIN_WAIT_S = 600.0  # how long a newcomer waits to be admitted (the others admit at their next step boundary)
-_ADMISSION: list[dict] = []  # what the survivors admitted this process as (read once by train/inplace.py)
+_ADMISSION: list[dict] = []  # what the survivors admitted this process as (read once by train/inplace/group.py)
 
 
 def _join_in_place(backend: str, spec: dict, local_rank: int) -> None:
@@ -248,18 +251,18 @@ def _join_in_place(backend: str, spec: dict, local_rank: int) -> None:
     admit only processes that are alive."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
                           datetime.timedelta(seconds=60), wait_for_workers=False)
-    seq = store.add(f"{INPLACE_PREFIX}/join/count", 1)
+    seq = store.add(INPLACE_JOIN_COUNT_KEY, 1)
     base = int(store.get(INPLACE_BASE_KEY)) if store.check([INPLACE_BASE_KEY]) else int(spec["base"])
     me = base + seq - 1
     record = {"id": me, "node": spec["node"], "local_rank": local_rank,
               "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", "1")), "t0": spec["t0"]}
-    store.set(f"{INPLACE_PREFIX}/join/{seq}", json.dumps(record))
+    store.set(join_record_key(seq), json.dumps(record))
     beating = threading.Event()  # cleared by take_admission: the in-place group's watcher beats from then on
     beating.set()
-    beat = threading.Thread(target=_beat, args=(store, f"{INPLACE_PREFIX}/beat/{me}", beating), daemon=True,
+    beat = threading.Thread(target=_beat, args=(store, beat_key(me), beating), daemon=True,
                             name="lockstep-join-beat")
     beat.start()
-    admit, deadline = f"{INPLACE_PREFIX}/admit/{me}", time.monotonic() + JOIN_WAIT_S
+    admit, deadline = admit_key(me), time.monotonic() + JOIN_WAIT_S
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     while not (admitted := _admitted(store, admit, where)):
         if admitted is None:  # the job ended before admitting this process: nothing to train, exit 0
@@ -272,7 +275,7 @@ def _join_in_place(backend: str, spec: dict, local_rank: int) -> None:
     admission = {**json.loads(store.get(admit)), "id": me}
     members = admission["members"]
     timeout_s = float(os.environ.get(INPLACE_TIMEOUT_ENV) or 60)
-    pg_store = dist.PrefixStore(f"{INPLACE_PREFIX}/{admission['generation']}/pg", store)
+    pg_store = dist.PrefixStore(generation_key(admission["generation"], "pg"), store)
     dist.init_process_group(backend, store=pg_store, rank=members.index(me), world_size=len(members),
                             timeout=datetime.timedelta(seconds=timeout_s))
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(members.index(me)), str(len(members))
@@ -314,7 +317,7 @@ def admission_pending() -> bool:
 
 def take_admission() -> dict | None:
     """How this process joined a running in-place group (``_join_in_place``), once; None where it did not. The
-    heartbeat it kept stops: the caller's (train/inplace.py's watcher) takes over."""
+    heartbeat it kept stops: the caller's (train/inplace/watcher.py) takes over."""
     if not _ADMISSION:
         return None
     admission = _ADMISSION.pop()
@@ -323,7 +326,7 @@ def take_admission() -> dict | None:
 
 
 # The sockets the default group's creation opened (gloo's connections, the store's client): in-place recovery
-# (train/inplace.py) shuts them down to end a collective that waits on a lost peer; gloo cannot abort one.
+# (train/inplace/watcher.py) shuts them down to end a collective that waits on a lost peer; gloo cannot abort one.
 _GROUP_SOCKETS: list[int] = []
 
 

@@ -37,7 +37,7 @@ from torch.utils.data import TensorDataset
 
 import lockstep
 from lockstep import Trainer, TrainerConfig
-from lockstep.train import inplace
+from lockstep import keys
 
 N, GLOBAL_BATCH, BATCH, EPOCHS = 96, 16, 4, 2
 
@@ -62,7 +62,7 @@ def resources() -> str:
 
 def joins_ready(trainer) -> bool:
     """This rank's watcher saw a node's ranks all announced and beating: the next commit admits them."""
-    return getattr(getattr(trainer._inplace, "joins", None), "ready", False)
+    return trainer._recovery is not None and trainer._recovery.group.joins.ready
 
 
 def main():
@@ -98,15 +98,16 @@ def main():
         def on_step_end(trainer):
             with open(os.path.join(args.directory, f"progress-{pid}.txt"), "a") as f:
                 f.write(f"{time.time():.3f} {trainer.step} {trainer.world_size} {pid}\n")
-            generation = trainer._inplace.generation if trainer._inplace is not None else 0
+            group = trainer._recovery.group if trainer._recovery is not None else None
+            generation = group.generation if group is not None else 0
             if not sizes or sizes[-1] != generation:
                 sizes.append(generation)
                 with open(os.path.join(args.directory, f"resources-{pid}.txt"), "a") as f:
                     f.write(f"{trainer.step} {trainer.world_size} {generation} {resources()}\n")
             if args.refuse_joins and trainer.rank == 0:  # no join in place: a node that comes back restarts all
-                trainer._inplace.store.delete_key(inplace.ACCEPTS_JOINS_KEY)
+                group.store.delete_key(keys.INPLACE_ACCEPTS_JOINS_KEY)
             if trainer.rank == 0 and generation < args.alarms:
-                trainer._inplace.raise_alarm()  # once per generation (the first raise is kept)
+                group.raise_alarm()  # once per generation (the first raise is kept)
             pauser = os.environ.get("LOCAL_RANK") == "0" if args.pause_here else launch_rank == args.pause_rank
             if args.pause_at == trainer.step and pauser:
                 open(os.path.join(args.directory, "paused"), "w").close()

@@ -192,7 +192,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
                            skip_all_reduce_unused_params)
         warn_like_torch(check_reduction, static_graph, find_unused_parameters)
         if process_group is None and device_mesh is None and admission_pending():
-            # a node come back joins a running in-place job (train/inplace.py): the others are between two steps,
+            # a node come back joins a running in-place job (train/inplace/): the others are between two steps,
             # so none of the construction's collectives; InPlaceRecovery hands it rank 0's state and re-binds
             init_sync, hierarchical_all_reduce = False, False
         process_group = resolve_group(process_group, device_mesh)

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lockstep import keys
 from lockstep.diagnostics import report
 from lockstep.diagnostics.progress import (
     DDP_PHASES,
@@ -51,8 +52,8 @@ from lockstep.diagnostics.progress import (
 
 HANG_EXIT_CODE = report.HANG_EXIT_CODE  # a hang report was written and the job was ended
 DEFAULT_HANG_TIMEOUT_S = 300.0
-TIMEOUT_ENV = "LOCKSTEP_HANG_TIMEOUT_S"  # the DDP's default, set by `lockstep launch --hang-timeout`
-LOG_DIR_ENV = "LOCKSTEP_LOG_DIR"  # where reports go (`lockstep launch` points it at the job's log folder)
+TIMEOUT_ENV = keys.HANG_TIMEOUT_ENV  # the DDP's default, set by `lockstep launch --hang-timeout`
+LOG_DIR_ENV = keys.LOG_DIR_ENV  # where reports go (`lockstep launch` points it at the job's log folder)
 LAUNCHER_GONE_GRACE_S = 30.0  # after its launcher died, a worker that outlives SIGTERM this long is ended
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-ENV_VAR = "LOCKSTEP_AS_TORCH_DDP"
+from lockstep.keys import AS_TORCH_DDP_ENV as ENV_VAR  # set by `lockstep launch --as-torch-ddp` too
 
 
 def maybe_use_as_torch_ddp() -> None:

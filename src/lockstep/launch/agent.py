@@ -24,6 +24,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from lockstep import keys
 from lockstep.launch import console, elastic, orphan, rendezvous
 from lockstep.launch.output import RANK_PREFIX_TEMPLATE, LaunchError, RankLogsSpecs
 from lockstep.launch.repeats import restarts_end_on_a_repeat
@@ -84,7 +85,7 @@ class LaunchOptions:
     # --nnodes MIN:MAX: the job runs on MIN to nnodes nodes and re-forms when one leaves or joins
     # (launch/elastic.py); None: exactly nnodes
     min_nodes: int | None = None
-    # --nnodes MIN:MAX: "in-place" (the survivors' workers re-form the group themselves, train/inplace.py) or
+    # --nnodes MIN:MAX: "in-place" (the survivors' workers re-form the group themselves, train/inplace/) or
     # "restart" (every worker restarted, torchrun's way)
     recovery: str = "in-place"
 
@@ -268,25 +269,25 @@ def _agent_environment(
         # name resolves to (127.0.0.1 in many containers, which strands the other nodes); a user's choice stands.
         picked = pick_gloo_interface(options.master_addr)
         if picked is not None:
-            updates["GLOO_SOCKET_IFNAME"] = updates["LOCKSTEP_GLOO_IFNAME_PICKED"] = picked[0]
+            updates["GLOO_SOCKET_IFNAME"] = updates[keys.GLOO_IFNAME_PICKED_ENV] = picked[0]
     if options.hang_timeout_s is not None:
-        updates["LOCKSTEP_HANG_TIMEOUT_S"] = f"{options.hang_timeout_s:g}"  # DDP's default (diagnostics.watchdog)
+        updates[keys.HANG_TIMEOUT_ENV] = f"{options.hang_timeout_s:g}"  # DDP's default (diagnostics.watchdog)
     if log_dir:
-        updates["LOCKSTEP_LOG_DIR"] = log_dir  # hang reports go beside the ranks' logs
+        updates[keys.LOG_DIR_ENV] = log_dir  # hang reports go beside the ranks' logs
     updates.update(extra or {})
     if options.in_place:
-        updates[elastic.INPLACE_ENV] = "1"  # the Trainer recovers from a lost node in place (train/inplace.py)
-        updates[elastic.INPLACE_MIN_WORLD_ENV] = str((options.min_nodes or 1) * options.nproc_per_node)
+        updates[keys.INPLACE_ENV] = "1"  # the Trainer recovers from a lost node in place (train/inplace/)
+        updates[keys.INPLACE_MIN_WORLD_ENV] = str((options.min_nodes or 1) * options.nproc_per_node)
     if options.as_torch_ddp:
         # read in every worker at `import torch` (lockstep.integrations.autoload)
-        updates["LOCKSTEP_AS_TORCH_DDP"] = "1"
+        updates[keys.AS_TORCH_DDP_ENV] = "1"
     if "OMP_NUM_THREADS" not in os.environ and options.nproc_per_node > 1:
         # As torchrun does: N workers each starting one thread per core would oversubscribe the CPUs.
         updates["OMP_NUM_THREADS"] = "1"
     # torch's launch_agent sets this variable and installs handlers for these signals without undoing
     # either; launch_function runs in the caller's process, whose Ctrl-C must behave as before afterwards.
     # and the job's id, which the rendezvous handler sets once the round knows it (launch/rendezvous.py)
-    saved = {k: os.environ.get(k) for k in [*updates, elastic.JOB_ENV]}
+    saved = {k: os.environ.get(k) for k in [*updates, keys.JOB_ENV]}
     handled = [getattr(signal, name) for name in _SIGNALS_TO_HANDLE.split(",") if hasattr(signal, name)]
     in_main_thread = threading.current_thread() is threading.main_thread()
     saved_handlers = {sig: signal.getsignal(sig) for sig in handled} if in_main_thread else {}
@@ -337,7 +338,7 @@ def run_agent(options: LaunchOptions, entrypoint: Callable | str, args: Sequence
             # Each worker dies with this launcher, even a kill -9 of it (orphan.py): torch's agent cannot.
             entrypoint, args = orphan.guarded_command(entrypoint, args)
         with (
-            _agent_environment(options, log_dir, {PREEMPT_DIR_ENV: preempt_dir, elastic.REPORT_ENV: "1"}),
+            _agent_environment(options, log_dir, {PREEMPT_DIR_ENV: preempt_dir, keys.REPORT_ENV: "1"}),
             console.single_prefix() as shown,
             console.quiet_agent_log(logs, shown),
             restarts_end_on_a_repeat(logs, options.max_restarts) as guard,

@@ -22,18 +22,9 @@ import os
 import sys
 import threading
 
-REPORT_ENV = "LOCKSTEP_REPORT_RESUME"  # set by the launcher: workers report the step they resumed from
-RESUME_KEY = "lockstep/resumed"  # in the workers' store of the round (MASTER_ADDR:MASTER_PORT)
-INPLACE_ENV = "LOCKSTEP_INPLACE"  # "1": the workers recover in place (train/inplace.py reads the same name)
-INPLACE_MIN_WORLD_ENV = "LOCKSTEP_INPLACE_MIN_WORLD"  # --nnodes MIN x --nproc-per-node (the same name there)
-INPLACE_REPORT_KEY = "lockstep/inplace/report"  # + "/<generation>": the workers' record of a re-formation (the same)
-INPLACE_ACCEPTS_JOINS_KEY = "lockstep/inplace/accepts_joins"  # the workers admit newcomers in place (the same)
-INPLACE_STORES_ENV = "LOCKSTEP_INPLACE_STORES"  # every node's standby store, for the workers (the same)
-INPLACE_TAKEOVER_KEY = "lockstep/inplace/takeover"  # the workers moved to this standby store (the same)
-# The job's id, one for all its nodes and rounds (node 0's agent makes it; a node that joins in place takes the
-# running job's): the run folder's fence (train/fence.py) tells this job's restarts from a second job by it
-JOB_ENV = "LOCKSTEP_JOB_ID"
-JOB_KEY = "lockstep/job_id"  # in the rendezvous store: node 0's agent sets it, every agent reads it
+from lockstep.keys import INPLACE_REPORT_KEY, REPORT_ENV, RESUME_KEY
+
+JOB_KEY = "lockstep/job_id"  # in the rendezvous store: node 0's agent sets the job's id (keys.JOB_ENV), all read it
 DEFAULT_LAST_CALL_S = 5.0  # how long a round waits for more nodes once MIN joined (torchrun's default: 30)
 
 
@@ -105,7 +96,7 @@ def describe_in_place(record: dict, nodes: list[dict], nproc: int) -> tuple[str,
     for a grow, 'node 1 (10.201.0.2) joined at step 815: world 2 -> 4 in 6.2 s from its launch, the others
     paused 0.4 s', and the nodes that joined.
 
-    ``record`` is what the workers' new rank 0 wrote (train/inplace.py): the launch ranks that left (or the
+    ``record`` is what the workers' new rank 0 wrote (train/inplace/): the launch ranks that left (or the
     ids that joined), the sizes, the step the group went on from, the seconds from the first alarm (from the
     newcomers' launcher start) to the first step at the new size. Launch rank r ran on the round's node
     r // nproc (nodes numbered by --node-rank); a newcomer's node is in the record's ``where``."""

@@ -17,20 +17,24 @@ This handler runs torch's rendezvous unchanged and then, in the round's store:
   this node's workers are stopped, the loss is reported naming the node, and the agent
   restarts the group (``--max-restarts``) or fails: never gloo's 30-minute timeout.
 
-With ``--recovery in-place`` node 0 also records the running round (its workers' store, its nodes) in the
-rendezvous store. A node that starts while such a round runs, and whose workers admit newcomers (a Trainer, or
-``InPlaceRecovery`` in a script's loop), skips torch's rendezvous: its agent gets a round of its own (rank 0 of 1,
-so torch's rank assignment and exit barrier need nobody else), its workers the running job's store and
-``LOCKSTEP_INPLACE_JOIN``, and they join the running group at a step boundary (train/inplace.py). The running agents
-never see a node waiting, so they restart nothing. Otherwise (no such round, workers that admit nobody) the node
-takes torch's way: the running agents see it waiting and restart their workers at the larger size.
+With ``--recovery in-place`` two more parts join in, each a module of its own:
 
-No node is special in place: every agent also serves a standby store, listed in the round's records. When node 0's
-stores stop answering (every process of node 0 gone), the survivors' workers move to the standby store of the
-lowest surviving node (train/inplace.py, fenced by the generation) and go on; the agents find the store they moved
-to (``_find_standby``) and follow: heartbeats, the in-place lines, torch's exit barrier (``_Relay``). The lowest
-surviving node knocks at node 0's endpoint (``EndpointProbe``); a node 0 that starts waits ``RETURN_WAIT_S`` for
-such a record in its new store, and joins the running job in place when it finds one.
+* the registry of in-place rounds (launch/inplace_rounds.py): node 0 records the running round (its workers'
+  store, its nodes) in the rendezvous store. A node that starts while such a round runs, and whose workers admit
+  newcomers (a Trainer, or ``InPlaceRecovery`` in a script's loop), skips torch's rendezvous: its agent gets a round
+  of its own (rank 0 of 1, so torch's rank assignment and exit barrier need nobody else), its workers the running
+  job's store and ``LOCKSTEP_INPLACE_JOIN``, and they join the running group at a step boundary (train/inplace/).
+  The running agents never see a node waiting, so they restart nothing. Otherwise (no such round, workers that
+  admit nobody) the node takes torch's way: the running agents see it waiting and restart their workers at the
+  larger size;
+* the store takeover (launch/store_takeover.py): no node is special in place. Every agent also serves a standby
+  store, listed in the round's records; when node 0's stores stop answering, the survivors' workers move to the
+  standby store of the lowest surviving node (train/inplace/store_move.py, fenced by the generation) and go on;
+  the agents find the store they moved to (``_find_standby``) and follow: heartbeats, the in-place lines, torch's
+  exit barrier. The lowest surviving node knocks at node 0's endpoint; a node 0 that starts waits for such a
+  record in its new store, and joins the running job in place when it finds one.
+
+This module keeps torch's round and what each node does in it; it holds one object of each part and calls them.
 """
 
 from __future__ import annotations
@@ -53,25 +57,14 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
+from lockstep import keys
 from lockstep.launch import elastic
-from lockstep.launch.liveness import (
-    READ_TIMEOUT_S,
-    EndpointProbe,
-    Liveness,
-    Poller,
-    answers,
-    connect,
-    holds,
-    worker_pids,
-)
-from lockstep.network import accepts, route_source_addr, serve_store
-from lockstep.process_group import INPLACE_JOIN_ENV
+from lockstep.launch.inplace_rounds import JoinRefused, RoundRecord, find_joinable, next_report
+from lockstep.launch.liveness import READ_TIMEOUT_S, Liveness, Poller, answers, connect, worker_pids
+from lockstep.launch.store_takeover import Takeover
+from lockstep.network import route_source_addr, serve_store
 
 BACKEND = "lockstep"
-# A node 0 that starts waits this long for a survivor to write the running round into its fresh store (the
-# survivors knock at its endpoint every EndpointProbe.EVERY_S once the workers moved their store): node 0 came
-# back, and joins in place instead of starting a job of its own.
-RETURN_WAIT_S = 3.0
 _handlers: dict[str, LockstepRendezvous] = {}  # run_id -> the handler of this process's agent (for the report)
 
 
@@ -123,19 +116,16 @@ class LockstepRendezvous(RendezvousHandler):
         self._worker_store: dist.TCPStore | None = None
         self._watchdog: Liveness | None = None
         self._poller: Poller | None = None
-        self._running: dict | None = None  # node 0, in place: the running round's workers' store and first new id
+        # in place: the running round's record in the rendezvous store (node 0 writes it; launch/inplace_rounds.py)
+        self._record = RoundRecord(store, params.run_id, self.node_rank)
         self.joined_in_place = False  # this node's workers joined a running in-place round (``_join_running``)
-        # In place, several nodes: a store each agent serves for its whole life, empty until node 0's stores stop
-        # answering and the workers move theirs here (train/inplace.py); every node's is in the round's records.
-        self._standby: dist.TCPStore | None = None
-        self._moved: dict | None = None  # the node whose standby store the workers (and the agents) moved to
+        # in place, several nodes: this agent's standby store, and following the workers when they move their store
+        # there (launch/store_takeover.py)
+        self._takeover = Takeover()
         self._round_nodes: list[dict] = []  # the nodes of torch's round: launch rank r ran on node r // nproc
-        self._relay: _Relay | None = None  # the store torch's exit barrier uses: node 0's, then the one moved to
-        self._probe: EndpointProbe | None = None  # after a move: writes the running round into a node 0 come back
         self._token = ""  # the round's workers' store token: names this round's keys in a store moved to
         self._started_at = _process_start_time()  # the launcher's start: a join line counts from it
         self.job_id = ""  # the job's id (``_set_job_id``; a node that joins in place takes the running job's)
-        self._store_node = 0  # the node rank whose agent serves the workers' store now (a standby after a move)
 
     # ------------------------------------------------------------------ the round
     def next_rendezvous(self) -> RendezvousInfo:
@@ -196,82 +186,61 @@ class LockstepRendezvous(RendezvousHandler):
         if self.node_rank == 0:
             self._store.compare_set(elastic.JOB_KEY, "", uuid.uuid4().hex[:12])
         self.job_id = self._store.get(elastic.JOB_KEY).decode()
-        os.environ[elastic.JOB_ENV] = self.job_id
+        os.environ[keys.JOB_ENV] = self.job_id
 
     def _before_in_place_round(self) -> RendezvousInfo | None:
         """In place, before torch's round: this node's standby store; a node that was never in torch's round joins
         a running one where it finds one (node 0 waits for a survivor to record it in its new store first)."""
-        if self._moved is not None:
+        if self._takeover.moved is not None:
             raise RendezvousConnectionError(
                 f"node 0's rendezvous store at {self.master_addr}:{self.master_port} is gone (the workers went on in "
                 "place without it): torch's next round, which would restart the workers, needs it")
-        if self._standby is None:
-            self._standby = serve_store(self.local_addr, 0, READ_TIMEOUT_S)
+        self._takeover.serve(self.local_addr)
         if self._last_nodes is None:  # never in torch's round: may join a running one
             self.joined_in_place = False
-            os.environ.pop(INPLACE_JOIN_ENV, None)  # workers started after torch's round must not try to join
+            os.environ.pop(keys.INPLACE_JOIN_ENV, None)  # workers started after torch's round must not try to join
             if self.node_rank == 0:  # its store is new: a survivor writes the running round there if one runs
-                self._await_running_round()
+                self._record.await_record()
             joined = self._join_running()
             if joined is not None:
                 return joined
         if self.node_rank == 0:
-            self._store.delete_key(self._round_key())  # the round's workers are gone: nobody may join them now
+            self._record.forget()  # the round's workers are gone: nobody may join them now
         return None
 
     def _start_in_place_round(self, store: dist.Store, nodes: list[dict], master: str, port: int) -> None:
         """The workers learn every node's standby store; torch's exit barrier goes through a relay that can
         follow them; one line per node the workers lose or admit; node 0 records the running round."""
         self._round_nodes = nodes
-        self._relay = _Relay(store)
-        self._round = (self._relay, len(nodes))
-        os.environ[elastic.INPLACE_STORES_ENV] = json.dumps({"store_node": nodes[0]["node_rank"], "nodes": [
+        self._round = (self._takeover.relay_round(store), len(nodes))
+        os.environ[keys.INPLACE_STORES_ENV] = json.dumps({"store_node": nodes[0]["node_rank"], "nodes": [
             {"node_rank": n["node_rank"], "addr": n["addr"], "port": n["standby"],
              "ranks": list(range(i * self.nproc, (i + 1) * self.nproc))} for i, n in enumerate(nodes)]})
         self._in_place_report = elastic.InPlaceReport(master, port, nodes, self.nproc, self._left_in_place,
                                                       self._joined_in_place)
         self._in_place_report.start()
         # a node that starts now joins these workers (``_join_running``): node 0 records them
-        self._store_node = nodes[0]["node_rank"]
-        self._running = {"addr": master, "port": port, "base": len(nodes) * self.nproc, "job": self.job_id,
-                         "round_nodes": nodes, "store_node": self._store_node}
+        self._takeover.store_node = nodes[0]["node_rank"]
+        self._record.start(master, port, len(nodes) * self.nproc, self.job_id, nodes, nodes[0]["node_rank"])
         self._publish_round()
 
     # ------------------------------------------------------------------ joining a running in-place round
-    def _round_key(self) -> str:
-        return f"lockstep/{self._params.run_id}/inplace_round"
-
-    def _running_round(self) -> dict:
-        """The running round's workers' store, the first id a newcomer may take, the nodes there now."""
-        assert self._running is not None
-        return {**self._running, "nodes": self._last_nodes or []}
-
     def _publish_round(self) -> None:
-        """Node 0's agent records the running round in the store it serves at the job's endpoint (--master-addr,
-        --master-port), on every change, whether the workers' store moved or not (a node 0 that came back and
-        joined serves a new one there); while node 0 is gone the lowest surviving node's endpoint probe writes it
-        into a store that answers there again (``_moved_to``)."""
-        if self.node_rank == 0 and self._running is not None:
-            self._store.set(self._round_key(), json.dumps(self._running_round()))
+        """Node 0's agent records the running round (launch/inplace_rounds.py) with the nodes there now."""
+        self._record.publish(self._last_nodes or [])
 
-    def _await_running_round(self) -> None:
-        deadline = time.monotonic() + RETURN_WAIT_S
-        while time.monotonic() < deadline and not self._store.check([self._round_key()]):
-            time.sleep(0.1)
-
-    # ------------------------------------------------------------------ node 0 gone: the standby stores
+    # ------------------------------------------------------------------ node 0 gone: the store takeover
     def _find_standby(self) -> tuple[str, int] | None:
         """The liveness thread, once the store has not answered for a while: did the workers move their store
-        to a standby (train/inplace.py's takeover)? The agents follow them there; None: they did not (yet)."""
-        gone = self._store_node
+        to a standby (train/inplace/store_move.py)? The agents follow them there; None: they did not (yet)."""
+        gone = self._takeover.store_node
         # this node too, even before a record names it (a node that joined)
         known = {n["node_rank"]: n for n in [self._node_record(), *(self._last_nodes or [])]}
-        for node in sorted(known.values(), key=lambda n: n["node_rank"]):
-            if node["node_rank"] != gone and "standby" in node and holds(node["addr"], node["standby"],
-                                                                            elastic.INPLACE_TAKEOVER_KEY):
-                self._moved_to(node, gone)
-                return node["addr"], node["standby"]
-        return None
+        node = self._takeover.find(list(known.values()))
+        if node is None:
+            return None
+        self._moved_to(node, gone)
+        return node["addr"], node["standby"]
 
     def _moved_to(self, node: dict, gone: int) -> None:
         """The workers went on with ``node``'s standby store: so do the in-place lines, torch's exit barrier and,
@@ -280,65 +249,40 @@ class LockstepRendezvous(RendezvousHandler):
         old = next((n for n in self._round_nodes if n["node_rank"] == gone), {"addr": "?"})
         print(f"lockstep launch: node {gone} ({old['addr']}) stopped answering; the workers moved their store to "
               f"node {node['node_rank']} ({addr}:{port}) and go on in place", file=sys.stderr, flush=True)
-        self._moved, self._store_node = node, node["node_rank"]
         for thread in (self._poller, self._in_place_report):
             if thread is not None:
                 thread.stop.set()
         stop_heartbeats = getattr(self._inner, "_stop_heartbeats", None)
         if stop_heartbeats is not None:
             stop_heartbeats()  # torch's keep-alive would write to the dead store every 5 s, logging each failure
-        if self._relay is not None:
-            self._relay.move(dist.PrefixStore(f"lockstep/exit/{self._token}", connect(addr, port, 10)))
-        assert self._running is not None
-        self._running = {**self._running, "addr": addr, "port": port, "moved_from": gone,
-                         "store_node": node["node_rank"]}
+        self._takeover.move_to(node, self._token)
+        self._record.moved(addr, port, gone, node["node_rank"])
         generation = self._in_place_report.generation if self._in_place_report is not None else 1
         self._in_place_report = elastic.InPlaceReport(addr, port, self._round_nodes, self.nproc, self._left_in_place,
                                                       self._joined_in_place, generation)
         self._in_place_report.start()
         lead = min([n["node_rank"] for n in self._last_nodes or [] if n["node_rank"] != gone] + [self.node_rank])
         if lead == self.node_rank and self.node_rank != 0:  # node 0 itself (come back) serves the endpoint's store
-            self._probe = EndpointProbe((self.master_addr, self.master_port), self._round_key(), self._running_round)
-            self._probe.start()
+            self._takeover.start_probe((self.master_addr, self.master_port), self._record.key,
+                                       lambda: self._record.with_nodes(self._last_nodes or []))
         self._publish_round()
 
+    # ------------------------------------------------------------------ joining a running in-place round
     def _join_running(self) -> RendezvousInfo | None:
         """A round runs in place and its workers admit newcomers: join it without torch's rendezvous (which would
-        make the running agents restart their workers). None: take torch's way."""
-        if not self._store.check([self._round_key()]):
+        make the running agents restart their workers). None: take torch's way (launch/inplace_rounds.py)."""
+        try:
+            running = find_joinable(self._record, self.node_rank, (self.master_addr, self.master_port),
+                                    self.node_timeout_s)
+        except JoinRefused as e:
+            raise NodesDisagree(str(e)) from None
+        if running is None:
             return None
-        running = json.loads(self._store.get(self._round_key()))
-        addr = running.get("addr", self.master_addr)  # node 0's, or the standby store the workers moved to
-        accepts_joins = _admits(addr, running["port"])
-        if accepts_joins is None and "moved_from" in running:  # a survivor wrote it, and node 0's launcher runs
-            raise NodesDisagree(f"node {self.node_rank}: the running job's store recorded at {self.master_addr}:"
-                                f"{self.master_port} ({addr}:{running['port']}) does not answer: the workers moved "
-                                "it again (its node was lost) and this node cannot find them; starting here would "
-                                "start a second job")
-        if accepts_joins is None:
-            return None  # the round just ended: torch's rendezvous decides
-        if not accepts_joins and "moved_from" in running:  # torch's round would be a second job, node 0's own
-            raise NodesDisagree(f"node {self.node_rank} came back, but the job went on without it (its store moved to "
-                                f"{addr}) and admits no newcomer in place: starting here would "
-                                "start a second job; start this node once the job has ended")
-        if not accepts_joins:
-            return None  # workers that admit nobody (no Trainer or InPlaceRecovery said so): the restart path
-        there = {n["node_rank"]: n for n in running["nodes"]}
-        deadline = time.monotonic() + self.node_timeout_s
-        while self.node_rank in there and time.monotonic() < deadline:  # this node's last workers, not yet let go
-            time.sleep(1)
-            if not self._store.check([self._round_key()]):
-                return None
-            running = json.loads(self._store.get(self._round_key()))
-            there = {n["node_rank"]: n for n in running["nodes"]}
-        if self.node_rank in there:
-            raise NodesDisagree(f"--node-rank {self.node_rank} is training in this job already "
-                                f"({there[self.node_rank]['addr']}); give this node another --node-rank")
         addr = running.get("addr", self.master_addr)
         me = self._node_record()
-        os.environ.pop(elastic.INPLACE_STORES_ENV, None)  # its workers learn the stores with their admission
+        os.environ.pop(keys.INPLACE_STORES_ENV, None)  # its workers learn the stores with their admission
         # inherited by the workers the agent starts next (torch copies os.environ): process_group.init() joins
-        os.environ[INPLACE_JOIN_ENV] = json.dumps({"base": running["base"], "node": me, "t0": self._started_at})
+        os.environ[keys.INPLACE_JOIN_ENV] = json.dumps({"base": running["base"], "node": me, "t0": self._started_at})
         self.joined_in_place = True
         print(f"lockstep launch: node {self.node_rank} joins the running job in place (workers' store "
               f"{addr}:{running['port']}); its ranks start at the others' next step boundary",
@@ -347,9 +291,8 @@ class LockstepRendezvous(RendezvousHandler):
         # a round of its own, rank 0 of 1: torch's rank assignment and exit barrier wait for nobody else; through a
         # relay that follows the workers' store if it moves (node 0's rendezvous store may go with node 0)
         own = dist.PrefixStore(f"lockstep/{self._params.run_id}/joined/{self._token}", self._store)
-        self._relay = _Relay(own)
-        self._round = (self._relay, 1)
-        return RendezvousInfo(self._relay, 0, 1, RendezvousStoreInfo(addr, int(running["port"])))
+        self._round = (self._takeover.relay_round(own), 1)
+        return RendezvousInfo(self._round[0], 0, 1, RendezvousStoreInfo(addr, int(running["port"])))
 
     def _follow_running(self, running: dict, addr: str, port: int) -> None:
         """A node that joined in place takes part as the others' agents do: the job's id for its workers, a line
@@ -358,17 +301,17 @@ class LockstepRendezvous(RendezvousHandler):
         node that comes back later finds the running job whoever was lost."""
         self.job_id = running.get("job") or self.job_id
         if self.job_id:
-            os.environ[elastic.JOB_ENV] = self.job_id
-        self._token = uuid.uuid4().hex  # names this agent's own exit barrier (``_Relay``) in a store moved to
+            os.environ[keys.JOB_ENV] = self.job_id
+        self._token = uuid.uuid4().hex  # names this agent's own exit barrier (``Relay``) in a store moved to
         self._round_nodes = running.get("round_nodes") or running["nodes"]
         self._last_nodes = sorted(running["nodes"], key=lambda n: n["node_rank"])  # this node once admitted
-        self._store_node = int(running.get("store_node", 0))
-        self._running = {k: v for k, v in running.items() if k != "nodes"}
+        self._takeover.store_node = int(running.get("store_node", 0))
+        self._record.follow(running)
         self._publish_round()
         # from the first record after the newest one there now, read before this node's workers start (a thread that
         # read it later could miss this node's own admission: seen once, at 2 x 2 under load)
         self._in_place_report = elastic.InPlaceReport(addr, port, self._round_nodes, self.nproc, self._left_in_place,
-                                                      self._joined_in_place, generation=_next_report(addr, port))
+                                                      self._joined_in_place, generation=next_report(addr, port))
         self._in_place_report.start()
         # beats in the workers' store itself (this node is in no torch round); judges no other node: the workers'
         # own heartbeats do that. Its part is the store: gone, it finds the standby the workers moved to
@@ -400,7 +343,7 @@ class LockstepRendezvous(RendezvousHandler):
     def _node_record(self) -> dict:
         """What this node tells the others (a round's exchange, an admission, the search for a standby store)."""
         return {"node_rank": self.node_rank, "addr": self.local_addr, "host": socket.gethostname(),
-                **({"standby": self._standby.port} if self._standby is not None else {})}
+                **({"standby": self._takeover.standby.port} if self._takeover.standby is not None else {})}
 
     def _exchange(self, store: dist.Store, rank: int, world_size: int) -> list[dict]:
         me = {**self._node_record(), "nnodes": self.nnodes_spec}
@@ -436,7 +379,7 @@ class LockstepRendezvous(RendezvousHandler):
 
     # ------------------------------------------------------------------ while the workers run
     def num_nodes_waiting(self) -> int:
-        if self.joined_in_place or self._moved is not None:
+        if self.joined_in_place or self._takeover.moved is not None:
             return 0  # not in torch's round (or its store is gone): its waiting nodes are not this agent's
         if self._poller is not None:
             return 0 if self.lost_reason else self._poller.waiting
@@ -486,10 +429,11 @@ class LockstepRendezvous(RendezvousHandler):
         return reason
 
     def _stop_watchdog(self) -> None:
-        for thread in (self._watchdog, self._poller, self._report, self._in_place_report, self._probe):
+        for thread in (self._watchdog, self._poller, self._report, self._in_place_report):
             if thread is not None:
                 thread.stop.set()
-        self._watchdog = self._poller = self._report = self._in_place_report = self._probe = None
+        self._watchdog = self._poller = self._report = self._in_place_report = None
+        self._takeover.stop_probe()
 
     # ------------------------------------------------------------------ delegated
     def get_backend(self) -> str:
@@ -511,76 +455,11 @@ class LockstepRendezvous(RendezvousHandler):
     def shutdown(self) -> bool:
         self._stop_watchdog()
         if self.joined_in_place:
-            os.environ.pop(INPLACE_JOIN_ENV, None)
+            os.environ.pop(keys.INPLACE_JOIN_ENV, None)
             return True  # not in torch's round: closing the rendezvous is node 0's, at the job's end
-        if self._moved is not None or (self.lost_reason is not None and self.node_rank != 0):
+        if self._takeover.moved is not None or (self.lost_reason is not None and self.node_rank != 0):
             return False  # node 0's store is gone or unreachable: closing it would only wait for a timeout
         return self._inner.shutdown()
-
-
-class _Relay(dist.Store):
-    """The store handed to torch's agent for a round (its rank assignment and exit barrier): node 0's, until the
-    workers move their store to a standby (node 0 gone); then that one, so that the survivors' exit barrier meets
-    where they are (torch's ``_exit_barrier`` on a dead store would log a traceback and go on unsynchronised)."""
-
-    def __init__(self, inner: dist.Store):
-        super().__init__()
-        self.inner = inner
-
-    def move(self, inner: dist.Store) -> None:
-        self.inner = inner
-
-    def set(self, key, value):
-        self.inner.set(key, value)
-
-    def get(self, key):
-        return self.inner.get(key)
-
-    def add(self, key, amount):
-        return self.inner.add(key, amount)
-
-    def check(self, keys):
-        return self.inner.check(keys)
-
-    def compare_set(self, key, expected, desired):
-        return self.inner.compare_set(key, expected, desired)
-
-    def delete_key(self, key):
-        return self.inner.delete_key(key)
-
-    def num_keys(self):
-        return self.inner.num_keys()
-
-    def wait(self, keys, timeout=None):
-        # torch's barrier sets its timeout (300 s) on this store, not on the inner one: pass it on
-        return self.inner.wait(keys, self.timeout if timeout is None else timeout)  # type: ignore[attr-defined]
-
-    def multi_get(self, keys):
-        return self.inner.multi_get(keys)
-
-    def multi_set(self, keys, values):
-        return self.inner.multi_set(keys, values)  # type: ignore[attr-defined]
-
-
-def _admits(host: str, port: int) -> bool | None:
-    """Whether the running workers' store at host:port admits newcomers in place; None: it does not answer."""
-    try:
-        if not accepts(host, port, 5):
-            return None  # gone: no TCPStore client's refused tries (each logs a line)
-        return connect(host, port, 10).check([elastic.INPLACE_ACCEPTS_JOINS_KEY])
-    except Exception:
-        return None
-
-
-def _next_report(host: str, port: int) -> int:
-    """The generation of the next in-place record in the running workers' store at host:port (1 where none was
-    written there yet: the report passes over generations whose record never comes)."""
-    try:
-        store = connect(host, port, 10)
-        latest = f"{elastic.INPLACE_REPORT_KEY}/latest"
-        return int(store.get(latest)) + 1 if store.check([latest]) else 1
-    except Exception:
-        return 1
 
 
 def _process_start_time() -> float:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import random
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,13 +91,23 @@ def restore_rng_state(state: dict) -> None:
 
 
 # -- the Trainer's checkpoint ------------------------------------------------------------
-def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None:
+@dataclass(frozen=True)
+class Saved:
+    """What a save did, the same on every rank: the checkpoint written, or the error training goes on after."""
+
+    path: Path | None  # the file global rank 0 wrote (None on the other ranks, and after an error)
+    checkpoint: Path | None  # that checkpoint's path, on every rank (None after an error)
+    error: str | None  # why it failed, under on_error "continue"
+
+
+def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Saved:
     """Gather every rank's sampler position, RNG states and epoch loss; global rank 0 writes atomically.
 
     A collective: every rank of ``trainer.group`` must call it at the same step. Rank 0
     broadcasts whether its write succeeded (one small collective per checkpoint), so a
     failed save ends on every rank alike: all raise CheckpointSaveError (``on_error``
-    "raise", default TrainerConfig.on_save_error) or all train on ("continue", a warning).
+    "raise", default TrainerConfig.on_save_error) or all train on ("continue", a warning). The Trainer records
+    what it returns.
     """
     on_error = on_error or trainer.config.on_save_error
     check_fence(trainer)  # a writer whose generation was passed writes nothing, not even ZeRO's parts
@@ -141,14 +152,11 @@ def save_trainer_checkpoint(trainer, on_error: str | None = None) -> Path | None
     if status[0] is not None:
         if on_error == "raise":
             raise CheckpointSaveError(status[0] + f" (reported by global rank 0 to rank {trainer.rank})")
-        trainer.save_errors.append(status[0])
         if trainer.is_writer:
             warnings.warn(f"{status[0]}; training goes on (TrainerConfig.on_save_error='continue')",
                           CheckpointWarning, stacklevel=2)
-        return None
-    trainer._saved_at = (trainer.step, trainer.epoch)
-    trainer.last_checkpoint = checkpoint_path(trainer.config.checkpoint_dir, trainer.step)  # on every rank
-    return path
+        return Saved(None, None, status[0])
+    return Saved(path, checkpoint_path(trainer.config.checkpoint_dir, trainer.step), None)
 
 
 def claim_folder(trainer) -> JobFence:
@@ -203,12 +211,11 @@ def _payload(trainer, gathered: list, outer_state: dict | None) -> dict:
             "diloco": outer_state}
 
 
-def open_writer_files(trainer):
+def open_writer_files(trainer) -> tuple[Any, str]:
     """Global rank 0 checks the checkpoint directory (a probe file; stale temporaries removed) and opens the
     metrics file; a failure there ends every rank alike when the Trainer is built (one small collective),
     not rank 0 alone with the others left waiting in their first step. The same broadcast carries rank 0's
-    new run id to every rank (``trainer.run_id``; a resume replaces it with the checkpoint's). Returns the
-    MetricsLog."""
+    new run id to every rank (a resume replaces it with the checkpoint's). Returns the MetricsLog and the run id."""
     from lockstep.train.metrics import MetricsLog
     from lockstep.train.run_identity import new_run_id
 
@@ -228,8 +235,8 @@ def open_writer_files(trainer):
     dist.broadcast_object_list(status, src=0, group=trainer.group)
     if status[0] is not None:
         raise CheckpointSaveError(status[0])
-    trainer.run_id = status[1]
-    return metrics
+    assert status[1] is not None
+    return metrics, status[1]
 
 
 def _check_same_model(path, saved: dict, model: torch.nn.Module) -> None:
@@ -250,15 +257,80 @@ def _check_same_model(path, saved: dict, model: torch.nn.Module) -> None:
         )
 
 
-def load_trainer_checkpoint(trainer) -> str | None:
-    """Load the newest good checkpoint into ``trainer`` on every rank; None (and no change) if there is none.
+@dataclass(frozen=True)
+class ResumedState:
+    """A checkpoint read back for one Trainer and checked against it, not yet applied: ``Trainer._resume`` applies
+    it (the Trainer's fields are written by the Trainer alone). At another world size the position, the loss and
+    the accumulation are this rank's share at the new size (train/resize.py)."""
+
+    path: str
+    model: dict[str, Any]
+    optimizer: dict[str, Any]  # the optimizer's whole state, or with ZeRO its own shard (``own_shard``)
+    own_shard: bool
+    scheduler: dict[str, Any] | None
+    scaler: dict[str, Any] | None  # fp16's GradScaler
+    step: int
+    epoch: int
+    batches_done: int  # micro-batches of the epoch done, counted at this run's world size
+    run_id: str | None  # the resumed run's id (None: an older checkpoint that has none)
+    sampler: dict[str, Any]  # this rank's position (at another size: the global one, which every rank continues)
+    loss_sum: float  # this rank's share of the epoch's training loss so far
+    loss_count: int
+    rng: dict[str, Any] | None  # this rank's RNG states; None: a rank the checkpoint did not have (derived)
+    diloco: dict[str, Any] | None = None  # TrainerConfig.diloco_sync_every: the synced copy, the outer optimizer
+    diloco_local: dict[str, Any] | None = None  # and this rank's own model and inner optimizer (same world size)
+    resized_from: int | None = None  # the checkpoint's world size, where it differs from this run's
+    global_batch: int | None = None  # at another world size: the checkpoint's global batch, kept...
+    grad_accum_steps: int | None = None  # ...by this many micro-batches a step at the new size
+
+    def restore_rng(self, seed: int, rank: int) -> None:
+        """This process's RNG as the checkpoint left it for ``rank`` (a new rank: derived from seed, step, rank)."""
+        if self.rng is not None:
+            restore_rng_state(self.rng)
+        else:
+            resize.derived_rng_state(seed, self.step, rank)
+
+
+def load_trainer_checkpoint(trainer) -> ResumedState | None:
+    """The newest good checkpoint, read on every rank and checked against ``trainer``; None if there is none.
 
     Rank 0 checks the checksums, newest first, skips bad files with a CheckpointWarning naming
     each and why, and broadcasts its choice, so every rank loads the same file even if a
     directory listing differs between hosts. If the only checkpoints are unfinished saves, it
     starts from step 0; if a committed one is damaged and none is good, every rank raises
-    rather than silently starting over.
+    rather than silently starting over. Nothing of the Trainer changes here: it applies the state itself.
     """
+    path = _choose_checkpoint(trainer)
+    if path is None:
+        return None
+    payload = load_checkpoint(path)
+    resized = _resized_position(trainer, path, payload) if payload["world_size"] != trainer.world_size else None
+    _check_same_model(path, payload["model"], trainer.model)
+    if (payload["scheduler"] is None) != (trainer.scheduler is None):
+        raise ValueError(f"checkpoint {path} and this Trainer disagree on having an lr scheduler")
+    if (payload.get("diloco") is None) != (trainer.diloco is None):
+        raise ValueError(f"checkpoint {path} and this Trainer disagree on TrainerConfig.diloco_sync_every")
+    optimizer, own_shard = zero.optimizer_state(trainer.config.zero, Path(path), payload, trainer.rank,
+                                                trainer.world_size)
+    # DiLoCo at another world size: every rank starts from the synced copy (no rank's own model is kept)
+    local = payload["ranks"][trainer.rank].get("diloco_local") if resized is None else None
+    shared = {"path": path, "model": payload["model"], "optimizer": optimizer, "own_shard": own_shard,
+              "scheduler": payload["scheduler"], "scaler": payload.get("scaler"), "step": payload["step"],
+              "epoch": payload["epoch"], "run_id": payload.get("run_id") or None, "diloco": payload.get("diloco"),
+              "diloco_local": local}
+    if resized is not None:
+        loss_sum, loss_count = resize.merge_epoch_loss(payload["ranks"], trainer.rank)
+        # rank r keeps old rank r's stream (dropout differs anyway: its samples are other ones now)
+        rng = payload["ranks"][trainer.rank]["rng"] if trainer.rank < len(payload["ranks"]) else None
+        return ResumedState(**shared, **resized, loss_sum=loss_sum, loss_count=loss_count, rng=rng,
+                            resized_from=payload["world_size"])
+    mine = payload["ranks"][trainer.rank]
+    return ResumedState(**shared, batches_done=payload["batches_done"], sampler=mine["sampler"],
+                        loss_sum=mine["loss_sum"], loss_count=mine["loss_count"], rng=mine["rng"])
+
+
+def _choose_checkpoint(trainer) -> str | None:
+    """Rank 0's choice of the newest good checkpoint, broadcast (one collective); its skips warned about."""
     choice: list[Any] = [None, []]  # [path or None, [(path, why), ...]]: one broadcast
     if trainer.is_writer:
         good, skipped_paths = newest_good_checkpoint(trainer.config.checkpoint_dir)
@@ -272,7 +344,7 @@ def load_trainer_checkpoint(trainer) -> str | None:
                 f"lockstep: skipping checkpoint {bad}: {why}; "
                 f"{'resuming from ' + path if path else 'no older good one'}",
                 CheckpointWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
     if path is None:
         # only unfinished saves (killed before their metadata): as if there were none, start from step 0;
@@ -281,54 +353,25 @@ def load_trainer_checkpoint(trainer) -> str | None:
         if damaged:
             raise RuntimeError(f"no good checkpoint in {trainer.config.checkpoint_dir}: "
                                + "; ".join(f"{bad}: {why}" for bad, why in damaged))
-        return None
-    payload = load_checkpoint(path)
-    resized = payload["world_size"] != trainer.world_size
-    if resized:  # the same global batch at another world size (train/resize.py); checked before anything changes
-        if "global_batch" not in payload:
-            raise ValueError(f"checkpoint {path} was written by {payload['world_size']} ranks without its global "
-                             f"batch (an older lockstep); this run has {trainer.world_size}: resume it at "
-                             f"{payload['world_size']} ranks")
-        global_batch = payload["global_batch"]
-        if trainer.config.global_batch is not None and trainer.config.global_batch != global_batch:
-            raise ValueError(f"checkpoint {path} trains with global batch {global_batch}; this run's "
-                             f"TrainerConfig.global_batch is {trainer.config.global_batch}")
-        accum = resize.accum_steps_for(global_batch, trainer.config.batch_size, trainer.world_size,
-                                       f"checkpoint {path} ({payload['world_size']} ranks)")
-        shared = resize.global_position(payload["ranks"], path)
-        position = shared.get("position", shared["consumed"] * payload["world_size"])
-        batches_done = resize.batches_done_at(position, payload["batches_done"], trainer.config.batch_size,
-                                              trainer.world_size, path)
-    _check_same_model(path, payload["model"], trainer.model)
-    if (payload["scheduler"] is None) != (trainer.scheduler is None):
-        raise ValueError(f"checkpoint {path} and this Trainer disagree on having an lr scheduler")
-    trainer.model.load_state_dict(payload["model"])
-    zero.load_optimizer(trainer.optimizer, trainer.config.zero, Path(path), payload, trainer.rank, trainer.world_size)
-    if trainer.scheduler is not None:
-        trainer.scheduler.load_state_dict(payload["scheduler"])
-    trainer.precision.load_state_dict(payload.get("scaler"), path)
-    if (payload.get("diloco") is None) != (trainer.diloco is None):
-        raise ValueError(f"checkpoint {path} and this Trainer disagree on TrainerConfig.diloco_sync_every")
-    if trainer.diloco is not None:  # at another world size every rank starts from the synced copy
-        diloco.load(trainer.diloco, trainer.model, trainer.optimizer, payload["diloco"],
-                    None if resized else payload["ranks"][trainer.rank]["diloco_local"])
-    trainer.step, trainer.epoch, trainer.batches_done = payload["step"], payload["epoch"], payload["batches_done"]
-    if payload.get("run_id"):  # the resumed run is that run: its later checkpoints and metrics lines join it
-        trainer.run_id = payload["run_id"]
-    trainer._saved_at = (trainer.step, trainer.epoch)
-    if resized:
-        trainer.grad_accum_steps, trainer.global_batch, trainer.batches_done = accum, global_batch, batches_done
-        trainer.sampler.load_state_dict(shared)  # the global position: every rank continues the same order
-        trainer._loss_sum, trainer._loss_count = resize.merge_epoch_loss(payload["ranks"], trainer.rank)
-        if trainer.rank < len(payload["ranks"]):  # rank r keeps old rank r's stream (dropout differs anyway:
-            restore_rng_state(payload["ranks"][trainer.rank]["rng"])  # its samples are other ones now)
-        else:
-            resize.derived_rng_state(trainer.config.seed, trainer.step, trainer.rank)
-        trainer.resized_from = payload["world_size"]
-    else:
-        mine = payload["ranks"][trainer.rank]
-        trainer.sampler.load_state_dict(mine["sampler"])
-        trainer._loss_sum, trainer._loss_count = mine["loss_sum"], mine["loss_count"]
-        restore_rng_state(mine["rng"])  # last: nothing after this may draw randomness
-    trainer.last_checkpoint = trainer.resumed_from = path
     return path
+
+
+def _resized_position(trainer, path: str, payload: dict) -> dict[str, Any]:
+    """A checkpoint of another world size: the same global batch at this one (train/resize.py), checked before
+    anything changes; the global position every rank continues from."""
+    if "global_batch" not in payload:
+        raise ValueError(f"checkpoint {path} was written by {payload['world_size']} ranks without its global "
+                         f"batch (an older lockstep); this run has {trainer.world_size}: resume it at "
+                         f"{payload['world_size']} ranks")
+    global_batch = payload["global_batch"]
+    if trainer.config.global_batch is not None and trainer.config.global_batch != global_batch:
+        raise ValueError(f"checkpoint {path} trains with global batch {global_batch}; this run's "
+                         f"TrainerConfig.global_batch is {trainer.config.global_batch}")
+    accum = resize.accum_steps_for(global_batch, trainer.config.batch_size, trainer.world_size,
+                                   f"checkpoint {path} ({payload['world_size']} ranks)")
+    shared = resize.global_position(payload["ranks"], path)
+    position = shared.get("position", shared["consumed"] * payload["world_size"])
+    batches_done = resize.batches_done_at(position, payload["batches_done"], trainer.config.batch_size,
+                                          trainer.world_size, path)
+    return {"global_batch": global_batch, "grad_accum_steps": accum, "batches_done": batches_done,
+            "sampler": shared}

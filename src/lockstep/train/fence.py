@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lockstep.launch.elastic import JOB_ENV
+from lockstep.keys import JOB_ENV
 from lockstep.network import accepts
 
 __all__ = ["FENCE_DIR", "JobFence", "JobFenceError", "StaleGenerationError", "job_id_from_env"]

@@ -18,6 +18,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 import torch
@@ -38,7 +39,7 @@ from lockstep.train.epoch_meter import EpochMeter
 from lockstep.train.evaluate import evaluate
 from lockstep.train.faults import install_kill_hooks, kill_point_from_env
 from lockstep.train.fence import JobFence
-from lockstep.train.inplace import InPlaceGroup, PeerLost, Regrouped, hand_over
+from lockstep.train.inplace import InPlaceGroup, Recovery, Regrouped
 from lockstep.train.inplace import wanted as inplace_wanted
 from lockstep.train.loggers import open_run_loggers
 from lockstep.train.metrics import MetricsLog, comm_report
@@ -54,7 +55,7 @@ from lockstep.train.progress import epoch_line, nothing_left_line, progress_bar,
 from lockstep.train.resize import accum_steps_for, batches_done_at
 from lockstep.train.run_identity import claim_checkpoint_dir
 from lockstep.train.stragglers import BLOCKS, find_straggler, gather_epoch, straggler_line
-from lockstep.train.zero import sharded_optimizer
+from lockstep.train.zero import load_optimizer_state, sharded_optimizer
 
 __all__ = ["Trainer", "TrainerConfig"]
 
@@ -118,8 +119,8 @@ class Trainer:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # In-place recovery (lockstep launch --nnodes MIN:MAX, docs/preemptible.md): the default group only, and the
         # plain step: the overlapped one would apply the update before the step's commit.
-        self._inplace = InPlaceGroup() if group is None and inplace_wanted() else None
-        # A process of a node that came back (train/inplace.py, "growing"): the running ranks are between two steps,
+        self._recovery = Recovery(InPlaceGroup(), self) if group is None and inplace_wanted() else None
+        # A process of a node that came back (train/inplace/, "growing"): the running ranks are between two steps,
         # not building a DDP: it makes none of the construction's collectives and takes the state in fit()
         newcomer = self._joining()
         sockets_before = socket_fds()  # DDP's subgroups (the hierarchical all-reduce): in-place recovery shuts them
@@ -142,12 +143,11 @@ class Trainer:
                                  "rank that left; launch with --recovery restart (resumes from the checkpoint)")
             optimizer = sharded_optimizer(self.ddp, optimizer, cfg.zero)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        if self._inplace is not None:
-            self._inplace.adopt_sockets(socket_fds() - sockets_before)
+        if self._recovery is not None:
+            self._recovery.group.adopt_sockets(socket_fds() - sockets_before)
         self._committed: dict | None = None  # the state the last committed step left (``_snapshot``)
-        self._regrouped: Regrouped | None = None  # a re-formation to report after the first step at the new size
         # Before any scheduler wraps optimizer.step (a scheduler made later wraps the deferred step: torch's order).
-        self.overlapped = self._inplace is None and not cfg.zero and self.diloco is None and wants_overlap(
+        self.overlapped = self._recovery is None and not cfg.zero and self.diloco is None and wants_overlap(
             cfg, optimizer, self.precision.scaler is not None, self.world_size)
         if self.overlapped:  # the bound optimizer steps in the next forward (the user's is left as it was)
             self.optimizer = self.ddp.overlap_optimizer_step(optimizer)
@@ -177,7 +177,8 @@ class Trainer:
         self._loss_sum, self._loss_count = 0.0, 0  # this rank's training loss this epoch (kept in checkpoints)
         self._train_time_s, self._samples_seen = 0.0, 0
         self.history: list[dict] = []
-        self.last_checkpoint, self.resumed_from = None, None
+        self.last_checkpoint: Path | str | None = None  # a Path once saved here, its str once loaded or adopted
+        self.resumed_from: str | None = None
         self._saved_at: tuple[int, int] | None = None  # (step, epoch) of the last checkpoint saved or loaded
         self.resized_from: int | None = None  # the world size of a checkpoint resumed at another size
         # set by open_writer_files (rank 0's, on every rank); a resume adopts the checkpoint's
@@ -186,7 +187,9 @@ class Trainer:
         # by the writer; passed on to the next writer when the group re-forms in place
         self.fence: JobFence | None = None
         # rank 0's files checked on every rank alike (a newcomer: rank 0 checked them long ago; its run id comes in fit)
-        self.metrics = MetricsLog(None, enabled=False) if self._joining() else ckpt.open_writer_files(self)
+        self.metrics = MetricsLog(None, enabled=False)
+        if not self._joining():
+            self.metrics, self.run_id = ckpt.open_writer_files(self)
         self.save_errors: list[str] = []  # checkpoints that failed under on_save_error="continue"
         self.preempted = False
         self._watch: PreemptionWatch | None = None
@@ -261,8 +264,8 @@ class Trainer:
         finally:
             if watch is not None:
                 watch.uninstall()
-            if self._inplace is not None:
-                self._inplace.stop()
+            if self._recovery is not None:
+                self._recovery.group.stop()
             if self._sample_log is not None:
                 self._sample_log.close()
             self.metrics.close()
@@ -276,9 +279,9 @@ class Trainer:
     def _run_epochs(self) -> None:
         """The epochs left, then the last checkpoint; with in-place recovery a lost peer's survivors go on from the
         last committed step, a peer lost during that checkpoint's collectives included (the survivors save it)."""
-        if self._inplace is not None:
-            self._inplace.start()  # stopped at the end of the last fit
-            self._inplace.accept_joins()  # a node that comes back joins at a step boundary (``_grow``)
+        if self._recovery is not None:
+            self._recovery.group.start()  # stopped at the end of the last fit
+            self._recovery.group.accept_joins()  # a node that comes back joins at a step boundary (``Recovery.grow``)
         while True:
             try:
                 while self.epoch < self.config.epochs and not self._stopped() and not self.preempted:
@@ -286,12 +289,12 @@ class Trainer:
                         break  # stopped mid-epoch by max_steps or preemption: no epoch summary
                     self._end_epoch()
                 self._save_at_the_end()
-                self._report_regrouped()  # re-formed in that save: no step follows to say it
-                if self._inplace is not None:
-                    self._inplace.finish(self.step)  # a node still waiting to be admitted has nothing to join
+                if self._recovery is not None:
+                    self._recovery.report(self.step)  # re-formed in that save: no step follows to say it
+                    self._recovery.group.finish(self.step)  # a node still waiting to be admitted has nothing to join
                 return
             except Exception as e:
-                if self._inplace is None:
+                if self._recovery is None:
                     raise
                 self._recover(e)
 
@@ -382,7 +385,7 @@ class Trainer:
             set_phase("optimizer")
             self._last_step_at = f"(epoch {self.epoch + 1}, batch {i + 1} of {n_batches})"
             # every rank's averages completed (else PeerLost: the step is discarded everywhere)
-            regrouped = self._inplace.commit(self.step + 1) if self._inplace is not None else None
+            regrouped = self._recovery.commit(self.step + 1) if self._recovery is not None else None
             self.precision.step(self.optimizer, self._clip)  # fp16: unscaled, then skipped on an Inf/NaN
             self.optimizer.zero_grad(set_to_none=True)
             if self.diloco is not None:
@@ -402,10 +405,11 @@ class Trainer:
             if step_ids is not None and self._sample_log is not None:  # both or neither
                 self._sample_log.write(json.dumps({"step": self.step, "epoch": self.epoch + 1, "ids": step_ids}) + "\n")
                 step_ids = []
-            if self._inplace is not None:
+            if self._recovery is not None:
                 self._after_commit(regrouped)
             self._after_step(loss_value, bar, step_s)
-            if regrouped is not None or (self._inplace is not None and self._inplace.grow_due and self._grow()):
+            if regrouped is not None or (self._recovery is not None and self._recovery.grow_due
+                                         and self._recovery.grow() is not None):
                 bar.close()
                 raise _Resized  # the rest of the epoch is dealt again at the new size
             t_group = t_data = time.perf_counter()  # logging and checkpoints are not step time
@@ -419,7 +423,7 @@ class Trainer:
                 return False
         return True  # the bar stays open: _end_epoch shows the epoch's all-rank loss on its last line
 
-    # -- in-place recovery (train/inplace.py) ---------------------------------------------------
+    # -- in-place recovery (train/inplace/: Recovery does what a script's loop and the Trainer share) ------
     def _snapshot(self) -> None:
         """What the last committed step left: the state a lost peer rolls every survivor back to. No tensors: the
         parameters and the optimizer change only after a commit."""
@@ -428,27 +432,18 @@ class Trainer:
                            "seen": (self._samples_seen, self._train_time_s)}
 
     def _after_commit(self, regrouped: Regrouped | None) -> None:
-        assert self._inplace is not None
+        assert self._recovery is not None
         self._snapshot()
         if regrouped is not None:  # this rank's commit failed after the others': it applied the step, now resize
-            self._resize(regrouped)
+            self._recovery.regroup(regrouped)
         else:
-            self._report_regrouped()
-
-    def _report_regrouped(self) -> None:
-        """The launcher's line for the last re-formation, once: after the first step at the new size, or after the
-        last checkpoint where no step follows."""
-        if self._regrouped is not None and self._inplace is not None:
-            self._inplace.report(self._regrouped, self.step)
-            self._regrouped = None
+            self._recovery.report(self.step)  # the last re-formation's line, after the first step at its size
 
     def _start_state(self) -> Regrouped | None:
         """Where fit() starts: a newcomer's admission (it takes the running job's state from its rank 0, no
         checkpoint read; returned), else the newest checkpoint where ``resume`` asks for it (None)."""
-        joined = self._inplace.joined if self._inplace is not None else None
-        if joined is not None:
-            self._take_over(joined)
-        elif self.config.resume:
+        joined = self._recovery.join() if self._recovery is not None else None
+        if joined is None and self.config.resume:
             self.load_latest()
         return joined
 
@@ -456,34 +451,32 @@ class Trainer:
         """DiLoCo's groups where the config asks for it (before the DDP, which runs on the node's group)."""
         if self.config.diloco_sync_every is None:
             return None
-        if group is not None or self._inplace is not None:
+        if group is not None or self._recovery is not None:
             raise ValueError("TrainerConfig.diloco_sync_every: the default group only, and no in-place recovery "
                              "(launch with --recovery restart: a resume starts from the last synced parameters)")
         return outer.make_groups()
 
     def _joining(self) -> bool:
         """This process joins a running in-place job (a node come back) and has not taken its state yet."""
-        return self._inplace is not None and self._inplace.joined is not None
+        return self._recovery is not None and self._recovery.joining
 
-    def _grow(self) -> bool:
-        """After a step whose commit said newcomers wait (every rank alike): admit them, hand them the state, deal
-        the rest of the epoch at the new size. False when nobody was admitted."""
-        assert self._inplace is not None
-        outcome = self._inplace.grow()
-        if outcome is None:
-            return False
-        self._take_over(outcome)
-        return True
+    def _recover(self, error: Exception) -> None:
+        """A collective failed: rejoin the survivors, go back to the last committed step, continue at the new size."""
+        assert self._recovery is not None and self._committed is not None
+        if isinstance(error, _Resized):
+            return  # already re-formed and resized (``_after_commit``)
+        outcome = self._recovery.lost(error)
+        saved = self._committed
+        self.step, self.epoch = saved["step"], saved["epoch"]
+        (self._loss_sum, self._loss_count), (self._samples_seen, self._train_time_s) = saved["loss"], saved["seen"]
+        if self._bar is not None:
+            self._bar.close()
+        self._recovery.regroup(outcome)
 
-    def _take_over(self, outcome: Regrouped) -> None:
-        """``hand_over``, the survivors after their step and the newcomers in fit(): rank 0's parameters and
-        buffers, optimizer, scheduler, scaler, step and data position reach every rank; all resize."""
-        assert self._inplace is not None
-        hand_over(self._inplace, outcome, self._live_state, self._adopt, self._resize, self.config.seed,
-                  lambda: self.step)
-
-    def _live_state(self) -> dict:
-        """What a newcomer needs to take the next step as if it had trained all along (rank 0's)."""
+    # RecoveringLoop (train/inplace/recovery.py): what in-place recovery asks of the Trainer
+    def live_state(self) -> dict:
+        """What a newcomer needs to take the next step as if it had trained all along (rank 0's): parameters and
+        buffers, optimizer, scheduler, scaler, step and data position, the run's and the folder's identity."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "scaler": self.precision.state_dict(), "committed": self._committed, "global_batch": self.global_batch,
@@ -491,7 +484,8 @@ class Trainer:
                 "job": self.fence.job if self.fence is not None else None,
                 "last_checkpoint": None if self.last_checkpoint is None else str(self.last_checkpoint)}
 
-    def _adopt(self, state: dict) -> None:
+    def adopt(self, state: dict) -> None:
+        """A newcomer takes rank 0's ``live_state()``."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
@@ -508,41 +502,29 @@ class Trainer:
         if state["job"] is not None and self.config.checkpoint_dir:
             self.fence = JobFence(self.config.checkpoint_dir, state["job"])  # the job's: a later writer advances it
 
-    def _recover(self, error: Exception) -> None:
-        """A collective failed: rejoin the survivors, go back to the last committed step, continue at the new size."""
-        assert self._inplace is not None and self._committed is not None
-        if isinstance(error, _Resized):
-            return  # already re-formed and resized (``_after_commit``)
-        outcome = error.outcome if isinstance(error, PeerLost) else self._inplace.rejoin(error)
-        saved = self._committed
-        self.step, self.epoch = saved["step"], saved["epoch"]
-        (self._loss_sum, self._loss_count), (self._samples_seen, self._train_time_s) = saved["loss"], saved["seen"]
-        if self._bar is not None:
-            self._bar.close()
-        self._resize(outcome)
+    def committed_sampler_state(self) -> dict:
+        assert self._committed is not None
+        return self._committed["sampler"]
 
-    def _resize(self, outcome: Regrouped) -> None:
-        """The DDP re-bound to the new group, the rest of the epoch dealt at its size (the global batch kept)."""
+    def committed_step(self) -> int:
+        return self.step
+
+    def resized(self, outcome: Regrouped) -> None:
+        """After the DDP was re-bound and the sampler re-dealt at the new size: this rank's place, the folder's
+        writer, the accumulation that keeps the global batch, the epoch's position at the new size."""
         assert self._committed is not None
         cfg, saved = self.config, self._committed
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.is_writer = self.rank == 0
         if self.is_writer and self.fence is not None:  # a new membership, a new generation: the old writer is passed
             self.fence.advance(f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
-        self.ddp.rebind(None)
         if self._watch is not None:
             self._watch.forget_pending()  # issued on the old group
-        assert self._inplace is not None
-        self._inplace.settle()
-        self.optimizer.zero_grad(set_to_none=True)  # a discarded step's gradients
-        self.sampler.num_replicas, self.sampler.rank = self.world_size, self.rank
-        self.sampler.load_state_dict(saved["sampler"])
         where = f"in-place recovery at world size {self.world_size}"
         self.grad_accum_steps = accum_steps_for(self.global_batch, cfg.batch_size, self.world_size, where)
         self.batches_done = batches_done_at(saved["sampler"]["position"], saved["batches_done"], cfg.batch_size,
                                             self.world_size, where)
         self.resized_from = outcome.old_world_size
-        self._regrouped = outcome
         self._snapshot()
 
     def _clip(self) -> None:
@@ -634,11 +616,44 @@ class Trainer:
         """Every rank must call this (it gathers each rank's sampler position and RNG); global rank 0 writes.
 
         ``on_error`` ("raise" / "continue") overrides TrainerConfig.on_save_error for this save."""
-        return ckpt.save_trainer_checkpoint(self, on_error)
+        saved = ckpt.save_trainer_checkpoint(self, on_error)
+        if saved.error is not None:
+            self.save_errors.append(saved.error)
+        else:
+            self._saved_at, self.last_checkpoint = (self.step, self.epoch), saved.checkpoint
+        return saved.path
 
     def load_latest(self):
         """Load the newest checkpoint in checkpoint_dir on every rank; returns its path, or None if there is none."""
-        return ckpt.load_trainer_checkpoint(self)
+        state = ckpt.load_trainer_checkpoint(self)
+        if state is None:
+            return None
+        self._resume(state)
+        return state.path
+
+    def _resume(self, state: ckpt.ResumedState) -> None:
+        """Take a checkpoint read back (``checkpoint.load_trainer_checkpoint``, checked already): the model, the
+        optimizer, the scheduler and the scaler, where training stands, this rank's data position, loss and RNG.
+        The RNG last: nothing after it may draw randomness."""
+        self.model.load_state_dict(state.model)
+        load_optimizer_state(self.optimizer, state.optimizer, state.own_shard)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state.scheduler)
+        self.precision.load_state_dict(state.scaler, state.path)
+        if self.diloco is not None and state.diloco is not None:  # the synced copy and outer optimizer (checked
+            outer.load(self.diloco, self.model, self.optimizer, state.diloco, state.diloco_local)  # both or neither)
+        self.step, self.epoch, self.batches_done = state.step, state.epoch, state.batches_done
+        if state.run_id:  # the resumed run is that run: its later checkpoints and metrics lines join it
+            self.run_id = state.run_id
+        self._saved_at = (self.step, self.epoch)
+        if state.resized_from is not None:  # the same global batch at this world size (train/resize.py)
+            assert state.global_batch is not None and state.grad_accum_steps is not None
+            self.grad_accum_steps, self.global_batch = state.grad_accum_steps, state.global_batch
+            self.resized_from = state.resized_from
+        self.sampler.load_state_dict(state.sampler)
+        self._loss_sum, self._loss_count = state.loss_sum, state.loss_count
+        state.restore_rng(self.config.seed, self.rank)
+        self.last_checkpoint = self.resumed_from = state.path
 
     # -- reporting -------------------------------------------------------------------------
     def comm_report(self) -> dict:

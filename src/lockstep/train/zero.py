@@ -94,19 +94,24 @@ def _read_part(path: Path) -> dict[str, Any]:
     return load_checkpoint(path)["optimizer_part"]
 
 
-def load_optimizer(optimizer: Any, stage: int | None, checkpoint: Path, payload: dict[str, Any], rank: int,
-                   world_size: int) -> None:
-    """Restore ``optimizer`` (of ZeRO ``stage``, or plain: None) from ``payload``: its own state, or its parts."""
+def optimizer_state(stage: int | None, checkpoint: Path, payload: dict[str, Any], rank: int,
+                    world_size: int) -> tuple[dict[str, Any], bool]:
+    """What an optimizer (of ZeRO ``stage``, or plain: None) loads from ``payload``: its whole state, or its own
+    shard where the checkpoint's parts were written by the same stage at the same world size (the bool)."""
     parts = payload.get("optimizer_parts")
     if parts is None:  # a plain optimizer's checkpoint: a ZeRO optimizer keeps its shard of it
-        optimizer.load_state_dict(payload["optimizer"])
-        return
+        return payload["optimizer"], False
     names = parts["files"]
     if stage and parts["zero"] == stage and parts["world_size"] == world_size:  # its own shard is all it needs
-        load_own = getattr(optimizer, "load_sharded_state_dict", optimizer.load_state_dict)
-        load_own(_read_part(checkpoint.with_name(names[rank])))
-        return
-    optimizer.load_state_dict(merge_parts([_read_part(checkpoint.with_name(name)) for name in names]))
+        return _read_part(checkpoint.with_name(names[rank])), True
+    return merge_parts([_read_part(checkpoint.with_name(name)) for name in names]), False
+
+
+def load_optimizer_state(optimizer: Any, state: dict[str, Any], own_shard: bool) -> None:
+    """``optimizer`` takes ``state`` (``optimizer_state``'s): a shard through its sharded loader where it has one."""
+    load = getattr(optimizer, "load_sharded_state_dict", optimizer.load_state_dict) if own_shard \
+        else optimizer.load_state_dict
+    load(state)
 
 
 def consolidated_optimizer_state(checkpoint: str | Path) -> dict[str, Any]:
