@@ -34,11 +34,17 @@ def run_once(tree: str, command: list[str]) -> dict:
 
 
 def ratios_of(record: dict) -> dict[str, float]:
-    """``model: numerator/denominator`` -> the median per-block ratio (ddp_step.py's records)."""
+    """``model: numerator/denominator`` -> the median per-block ratio (ddp_step.py's records); for memory.py's,
+    ``model: cell`` -> the cell's median peak in MiB (a peak is not paced by the load: compared as it is)."""
     found = {}
-    for model, result in record.get("results", {}).items():
-        for pair, r in result.get("ratios", {}).items():
-            found[f"{model}: {pair}"] = r["median"]
+    results = record.get("results", {})
+    for model, result in results.get("models", {}).items():
+        for cell, runs in result.get("cells", {}).items():
+            found[f"{model}: {cell} peak MiB"] = statistics.median(r["peak_bytes"] for r in runs) / 2**20
+    for model, result in results.items():
+        if isinstance(result, dict):
+            for pair, r in result.get("ratios", {}).items():
+                found[f"{model}: {pair}"] = r["median"]
     return found
 
 
