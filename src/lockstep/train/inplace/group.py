@@ -36,7 +36,7 @@ from lockstep.process_group import group_sockets, socket_fds, take_admission
 from lockstep.train.inplace import admission, regroup
 from lockstep.train.inplace.admission import Joins
 from lockstep.train.inplace.outcome import PeerLost, Regrouped
-from lockstep.train.inplace.store_move import Stores
+from lockstep.train.inplace.store_move import STANDBY_CONNECT_S, Stores, connect
 from lockstep.train.inplace.watcher import Watcher, shut_sockets
 
 
@@ -283,8 +283,24 @@ class InPlaceGroup:
                   "where": {str(k): v for k, v in self.where.items()}}
         if outcome.joined:  # from the newcomers' launcher start; and what the grow cost the others
             record["seconds"], record["paused"] = now - (outcome.joiners_t0 or now), now - outcome.alarm_at
-        self.store.set(f"{INPLACE_REPORT_KEY}/{outcome.generation}", json.dumps(record))
+        key, payload = f"{INPLACE_REPORT_KEY}/{outcome.generation}", json.dumps(record)
+        self.store.set(key, payload)
         self.store.set(f"{INPLACE_REPORT_KEY}/latest", str(outcome.generation))  # where a launcher that joined starts
+        self._mirror_report(key, payload)
+
+    def _mirror_report(self, key: str, payload: str) -> None:
+        """The record in the standby store of every other node with members too, so that a launcher's line survives
+        the store moving before its report thread read it (seen: node 1's own "joined" line lost when node 0,
+        serving the store, was killed within a second of admitting it; the survivors moved to node 1's standby,
+        where the record was not). Once a membership change, a connect and a set a node (live ones: a few ms);
+        best effort, and the clients go before this returns (no socket or thread outlives the report)."""
+        nodes = {self.stores.node_of.get(rank) for rank in self.members} - {self.stores.store_node}
+        for node in sorted(n for n in nodes if n is not None and n in self.stores.standby):
+            host, port = self.stores.standby[node]
+            try:
+                connect(host, port, STANDBY_CONNECT_S).set(key, payload)
+            except Exception:  # a line for the launcher only: training goes on without it
+                pass
 
 
 def wanted() -> bool:
