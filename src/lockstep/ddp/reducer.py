@@ -387,7 +387,7 @@ class Reducer:
         step = self.step if self.step is not None else self.strategy.held_backward()  # from the next forward
         assert step is not None
         if step.order.next_index == 0:
-            self._first_launch_s = time.perf_counter()  # read by _measure_link and the overlapped step's timing
+            self._first_launch_s = time.perf_counter()  # the link's serial test, the overlapped step's timing
         nonfinite = step.plan.nonfinite  # the carrier of the verdict goes first: the held ones checked now
         if nonfinite is not None and step.order.carrier_last_ready and bucket.index == len(self.buckets) - 1:
             unlaunched = step.order.sequence[step.order.next_index + 1:]  # all ready (``LaunchOrder``)
