@@ -350,7 +350,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
             on_backward_start(outputs, reducer.on_backward_start)
         return outputs
 
-    def _syncs_buffers(self) -> bool:
+    def _syncs_buffers(self) -> bool:  # this forward broadcasts buffers (torch's rule: after a synced forward)
         return self.require_forward_param_sync and self.forward_sync_buffers and self.reducer.world_size > 1
 
     def _start_buffer_sync(self, module: nn.Module, in_join: bool) -> Any:
@@ -358,7 +358,7 @@ class DistributedDataParallel(Pickling, WrapperSurface, nn.parallel.DistributedD
         an eval or no_sync forward right after a training step), which is what keeps BatchNorm statistics
         bit-identical to torch's under gradient accumulation. Returns the pending broadcast, or None. A model whose
         last walk found no buffer to send, and none registered since, costs a dict lookup (``buffer_sync``)."""
-        if not (self.require_forward_param_sync and self.forward_sync_buffers and self.reducer.world_size > 1):
+        if not self._syncs_buffers():
             return None
         buffer_hook = self._buffer_hook  # torch's _register_buffer_comm_hook: (hook, state, pre?)
         if buffer_hook is not None:
