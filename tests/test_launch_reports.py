@@ -340,6 +340,35 @@ def test_console_shows_one_prefix_and_a_traceback_every_rank_raised_once(capsys)
                        "[rank1]: Traceback (most recent call last):", '[rank1]:   File "train.py", line 3']
 
 
+def test_console_keeps_each_ranks_line_whole_when_workers_write_unbuffered(capsys):
+    # PYTHONUNBUFFERED=1 (CI's environment, many containers): print() writes its text and its newline apart, and
+    # torch's tail can pass the first piece on alone. Seen in CI: rank 2's "where rank=2 ..." and rank 3's line
+    # shared one console line, so a reader (and test_multinode) found only one of them.
+    from lockstep.launch.console import single_prefix
+
+    tb = ["Traceback (most recent call last):", '  File "train.py", line 9, in <module>', "ValueError: bad"]
+    with single_prefix():
+        sys.stdout.write("[rank2]: where rank=2 world=4")
+        sys.stdout.write("[rank3]: where rank=3 world=4")
+        sys.stdout.write("[rank2]: \n")
+        sys.stdout.write("[rank3]: \n")
+        sys.stdout.write("[rank0]: step 1")
+        sys.stdout.write("[rank0]:  done\n")
+        sys.stdout.write("[rank1]: epoch")
+        sys.stdout.write("lockstep launch: a line of the launcher's own\n")
+        sys.stdout.write("[rank1]:  1\n")
+        for rank in (0, 1):
+            for line in tb:
+                for piece in (line, "\n"):
+                    sys.stderr.write(f"[rank{rank}]: {piece}")
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == ["[rank2]: where rank=2 world=4", "[rank3]: where rank=3 world=4",
+                                         "[rank0]: step 1 done", "[rank1]: epoch",
+                                         "lockstep launch: a line of the launcher's own", "[rank1]:  1"]
+    assert captured.err.splitlines() == [*(f"[rank0]: {line}" for line in tb),
+                                         "[rank1]: ValueError: bad (the same traceback as rank 0)"]
+
+
 def test_console_says_a_follow_on_lost_peer_error_in_one_line_and_keeps_a_lone_one_whole(capsys):
     from lockstep.launch.console import single_prefix
 

@@ -54,33 +54,64 @@ class _Console:
         self._stream, self._shown, self._lock, self._muted, self._native = stream, shown, lock, muted, native
         self._held: dict[str, list[tuple[str, str]]] = {}  # rank -> (line as written, its text without prefix)
         self._after_follow_on: set[str] = set()  # ranks whose follow-on traceback was said in one line
+        # A worker writing unbuffered (PYTHONUNBUFFERED=1, common in containers) puts print()'s text and its newline
+        # in two writes; torch's tail can read between them and pass the first piece on alone. Per rank, the line
+        # read so far without its end, and which rank's unfinished line the console's last write left open: another
+        # rank's line first ends it, so two ranks' lines never share one console line.
+        self._pieces: dict[str, str] = {}
+        self._open: str | None = None
 
     def write(self, text: str) -> int:
         text = single_prefix_text(text)
         match = _PREFIXED.match(text)
         if match is None:
-            return self._stream.write(text)
+            with self._lock:
+                self._end_open_line()
+                return self._stream.write(text)
         if self._muted.is_set():
             return len(text)  # a worker's line after a Ctrl-C: in its log file only
         rank, body = match.groups()
         with self._lock:
-            if self._native.take(rank, body):
+            start = self._pieces.pop(rank, "")
+            line = start + body  # the rank's line so far: a piece of an unbuffered print joined to what came before
+            if not body.endswith("\n"):
+                self._pieces[rank] = line
+            if self._native.take(rank, line):
                 return len(text)  # a C++ warning record (c10d's): in the rank's log file only
             if rank in self._after_follow_on:
-                if not body.strip() or body.startswith(_CHAINED):
+                if not line.strip() or line.startswith(_CHAINED):
                     return len(text)  # the chain's connecting lines after a follow-on said in one line
                 self._after_follow_on.discard(rank)
             held = self._held.get(rank)
+            if held is None and not (line.startswith(_TRACEBACK) and not start):
+                return self._show(rank, text[: len(text) - len(body)], body, start)
             if held is None:
-                if not body.startswith(_TRACEBACK):
-                    return self._stream.write(text)
-                self._held[rank] = [(text, body)]
-                return len(text)
-            held.append((text, body))
-            if body.strip() and not body.startswith((" ", _TRACEBACK)):  # the exception line closes the traceback
-                del self._held[rank]
-                self._stream.write(self._closed(rank, held, body.rstrip()))
+                self._held[rank] = held = []
+            if start and held:
+                held[-1] = (held[-1][0] + body, line)  # the rest of a held line
+            else:
+                held.append((text, line))
+            if line.endswith("\n") and line.strip() and not line.startswith((" ", _TRACEBACK)):
+                del self._held[rank]  # the exception line closes the traceback
+                self._stream.write(self._closed(rank, held, line.rstrip()))
             return len(text)
+
+    def _show(self, rank: str, prefix: str, body: str, start: str) -> int:
+        """Write a rank's piece of output; a line another rank left unfinished is ended first."""
+        if start and self._open == rank:
+            text = body  # the rest of this rank's open line: no second prefix
+        elif start and body == "\n":
+            return 1  # the end of a line that another rank's line has ended already
+        else:
+            self._end_open_line()
+            text = prefix + body
+        self._open = None if body.endswith("\n") else rank
+        return self._stream.write(text)
+
+    def _end_open_line(self) -> None:
+        if self._open is not None:
+            self._open = None
+            self._stream.write("\n")
 
     def _closed(self, rank: str, held: list[tuple[str, str]], exception: str) -> str:
         """What the console shows of a rank's whole traceback (its exception line is ``exception``)."""
@@ -102,6 +133,7 @@ class _Console:
     def release(self) -> None:
         """Print whatever is still held (a worker killed in the middle of printing its traceback)."""
         with self._lock:
+            self._end_open_line()
             if not self._muted.is_set():
                 for held in self._held.values():
                     self._stream.write("".join(t for t, _ in held))
