@@ -97,7 +97,7 @@ class _Bucket:
 
 
 def _launch_order(n, hooked=False, work_done=True):
-    from lockstep.ddp.launch_order import LaunchOrder
+    from lockstep.ddp.reducer import LaunchOrder
 
     buckets, launched = [_Bucket(i) for i in range(n)], []
 
@@ -142,7 +142,8 @@ class _DistWork:
 
 
 def test_launch_order_in_a_sequence_on_a_slow_link_one_at_a_time():
-    from lockstep.ddp.launch_order import LaunchOrder, priority_sequence
+    from lockstep.ddp.launch_order import priority_sequence
+    from lockstep.ddp.reducer import LaunchOrder
 
     buckets, launched = [_Bucket(i) for i in range(4)], []
 

@@ -74,27 +74,57 @@ def test_describe_phases():
     assert describe(rec(3, "optimizer")) == "optimizer after step 3"
 
 
+def _bucket(index, seq, done=None, numel=10):
+    work = None if done is None else SimpleNamespace(is_completed=lambda: done)
+    return SimpleNamespace(index=index, seq=seq, work=work, flat=SimpleNamespace(numel=lambda: numel))
+
+
 def test_zero2_waits_name_the_reduce_scatter_and_the_all_gather():
-    # ZeRO-2 (``ddp.zero2``): the observer hears which collective the waits are; the report names it
+    # ZeRO-2 (``ddp.zero2``): the end of backward says what its waits are for; the next forward's all-gathers are
+    # named by ``collective``. The bucket waited on is the first whose work has not completed.
     progress = Progress()
-    obs = ProgressObserver(lambda: None, progress)
-    obs.backward_start()
-    obs.collective("reduce-scatter")
-    obs.wait_start(2, 7)
-    record = {**rec(4, "wait", bucket=2, seq=7), "op": progress.snapshot()["op"]}
-    assert describe(record) == "reduce-scatter of bucket 2 (collective #7) of step 5"
-    obs.wait_end(2, 7)
-    assert progress.phase == "backward"
+    reducer = SimpleNamespace(expect_hooks=False, step=None, buckets=[])
+    obs = ProgressObserver(lambda: reducer, progress)
+    obs.forward_start()
+    obs.forward_end()
+    obs.waiting([_bucket(1, 6, done=True), _bucket(2, 7, done=False), _bucket(3, 8, done=False)], "reduce-scatter")
+    snap = progress.snapshot()
+    assert (snap["phase"], snap["bucket"], snap["seq"], snap["numel"]) == ("wait", 2, 7, 10)
+    assert describe({**rec(4, "wait", bucket=2, seq=7), "op": snap["op"]}) == (
+        "reduce-scatter of bucket 2 (collective #7) of step 5")
     obs.backward_end(5)
     obs.forward_start()
     obs.collective("all-gather")
     obs.wait_start(0, 3)
-    record = {**rec(5, "wait", bucket=0, seq=3), "op": progress.snapshot()["op"]}
+    snap = progress.snapshot()
+    assert (snap["phase"], snap["bucket"], snap["seq"]) == ("wait", 0, 3)
+    record = {**rec(5, "wait", bucket=0, seq=3), "op": snap["op"]}
     assert describe(record) == "all-gather of bucket 0 (collective #3) of the update of step 5"
     obs.wait_end(0, 3)
     assert progress.phase == "forward"  # back to the forward the wait was in (was "backward" before ZeRO-2)
-    obs.backward_start()
+    obs.forward_end()
     assert progress.op == "all-reduce"
+
+
+def test_progress_reads_the_backward_and_the_bucket_launched_last_from_the_reducer():
+    # No event tells the progress that a backward started or a bucket launched (a steady step calls no observer
+    # inside backward): the watchdog's read finds them in the reducer of the last forward.
+    progress = Progress()
+    reducer = SimpleNamespace(expect_hooks=False, step=None, buckets=[_bucket(0, 3), _bucket(1, 4)])
+    obs = ProgressObserver(lambda: reducer, progress)
+    obs.forward_start()
+    obs.forward_end()
+    assert progress.phase_now() == "loss" and progress.snapshot()["phase"] == "loss"
+    reducer.step = object()  # the backward's start (``Reducer.on_backward_start``)
+    snap = progress.snapshot()
+    assert (snap["phase"], snap["bucket"]) == ("backward", -1)
+    reducer.buckets[1] = _bucket(1, 9, done=False)  # launched in this backward (the last one's works let go)
+    snap = progress.snapshot()
+    assert (snap["phase"], snap["bucket"], snap["seq"]) == ("backward", 1, 9)
+    assert describe({**rec(0, "backward", bucket=1, seq=9)}) == "backward of step 1, bucket 1 launched last"
+    reducer.step = None
+    obs.backward_end(1)
+    assert progress.snapshot()["phase"] == "data"
 
 
 def test_observer_tracks_phases_and_a_skipped_backward():

@@ -161,8 +161,11 @@ class _Kinds(StepObserver):
     def __init__(self) -> None:
         self.kinds: list[str] = []
 
-    def collective(self, kind: str) -> None:
+    def collective(self, kind: str) -> None:  # the next forward's all-gathers
         self.kinds.append(kind)
+
+    def waiting(self, buckets, op: str) -> None:  # the end of backward's reduce-scatters
+        self.kinds.append(op)
 
 
 def _collectives(rank: int) -> dict:

@@ -88,8 +88,8 @@ def reachable_params(outputs: Any, index_of: dict[int, int]) -> tuple[set[int], 
     return used, len(seen)
 
 
-def on_backward_start(outputs: Any, callback: Callable[[], None]) -> int:
-    """Call ``callback`` when backward first reaches a node that produced ``outputs``.
+def on_backward_start(outputs: Any, callback: Callable[[Any], None]) -> int:
+    """Call ``callback(grad_outputs)`` when backward first reaches a node that produced ``outputs``.
 
     A pre-hook on each output's ``grad_fn``: it runs in the graph task of the user's own backward,
     so a callback queued from it runs after that whole backward. Nothing is wrapped: the outputs
@@ -101,5 +101,5 @@ def on_backward_start(outputs: Any, callback: Callable[[], None]) -> int:
         if t.grad_fn is not None:
             nodes[id(t.grad_fn)] = t.grad_fn
     for node in nodes.values():
-        node.register_prehook(lambda grad_outputs: callback())
+        node.register_prehook(callback)  # returns None: the gradients flow on unchanged
     return len(nodes)

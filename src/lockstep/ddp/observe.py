@@ -15,15 +15,24 @@ Events, in order within one synchronised step:
   bucket_launch(bucket_index, numel, seq)          its all-reduce (or comm hook) is about to be issued;
                                                    seq counts the reducer's launches since it was built
   bucket_launched(bucket_index, seq)               issued (asynchronous: not yet done)
-  wait_start(bucket_index, seq) / wait_end(...)    the end of backward waits for it
+  waiting(buckets, op)                             the end of backward waits for these buckets, in this order,
+                                                   for their op ("all-reduce", ZeRO-2's "reduce-scatter")
+  wait_start(bucket_index, seq) / wait_end(...)    ... for this one
   backward_end(step)                               gradients are averaged and back in ``.grad``; step =
                                                    the number of synchronised backwards so far
-  collective(kind)                                 ZeRO-2: the waits that follow are of "reduce-scatter"s or
-                                                   "all-gather"s (of the next forward), not all-reduces
+  collective(kind)                                 ZeRO-2: the waits that follow are of "all-gather"s (of the
+                                                   next forward), not all-reduces
+
+``backward_start`` and the per-bucket events (``bucket_ready``, ``bucket_launch``, ``bucket_launched``, and the
+end of backward's ``wait_start``/``wait_end``) go only to an observer whose ``all_events`` is true (the timeline
+tracer's, the profiler's ranges). The hang watchdog's progress, on by default, takes ``waiting`` instead and reads
+the backward's start and which bucket launched last or is waited on from the reducer when it publishes
+(``diagnostics.progress``): a steady step then calls no observer inside backward but at its end.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 
@@ -31,12 +40,15 @@ class Observer(Protocol):
     """What the reducer and the wrapper call: ``StepObserver``'s events (diagnostics, which sit below ``ddp``, match
     it without importing it)."""
 
+    all_events: bool  # wants backward_start and the per-bucket events
+
     def forward_start(self) -> None: ...
     def forward_end(self) -> None: ...
     def backward_start(self) -> None: ...
     def bucket_ready(self, bucket_index: int) -> None: ...
     def bucket_launch(self, bucket_index: int, numel: int, seq: int) -> None: ...
     def bucket_launched(self, bucket_index: int, seq: int) -> None: ...
+    def waiting(self, buckets: Sequence[Any], op: str) -> None: ...
     def wait_start(self, bucket_index: int, seq: int) -> None: ...
     def wait_end(self, bucket_index: int, seq: int) -> None: ...
     def backward_end(self, step: int) -> None: ...
@@ -46,12 +58,15 @@ class Observer(Protocol):
 class StepObserver:
     """No-op base: override the events you need."""
 
+    all_events = True
+
     def forward_start(self) -> None: ...
     def forward_end(self) -> None: ...
     def backward_start(self) -> None: ...
     def bucket_ready(self, bucket_index: int) -> None: ...
     def bucket_launch(self, bucket_index: int, numel: int, seq: int) -> None: ...
     def bucket_launched(self, bucket_index: int, seq: int) -> None: ...
+    def waiting(self, buckets: Sequence[Any], op: str) -> None: ...
     def wait_start(self, bucket_index: int, seq: int) -> None: ...
     def wait_end(self, bucket_index: int, seq: int) -> None: ...
     def backward_end(self, step: int) -> None: ...
@@ -65,6 +80,8 @@ class _FanOut(StepObserver):
     def __getattribute__(self, name: str) -> Any:
         if name.startswith("_") or name == "observers":
             return object.__getattribute__(self, name)
+        if name == "all_events":
+            return any(getattr(o, name, True) for o in object.__getattribute__(self, "observers"))
         calls = [getattr(o, name) for o in object.__getattribute__(self, "observers")]
 
         def fan(*args: Any) -> None:

@@ -216,9 +216,9 @@ class OverlappedStep(AllReduce):
         return not (reducer._observed_order is not None and not reducer.buckets_rebuilt)
 
     def after_collectives(self, buckets: Sequence[Bucket], params: Sequence[nn.Parameter], status: Status,
-                          mode: str, fast: bool, copied: bool) -> None:
+                          step: Backward) -> None:
         """The reducer waited for a round that ``defer`` declined: as the all-reduce's, then time it."""
-        super().after_collectives(buckets, params, status, mode, fast, copied)
+        super().after_collectives(buckets, params, status, step)
         self._record_timing(time.perf_counter())
 
     def at_forward_start(self, full: bool) -> None:

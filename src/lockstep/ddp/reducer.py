@@ -30,7 +30,7 @@ from lockstep.ddp.errors import error_for_log, raise_missing_gradients, twice_me
 from lockstep.ddp.fused_compress import FusedCompression
 from lockstep.ddp.graph import backward_accumulates, grad_accumulators
 from lockstep.ddp.idle_buckets import IdleBuckets
-from lockstep.ddp.launch_order import SERIAL_MIN_BYTES, LaunchOrder, wire_is_slow
+from lockstep.ddp.launch_order import SERIAL_MIN_BYTES, wire_is_slow
 from lockstep.ddp.layout import agree_on_order, build_layout
 from lockstep.ddp.lifetime import register_for_exit, remove_handles
 from lockstep.ddp.lifetime import release_works as release_reducer_works
@@ -51,7 +51,7 @@ from lockstep.ddp.step import (
     one_in_flight,
     plan_backward,
 )
-from lockstep.ddp.strategy import AllReduce, CommHook, copy_back_path
+from lockstep.ddp.strategy import AllReduce, CommHook
 from lockstep.diagnostics.nonfinite import NonfiniteCheck
 
 LINK_JUDGED_ROUND = 1  # rounds completed before the backward whose tail judges the wire: the one after the rebuild
@@ -278,12 +278,13 @@ class Reducer:
         plan = self._plan
         if plan is None or key != self._plan_key:
             self._plan, self._plan_key = plan, _ = self._make_plan(fast_ok), key
-        sequence, stop = self.strategy.backward_start(self.layout_version)
+        sequence, stop = self.strategy.backward_start(self.layout_version)  # stop: the rest go from the next forward
+        observer = self.observer  # a training rank's backward (a joined rank's shadow is silent)
+        if common_path and observer is not None and observer.all_events:  # the watchdog's progress reads it
+            observer.backward_start()
         serial = self.serial_launch and not self.strategy.defers  # a deferred round's drain must not wait
-        carrier = sequence is not None and plan.nonfinite is not None
-        order = LaunchOrder(self.buckets, self._launch, plan.one_in_flight or serial, sequence, carrier)
-        if stop is not None:
-            order.stop = stop  # the rest go from the next forward, one at a time
+        order = LaunchOrder(self.buckets, self._launch, plan.one_in_flight or serial, sequence,
+                            plan.nonfinite is not None, stop)
         self.step = Backward(plan, list(self._sizes), order)
         return self.step
 
@@ -298,8 +299,9 @@ class Reducer:
                              last_bucket_sparse=self.buckets[-1].plan.sparse, tracks_usage=self.usage.active, fast=fast,
                              strategy=self.strategy)
 
-    def on_backward_start(self, from_hook: bool = False) -> None:
-        """The first node of backward ran (or the first hook fired): plan it, queue its end, mark the unused."""
+    def on_backward_start(self, grad_outputs: object = None, from_hook: bool = False) -> None:
+        """The first node of backward ran (the pre-hook on the outputs' ``grad_fn``, ``graph.on_backward_start``,
+        which passes ``grad_outputs``), or the first hook fired: plan it, queue its end, mark the unused."""
         if self.step is not None:
             return
         compiled_autograd = sys.modules.get(COMPILED_AUTOGRAD)  # loaded with dynamo; its flag, a module attribute
@@ -311,15 +313,11 @@ class Reducer:
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         for bucket in self.buckets:  # the last backward's works, all complete, before this one launches its own
             bucket.work = None
-        if self.usage.last_work is not None:  # and the status exchange's (a comm hook, find_unused, ZeRO-2)
-            self.usage.drop_work()
         if self.nonfinite is not None:  # and the NaN check's
             self.release_works(keep=False)
         if self.idle.release is not False:
             self.idle.at_backward_start()
         step = self._begin(common_path=True)  # the strategy finishes what is still in flight first (``backward_start``)
-        if self.observer is not None:
-            self.observer.backward_start()
         if self._unused_at_start and (from_hook or backward_accumulates(self._accumulators)):
             self._mark_unused(step)
         # Else this graph task runs no parameter's AccumulateGrad node (yet): a torch.autograd.grad through the outputs
@@ -371,8 +369,9 @@ class Reducer:
             self.bucket_full(step, b)
 
     def bucket_full(self, step: Backward, b: int) -> None:
-        if self.observer is not None:
-            self.observer.bucket_ready(b)
+        observer = self.observer
+        if observer is not None and observer.all_events:  # the tracer's; the watchdog's progress reads the buckets
+            observer.bucket_ready(b)
         step.order.mark_ready(b)
 
     # ------------------------------------------------------------- launch (in index order: ``launch_order``)
@@ -382,6 +381,8 @@ class Reducer:
         self.launch_seq += 1
         bucket.seq = self.launch_seq
         observer = self.observer
+        if observer is not None and not observer.all_events:
+            observer = None
         if observer is not None:
             observer.bucket_launch(bucket.index, bucket.flat.numel(), bucket.seq)
         step = self.step if self.step is not None else self.strategy.held_backward()  # from the next forward
@@ -414,7 +415,6 @@ class Reducer:
                 if self.observer is not None:  # the backward ends here; its waits come in the next forward
                     self.observer.backward_end(self.num_syncs + 1)
                 return
-            fast, early = copy_back_path(step)
             judged = self.link.pending and self._judges_the_link()
             if judged:  # the tail: from the backward's end to its last average back (a slow wire's serial drain too)
                 ended_s = time.perf_counter()
@@ -422,7 +422,7 @@ class Reducer:
             futures, self.post_backward_futures = self.post_backward_futures, []
             explain = None if self.module_changes is None else self.module_changes.explain
             status, waited = finish_collectives(step, self.buckets, self.usage, self.process_group, missing,
-                                                joined=False, copy_each=early, observer=self.observer, futures=futures,
+                                                joined=False, copy_each=True, observer=self.observer, futures=futures,
                                                 names=self.names, explain=explain)
             # After the waits: one bucket at a time from the next backward on where the wire is slow
             elapsed_s = time.perf_counter() - self._first_launch_s
@@ -432,7 +432,7 @@ class Reducer:
                 self.link.tail_s = tail_s = time.perf_counter() - ended_s
                 self.link.vote = tail_wants_trials(self.link.tail_bytes, tail_s, backward_s)
                 self._agree_on_the_link()
-            self.strategy.after_collectives(self.buckets, self.params, status, self.grad_mode, fast, early)
+            self.strategy.after_collectives(self.buckets, self.params, status, step)
             self.end_round(waited, reset=False)
         except Exception as error:  # as torch's reducer, noted for the wrapper's logging data
             self.logged_error = error_for_log(error)
@@ -445,6 +445,8 @@ class Reducer:
                 self.step = None  # the buckets keep this backward's gradients until its round closes (``overlap``)
             else:
                 self._end_step()
+        if self.observer is not None:  # the step's last event, once the buckets let go of its gradients
+            self.observer.backward_end(self.num_syncs)
 
     def _judges_the_link(self) -> bool:
         """This backward's tail decides whether the default caps go to trials: the synchronised one after the
@@ -461,15 +463,13 @@ class Reducer:
                                               dist.get_rank(self.process_group))
 
     def end_round(self, waited_s: float, reset: bool = True) -> None:
-        """A synchronised backward's averages are in ``.grad``: its bookkeeping (``reset``: a deferred round's close,
-        whose backward told the observer already; the end of backward resets the buckets itself)."""
+        """A synchronised backward's averages are in ``.grad``: its bookkeeping (``reset``: a deferred round's close;
+        the end of backward resets the buckets itself, then tells the observer)."""
         self.comm_wait_s += waited_s
         if self.optimizers_in_backward:
             step_optimizers_in_backward(self.params)
         self.num_syncs += 1
         self.rounds += 1
-        if self.observer is not None and not reset:
-            self.observer.backward_end(self.num_syncs)
         if self._observed_order is not None and not self.buckets_rebuilt:
             self.rebuild_pending = True
         if reset:
@@ -532,6 +532,85 @@ class Reducer:
         _release(self.__dict__, keep=True, clear=False)
 
 
+# ----------------------------------------------------------------- the launch order, the same on every rank
+# Gradients become ready in an order that can differ between ranks (threads, timing), but collectives must be issued
+# in the same order everywhere or they pair up wrongly and hang: a bucket ready before an earlier one waits for it,
+# and the end of backward drains whatever is still held back. Part of the skeleton (a steady step's every launch
+# passes here), so it lives with it; the sequences and the slow-link rule are ``launch_order``'s.
+def _done(work: object) -> bool:
+    """A bucket's collective has finished: a ``dist.Work`` (``is_completed``) or a comm hook's Future (``done``)."""
+    is_completed = getattr(work, "is_completed", None)
+    return bool(is_completed()) if is_completed is not None else bool(work.done())  # type: ignore[attr-defined]
+
+
+class LaunchOrder:
+    """When a ready bucket may launch (``launch_order`` has the sequences and the slow-link rule): launches ``buckets``
+    through ``launch`` in ``sequence`` (default: index order) as they become ready; one per backward.
+
+    ``one_in_flight``: a hook that may issue collectives from its callbacks is registered (the backward's plan), or
+    the link is slow (``SERIAL_BELOW_BYTES_S``): each bucket launches once the previous one is done.
+    """
+
+    __slots__ = ("_launch", "_one_in_flight", "carrier_last_ready", "buckets", "next_index", "ready", "sequence",
+                 "stop")
+
+    def __init__(self, buckets: Sequence[Bucket], launch: Callable[[Bucket], None], one_in_flight: bool,
+                 sequence: Sequence[int] | None = None, carrier_last_ready: bool = False, stop: int | None = None):
+        self.buckets = buckets
+        self._launch = launch
+        self._one_in_flight = one_in_flight
+        # The last bucket (its spare element carries the non-finite verdict) waits until every bucket is ready, so
+        # all can be checked before it goes (``overlap_step``'s sequence launches it ahead of others).
+        self.carrier_last_ready = carrier_last_ready and sequence is not None
+        self.sequence = range(len(buckets)) if sequence is None else sequence
+        self.ready = [False] * len(buckets)
+        self.next_index = 0  # position in ``sequence`` of the next bucket to launch
+        # Positions from here on wait for ``launch_next`` (the overlapped step feeds the wire from the next forward,
+        # one bucket at a time, so gloo's two threads do not share the link between the first layers' bucket and
+        # the next); by default none wait.
+        self.stop = len(buckets) if stop is None else stop
+
+    def mark_ready(self, index: int) -> None:
+        """Bucket ``index`` holds all its gradients: launch it, and any later ones it was holding back."""
+        self.ready[index] = True
+        buckets, sequence, n = self.buckets, self.sequence, len(self.buckets)
+        while self.next_index < min(n, self.stop) and self.ready[sequence[self.next_index]]:
+            if self.next_index > 0 and self._one_in_flight and not _done(buckets[sequence[self.next_index - 1]].work):
+                break  # the previous hooked bucket is still in flight: drain() or a later ready bucket retries
+            if self.carrier_last_ready and sequence[self.next_index] == n - 1 and not all(self.ready):
+                break  # the verdict's carrier goes once every bucket can be checked: a later ready one or drain()
+            self._launch(buckets[sequence[self.next_index]])
+            self.next_index += 1
+
+    def drain(self) -> None:
+        """End of backward: launch every bucket still held back, each hooked one after the previous is done."""
+        sequence = self.sequence
+        while self.next_index < min(len(self.buckets), self.stop):
+            if self.next_index > 0 and self._one_in_flight:
+                self.buckets[sequence[self.next_index - 1]].work.wait()
+            self._launch(self.buckets[sequence[self.next_index]])
+            self.next_index += 1
+
+    def launch_next(self) -> bool:
+        """Launch the next bucket held at ``stop`` (every one is ready: after drain()); False if none is left."""
+        if self.next_index >= len(self.buckets):
+            return False
+        self.stop = max(self.stop, self.next_index + 1)
+        self._launch(self.buckets[self.sequence[self.next_index]])
+        self.next_index += 1
+        return True
+
+    def bytes_to_cross(self) -> int:
+        """Bytes of the buckets not launched yet or not complete: what the end of backward still waits for."""
+        launched = set(self.sequence[: self.next_index])
+        return sum(b.plan.numel * b.plan.dtype.itemsize for b in self.buckets
+                   if b.index not in launched or not _done(b.work))
+
+    def launched(self, index: int) -> bool:
+        """Bucket ``index`` has been launched this backward."""
+        return index in self.sequence[: self.next_index]
+
+
 # ----------------------------------------------------------------- the end of backward's collectives, written once
 # A training rank (``Reducer._finalize_backward``) and a joined rank standing in for one backward
 # (``Reducer.shadow_backward``, under ``join``) must issue the same collectives in the same order, or they pair up
@@ -569,7 +648,9 @@ def finish_collectives(
     launched = None
     if not plan.one_in_flight and (usage.active or plan.flag_apart):  # else the flag travels in the last bucket
         launched = usage.launch_status(missing, plan.flag_apart, buckets[-1], group, joined)
-    waited = plan.strategy.wait(buckets, plan, observer, copy_each)  # the reduction's (``strategy``)
+    if observer is not None:  # the watchdog's progress reads which one from the works
+        observer.waiting(buckets, plan.strategy.waits_on)
+    waited = plan.strategy.wait(buckets, step, observer, copy_each)  # the reduction's (``strategy``)
     if futures:
         start = time.perf_counter()
         for future in futures:
@@ -600,21 +681,27 @@ def make_hook(reducer_ref: Callable[[], Reducer | None], index: int) -> Callable
             return
         step = reducer.step
         if step is not None:
-            fast = step.plan.fast
+            plan = step.plan
+            fast = plan.fast
             if fast is not None:
                 entry = fast[index]
                 grad = param.grad
                 if entry is not None and grad is not None and not grad.requires_grad and not grad.is_sparse:
                     bucket, slot, view, scale = entry
+                    if bucket.storage_freed:  # ZeRO-2 freed it after its last reduce-scatter: memory back, same views
+                        bucket.make_resident()
                     seen = bucket.seen
                     if not seen[slot]:  # a second gradient is an error: the slow path raises it
                         step.hooks_fired = True
                         seen[slot] = True
-                        bucket.grads[slot] = grad  # copy_back's target, and the non-finite check's input
                         if scale is None:
                             view.copy_(grad)
                         else:
                             torch.mul(grad, scale, out=view)
+                        if plan.drops_grads:
+                            param.grad = None  # in the bucket now (ZeRO-2)
+                        else:
+                            bucket.grads[slot] = grad  # copy_back's target, and the non-finite check's input
                         pending = step.pending
                         left = pending[bucket.index] - 1
                         pending[bucket.index] = left

@@ -261,9 +261,6 @@ class UsageTracker:
         self.graph_static = True  # torch's ddp_graph_static: no change yet in the unused set between iterations
         self._last_unused: list[int] | None = None
 
-    def drop_work(self) -> None:  # at the next backward's start: the status all-reduce kept since (``lifetime``)
-        self.last_work = None
-
     def reset_backward(self) -> None:  # the reducer calls it where ``active`` only
         if self.active:
             self.used = [False] * self.num_params
@@ -348,7 +345,7 @@ class UsageTracker:
             status = torch.tensor([int(bool(missing))] + [int(u) for u in used], dtype=torch.int32)
             if dist.get_backend(group) == "nccl":
                 status = status.to(last_bucket.buffer.device)
-        # Async and kept until the next backward, like the buckets' works (``ddp.lifetime``).
+        # Async and kept until the next status launch replaces it (complete by then; ``ddp.lifetime``).
         self.last_work = launch_clean(dist.all_reduce, status, group=group, async_op=True)
         return status, need_bitmap
 

@@ -21,7 +21,6 @@ import torch
 
 from lockstep.comm_hooks.base import issues_collectives_up_front
 from lockstep.ddp.fused_compress import FusedCompression
-from lockstep.ddp.launch_order import LaunchOrder
 from lockstep.ddp.reducer_state import Bucket
 from lockstep.diagnostics.nonfinite import NonfiniteCheck
 
@@ -79,6 +78,9 @@ class StepPlan:
     """The hook's common-path table (``fast_table``), or None: every hook takes the slow path."""
     strategy: Any = None
     """The reducer's reduction strategy (``strategy.AllReduce`` or a subclass), whose points this backward runs."""
+    drops_grads: bool = False
+    """Each ``.grad`` goes as soon as its bucket holds it (ZeRO-2: a model's worth of gradients never lives at once);
+    the common path does it too."""
 
     @property
     def checks_local(self) -> bool:
@@ -130,8 +132,9 @@ def fast_table(buckets: Sequence[Bucket], num_params: int, divisor: int, hooked:
     run anyway (a direct or sparse bucket). Built once per layout, divisor and comm hook (``cached_fast_table``).
 
     The common path (``Reducer`` decides when it applies: copies, no usage tracking, buckets rebuilt, no event
-    log) is a subset of the slow path's steps, in the same order: mark the slot, one fused scale-and-copy,
-    count down the bucket. So behaviour is the same by construction.
+    log) is a subset of the slow path's steps, in the same order: give a freed bucket its memory back (ZeRO-2's,
+    the same views), mark the slot, one fused scale-and-copy, drop ``.grad`` where the plan says
+    (``drops_grads``), count down the bucket. So behaviour is the same by construction.
     """
     table: list[FastEntry | None] = [None] * num_params
     for bucket in buckets:
@@ -163,8 +166,9 @@ class Backward:
     plan: StepPlan
     pending: list[int]
     """Per bucket, gradients still to land; a bucket is full at 0."""
-    order: LaunchOrder
-    """Which buckets are ready and which launched: in index order, the same on every rank."""
+    order: Any
+    """Which buckets are ready and which launched: in index order, the same on every rank (a ``reducer.LaunchOrder``:
+    the reducer imports this module, not the other way)."""
     hooks_fired: bool = False
     """A parameter's hook ran in this backward (not only unused parameters marked)."""
     marked_unused: list[int] = field(default_factory=list)

@@ -47,6 +47,8 @@ class AllReduce:
     state, the hierarchy; the reducer keeps them too (torch's surface reads them there)."""
 
     name = "all-reduce"
+    waits_on = "all-reduce"
+    """What the end of backward's waits are for, as the hang report names it (``Observer.waiting``)."""
     common_path = True
     """The per-parameter hook's common path may apply (``step.fast_table``)."""
     shards_buckets = False
@@ -147,23 +149,29 @@ class AllReduce:
         """The end of backward: keep the round in flight (True) or finish it now (False)."""
         return False
 
-    def wait(self, buckets: Sequence[Bucket], plan: StepPlan, observer: Observer | None, copy_each: bool) -> float:
-        """Wait for every bucket in order; return the seconds spent waiting. ``copy_each`` (COPY mode's common
-        path, what ``copy_back``'s fast path would do): each bucket's averages go into its gradients right after
-        its wait, as torch's reducer finalizes a bucket, so the copy runs while later buckets are still in flight
-        instead of after the last one. If another rank then reports a missing gradient, the error comes with
-        these gradients already averaged."""
+    def wait(self, buckets: Sequence[Bucket], step: Backward, observer: Observer | None, copy_each: bool) -> float:
+        """Wait for every bucket in order (``observer``: told of each wait, where it takes every event); return the
+        seconds spent waiting. ``copy_each`` (the caller allows it:
+        not a joined rank's shadow): where ``copy_back_path`` says so, each bucket's averages go into its gradients
+        right after its wait, as torch's reducer finalizes a bucket, so the copy runs while later buckets are still
+        in flight instead of after the last one. If another rank then reports a missing gradient, the error comes
+        with these gradients already averaged."""
+        plan = step.plan
+        early = copy_each and copy_back_path(step)[1]
+        if observer is not None and not observer.all_events:
+            observer = None  # ``waiting`` was all it takes
         waited = 0.0
         for bucket in buckets:
-            waited += wait_bucket(bucket, bucket is buckets[-1], plan.hooked, observer, copy_each, plan.fused)
+            waited += wait_bucket(bucket, bucket is buckets[-1], plan.hooked, observer, early, plan.fused)
         return waited
 
     def after_collectives(self, buckets: Sequence[Bucket], params: Sequence[nn.Parameter], status: Status,
-                          mode: str, fast: bool, copied: bool) -> None:
+                          step: Backward) -> None:
         """The agreed status is in and the round finished at the end of its backward (``defer`` declined): the
-        averages into ``.grad`` unless ``copied`` after each wait already."""
-        if not copied:
-            copy_back(buckets, params, status.globally_used, mode, fast)
+        averages into ``.grad`` unless copied after each wait already (``wait``'s ``copy_each``)."""
+        fast, early = copy_back_path(step)
+        if not early:
+            copy_back(buckets, params, status.globally_used, step.plan.mode, fast)
 
     def on_error(self) -> None:
         """The end of backward raised: nothing this backward reduced may reach a step."""

@@ -109,7 +109,9 @@ class ZeroShards(AllReduce):
     reducer (the module's pre-hooks hold this object); ``owner`` is a weak reference to it, for its observer."""
 
     name = "ZeRO-2"
-    common_path = False  # a bucket's memory comes back at its first write (``copy_in``), and .grad goes at once
+    waits_on = "reduce-scatter"
+    # The hook's common path applies: it gives a freed bucket its memory back at its first write, as ``copy_in``
+    # does, and drops .grad once copied (``StepPlan.drops_grads``), as ``copied`` does off it.
     shards_buckets = True
     keeps_layout = True  # a rebuild's new shards would leave the optimizer's state behind
 
@@ -169,8 +171,9 @@ class ZeroShards(AllReduce):
 
     def plan(self, plan: StepPlan) -> StepPlan:
         """The shards take the reduce (the compress hook's arithmetic included), the flag goes apart, nothing is
-        copied back, no common path."""
-        return dataclasses.replace(plan, fused=None, flag_apart=True, one_in_flight=False, copy_each=False, fast=None)
+        copied back, each ``.grad`` goes once its bucket holds it (``copied``; the hook's common path too)."""
+        return dataclasses.replace(plan, fused=None, flag_apart=True, one_in_flight=False, copy_each=False,
+                                   drops_grads=True)
 
     def issue(self, bucket: Bucket, step: Backward, last: bool) -> Any:
         """The non-finite check on the local gradients (no rank keeps the average whole), then the reduce-scatter;
@@ -206,12 +209,13 @@ class ZeroShards(AllReduce):
         self._reap(step.order.next_index)  # this bucket's position: the ones before it are issued
         return work
 
-    def wait(self, buckets: Sequence[Bucket], plan: StepPlan, observer: Observer | None, copy_each: bool) -> float:
+    def wait(self, buckets: Sequence[Bucket], step: Backward, observer: Observer | None, copy_each: bool) -> float:
         """End of backward: wait for every bucket's reduce-scatter (the hang report names it); seconds waited. The
         averages land in the shards and each bucket's memory is freed."""
         waited = 0.0
         if observer is not None:
-            observer.collective("reduce-scatter")  # the hang report names it
+            if not observer.all_events:
+                observer = None  # the reducer told it which buckets it waits for (``waiting``)
         for bucket in buckets:
             if self._reaped[bucket.index]:
                 continue
@@ -226,7 +230,7 @@ class ZeroShards(AllReduce):
         return waited
 
     def after_collectives(self, buckets: Sequence[Bucket], params: Sequence[nn.Parameter], status: Status,
-                          mode: str, fast: bool, copied: bool) -> None:
+                          step: Backward) -> None:
         if status.globally_used is not None or self.used is not None:  # else nothing was or is unused
             self.note_unused(status.globally_used)  # find_unused_parameters: skipped in the step; nothing into .grad
 

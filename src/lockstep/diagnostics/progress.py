@@ -2,8 +2,12 @@
 
 One ``Progress`` per process. The DDP reducer's observer events (``lockstep.ddp.observe``) and the
 Trainer's ``set_phase`` calls write a few attributes and one ``time.monotonic()`` per event, never
-the store: the watchdog thread reads this record and publishes it (``lockstep.diagnostics.watchdog``),
-so the step's own cost is a handful of attribute writes per bucket. Phases:
+the store: the watchdog thread reads this record and publishes it (``lockstep.diagnostics.watchdog``).
+The observer takes neither the backward's start nor any per-bucket event (``all_events`` is False): at the
+forward it notes the reducer, at the end of backward the buckets it waits for (``waiting``), and the watchdog's reads
+(``phase_now``, ``snapshot``) find the rest from them: a backward runs while the reducer holds one (``step``), the
+bucket launched last is the one with the highest ``seq`` among those holding a work, the one waited on is the first
+whose work has not completed. A steady step's own cost is a few attribute writes per phase. Phases:
 
   data       between a backward's end and the next forward (a plain script's data loading, logging...)
   forward    inside DDP's forward (its buffer broadcast and the module's forward)
@@ -24,7 +28,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -48,17 +52,63 @@ class Progress:
         self.skipped_backward: tuple[int, str] | None = None  # (step, where) of the first forward without backward
         self.op = "all-reduce"  # what the waits are for: ZeRO-2's "reduce-scatter" / "all-gather" (``collective``)
         self.before_wait = "backward"  # the phase a wait interrupted, restored at its end
+        # Where the phase "backward", bucket and seq come from (``phase_now``, ``snapshot``): the reducer of the last
+        # forward (a weak reference), and the buckets the end of backward waits for, in order.
+        self.reducer: Callable[[], Any] | None = None
+        self.waits: Sequence[Any] | None = None
 
     def set_phase(self, phase: str) -> None:
         self.phase, self.since = phase, time.monotonic()
 
+    def phase_now(self) -> str:
+        """``phase``, or "backward" once the reducer of the last forward holds a backward (its ``step``): no event
+        says so, the watchdog's read does."""
+        if self.phase == "loss" and self.reducer is not None and getattr(self.reducer(), "step", None) is not None:
+            return "backward"
+        return self.phase
+
     def snapshot(self) -> dict[str, Any]:
-        return {"step_done": self.step_done, "phase": self.phase, "bucket": self.bucket, "seq": self.seq,
-                "numel": self.numel, "stalled_s": round(time.monotonic() - self.since, 3),
+        bucket, seq, numel = self._bucket_now()
+        return {"step_done": self.step_done, "phase": self.phase_now(), "bucket": bucket, "seq": seq,
+                "numel": numel, "stalled_s": round(time.monotonic() - self.since, 3),
                 "skipped_backward": self.skipped_backward, "op": self.op}
+
+    def _bucket_now(self) -> tuple[int, int, int]:
+        """(bucket, seq, numel): the bucket waited on (the first of ``waits`` not complete), or in backward the one
+        launched last; else what the last explicit event said. Read on the watchdog's thread: the reducer's buckets
+        are read, never written, and a work's ``is_completed`` is safe from any thread."""
+        phase, waits = self.phase_now(), self.waits
+        buckets: Sequence[Any] = ()
+        if phase == "wait" and waits is not None:
+            buckets = ([b for b in waits if b.work is not None and not b.work.is_completed()][:1]
+                       or _failed_wait(waits) or waits[-1:])
+        elif phase == "backward" and self.reducer is not None:
+            # a backward's start lets go of the last one's works: those holding one launched in this backward
+            launched = [b for b in getattr(self.reducer(), "buckets", ()) if b.work is not None]
+            if not launched:
+                return -1, self.seq, 0
+            buckets = [max(launched, key=lambda b: b.seq)]
+        if buckets:
+            b = buckets[0]
+            return b.index, b.seq, b.flat.numel()
+        return self.bucket, self.seq, self.numel
 
 
 PROGRESS = Progress()
+
+
+def _failed_wait(waits: Sequence[Any]) -> list[Any]:
+    """Every work is complete, as a failed one is too: the bucket whose wait raised the error this process exits on
+    (a local ``bucket`` of a frame in its traceback: dead frames, read safely), or none."""
+    error = getattr(sys, "last_value", None)
+    tb = getattr(error, "__traceback__", None)
+    found: list[Any] = []
+    while tb is not None:
+        bucket = tb.tb_frame.f_locals.get("bucket")
+        if any(bucket is b for b in waits):
+            found = [bucket]  # the innermost one wins
+        tb = tb.tb_next
+    return found
 
 
 def set_phase(phase: str) -> None:
@@ -81,29 +131,27 @@ class ProgressObserver:
         if p.skipped_backward is None and getattr(self.owner(), "expect_hooks", False):
             p.skipped_backward = (p.step_done + 1, user_location(sys._getframe(1)))  # once: a frame walk
         p.thread_id = threading.get_ident()
-        p.phase, p.bucket, p.since = "forward", -1, time.monotonic()
+        p.phase, p.bucket, p.since, p.reducer, p.waits = "forward", -1, time.monotonic(), self.owner, None
 
     def forward_end(self) -> None:
-        self.progress.phase, self.progress.since = "loss", time.monotonic()
-
-    def backward_start(self) -> None:
-        self.progress.phase, self.progress.since = "backward", time.monotonic()
-        self.progress.op = "all-reduce"  # until ZeRO-2 names its reduce-scatters
-
-    def bucket_ready(self, bucket_index: int) -> None:
-        self.progress.since = time.monotonic()
-
-    def bucket_launch(self, bucket_index: int, numel: int, seq: int) -> None:
         p = self.progress
-        p.bucket, p.seq, p.numel, p.since = bucket_index, seq, numel, time.monotonic()
+        p.phase, p.since = "loss", time.monotonic()
+        p.op = "all-reduce"  # the next forward's all-gathers (ZeRO-2) are waited for: named at the end of backward
 
-    def bucket_launched(self, bucket_index: int, seq: int) -> None: ...
+    all_events = False  # the backward's start and the buckets are read from the reducer (``Progress.phase_now``)
 
-    def wait_start(self, bucket_index: int, seq: int) -> None:
+    def backward_start(self) -> None:  # called only with another observer that takes every event (``all_events``)
+        self.progress.phase, self.progress.since = "backward", time.monotonic()
+
+    def waiting(self, buckets: Sequence[Any], op: str) -> None:
+        p = self.progress
+        p.phase, p.before_wait, p.waits, p.op, p.since = "wait", "backward", buckets, op, time.monotonic()
+
+    def wait_start(self, bucket_index: int, seq: int) -> None:  # the next forward's waits (overlapped step, ZeRO-2)
         p = self.progress
         if p.phase != "wait":
-            p.before_wait = p.phase  # backward; forward for the next forward's waits (overlapped step, ZeRO-2)
-        p.phase, p.bucket, p.seq, p.since = "wait", bucket_index, seq, time.monotonic()
+            p.before_wait = p.phase
+        p.phase, p.bucket, p.seq, p.waits, p.since = "wait", bucket_index, seq, None, time.monotonic()
 
     def wait_end(self, bucket_index: int, seq: int) -> None:
         self.progress.phase, self.progress.since = self.progress.before_wait, time.monotonic()
@@ -113,7 +161,7 @@ class ProgressObserver:
 
     def backward_end(self, step: int) -> None:
         p = self.progress
-        p.step_done, p.phase, p.since = step, "data", time.monotonic()
+        p.step_done, p.phase, p.since, p.waits = step, "data", time.monotonic(), None
 
     def __getattr__(self, name: str) -> Callable[..., None]:
         return _ignore  # an event added to the seam later: not needed here

@@ -36,6 +36,10 @@ class ProfilerRanges:
             self.range_end(key)
 
     # The observer events (lockstep.ddp.observe.StepObserver's, duck-typed: diagnostics never import ddp).
+    all_events = True
+
+    def waiting(self, buckets: Any, op: str) -> None: ...
+
     def forward_start(self) -> None:
         self.range_start("forward", "lockstep/forward")
 

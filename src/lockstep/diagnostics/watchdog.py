@@ -212,7 +212,7 @@ class Watchdog(threading.Thread):
     def stall_reason(self) -> str | None:
         p = self.progress
         stalled_s = time.monotonic() - p.since
-        if p.phase not in DDP_PHASES or stalled_s <= self.hang_timeout_s:
+        if p.phase_now() not in DDP_PHASES or stalled_s <= self.hang_timeout_s:
             return None
         if not in_library_code(thread_frame(p.thread_id)):
             return None  # an exception left the step: the phase is stale, the thread is back in user code
@@ -290,8 +290,9 @@ class Watchdog(threading.Thread):
             # find the phase stale (a backward that reduced nothing, torch.autograd.grad), and an error of this
             # rank's own (a ValueError in forward) is its own report, where waiting to watch the peers' beats
             # would only keep them waiting for this rank's sockets to close.
-            failed = error is not None and (self.progress.phase == "wait" or isinstance(error, dist.DistError))
-            if failed and self.is_alive() and not self.stopped.is_set() and self.progress.phase in DDP_PHASES:
+            phase = self.progress.phase_now()
+            failed = error is not None and (phase == "wait" or isinstance(error, dist.DistError))
+            if failed and self.is_alive() and not self.stopped.is_set() and phase in DDP_PHASES:
                 self._report_failure()
         finally:
             self.stop()
