@@ -19,6 +19,11 @@ import pytest
 
 # Spawned ranks unpickle test functions by module name: make tests/ importable in them.
 sys.path.insert(0, os.path.dirname(__file__))
+# PYTHONDONTWRITEBYTECODE (set in this machine's image and CI's) made every interpreter the suite starts (~600: ranks,
+# launchers, scripts) compile lockstep's modules and the tests' scripts again, ~0.2 CPU-s each: they write and read
+# __pycache__ instead (git ignores it).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 # Files whose assertions are about time with a margin that one more busy process can eat: a hang reported within
 # 2 x its 6 s timeout, a straggler named from its wait standing out of the step noise, the plan's fit to a measured

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from levels import full_only
 import torch
 
 from lockstep.perf.bench import cli_main, parse_size, sizes_between, summarise
@@ -115,6 +116,7 @@ def test_ddp_step_benchmark_runs_and_reports_every_contender(tmp_path, capsys):
     assert "| cnn |" in md and "floor/torch" in md
 
 
+@full_only("~80 s: the GPU benchmark's code on a tiny CPU model (gpu_session.sh runs it where it counts)")
 def test_gpu_step_benchmark_runs_on_cpu_tiny(tmp_path, capsys):
     """``benchmarks/gpu_step.py`` (the GPU sessions' benchmark, issue #13) at tiny shapes on CPU (its main() here,
     its rank spawned as it spawns it): every contender timed, the paired ratios written, and the full-size models

@@ -391,6 +391,7 @@ def test_in_place_a_node_killed_mid_step_loses_no_step_and_equals_a_clean_resume
 
 
 @needs_netns
+@heavy  # ~40 s; the default level keeps a node lost mid-step and node 0 lost and back
 def test_in_place_a_node_lost_in_the_last_save_is_recovered_and_the_survivors_save(tmp_path):
     """2 x 1: node 1 killed inside the save after the last epoch (the others wait in its gather). That save ran
     outside the Trainer's recovery loop, so the survivor failed (PeerLeft: a random kill landed there, 2026-11-26);
@@ -604,6 +605,7 @@ def _shrink_then_grow_in_place(directory: str, nproc: int = 2) -> dict:
 
 
 @needs_netns
+@heavy  # ~60 s; the default level keeps node 0 killed and back in place (a shrink, then a grow)
 def test_in_place_shrink_then_grow_back_in_place(tmp_path):
     """After an in-place shrink, node 1's launcher starts again and its ranks join the running group at a step
     boundary: the survivors keep their processes (same PIDs), the newcomers take parameters, optimizer, scheduler,

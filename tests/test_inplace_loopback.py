@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from dist_utils import run_ranks
+from levels import full_only
 from script_ranks import run_script
 from test_multinode import clean_env
 
@@ -67,6 +68,7 @@ def _finish(procs: list[subprocess.Popen], killed_ok: bool = False) -> list[int]
     return codes
 
 
+@full_only("~45 s: ten re-formations in one process; one is test_in_place_recovery_in_a_plain_loop")
 def test_in_place_ten_recoveries_in_one_process_leak_nothing_and_change_nothing(tmp_path):
     """Rank 0 raises the alarm after 10 steps: every rank drops its collectives and the group re-forms (same size,
     same processes) 10 times. Threads, sockets and descriptors stay as after the first re-formation, RSS within

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from levels import FULL
 
 from lockstep.launch.launcher import LaunchError, launch_function, parse_launch_args
 
@@ -35,6 +36,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 # The installed console script, beside this interpreter (pip install -e . puts it there).
 CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "lockstep")
+
+
+FAILURES = 5 if FULL else 2  # restarts in a row (test_failures_in_a_row_each_get_a_working_restart)
 
 
 def run_launch(
@@ -84,9 +88,9 @@ def runs(tmp_path_factory):
             "restart_once": ["--nproc-per-node", "2", "--max-restarts", "1", script("flaky.py"), str(tmp / "once"), "1"],
             "exhausted": ["--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(tmp / "exhausted_logs"),
                           script("flaky.py"), str(tmp / "twice"), "2"],
-            # six attempts one after another (~30 s): beside the others instead of after them
-            "five_failures": ["--nproc-per-node", "2", "--max-restarts", "5", script("flaky.py"), str(tmp / "failures"),
-                              "5"],
+            # FAILURES + 1 attempts one after another (~6 s each): beside the others instead of after them
+            "failures": ["--nproc-per-node", "2", "--max-restarts", str(FAILURES), script("flaky.py"),
+                         str(tmp / "failures"), str(FAILURES)],
         }
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
             # --log-rank goes through the `lockstep` console script, the rest through `python -m lockstep`
@@ -255,18 +259,21 @@ def test_max_restarts_1_recovers_from_one_failure(runs):
             in proc.stderr), proc.stderr
 
 
-def test_five_failures_in_a_row_give_five_working_restarts(runs):
-    """The PyTorch #135712 regression: every restarted group must form and all-reduce again."""
+def test_failures_in_a_row_each_get_a_working_restart(runs):
+    """The PyTorch #135712 regression: every restarted group must form and all-reduce again (2 failures in a row by
+    default, 5 with LOCKSTEP_FULL=1)."""
     counter = runs["tmp"] / "failures"
-    proc, elapsed_s = runs["five_failures"]
+    proc, elapsed_s = runs["failures"]
+    n = FAILURES
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert counter.read_text() == "5"
-    # every attempt 0..5 formed a 2-rank gloo group whose all-reduce gave 1 + 2
-    assert sorted(_attempts(proc.stdout)) == [(r, k, "3") for r in range(6) for k in range(2)]
-    assert [int(n) for n in re.findall(r"restarting the workers \(restart (\d) of 5\)", proc.stderr)] == [1, 2, 3, 4, 5]
+    assert counter.read_text() == str(n)
+    # every attempt 0..n formed a 2-rank gloo group whose all-reduce gave 1 + 2
+    assert sorted(_attempts(proc.stdout)) == [(r, k, "3") for r in range(n + 1) for k in range(2)]
+    restarts = re.findall(rf"restarting the workers \(restart (\d) of {n}\)", proc.stderr)
+    assert [int(r) for r in restarts] == list(range(1, n + 1))
     assert "connectFullMesh" not in proc.stderr
-    assert "completed rank=0 after restart=5" in proc.stdout and "completed rank=1 after restart=5" in proc.stdout
-    print(f"5 restarts took {elapsed_s:.1f}s")
+    assert f"completed rank=0 after restart={n}" in proc.stdout and f"completed rank=1 after restart={n}" in proc.stdout
+    print(f"{n} restarts took {elapsed_s:.1f}s")
 
 
 def _sigterm_forever(launch_args: list[str], script_args: list[str], timeout_s: float = 40) -> tuple[Any, str, list[int], float]:

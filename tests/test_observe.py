@@ -16,7 +16,9 @@ class Recorder(StepObserver):
     def __getattribute__(self, name):
         if name in ("log", "__class__", "__dict__"):
             return object.__getattribute__(self, name)
-        if name in StepObserver.__dict__ and not name.startswith("_"):
+        if name == "waiting":  # the buckets themselves hold works (not picklable): their indices
+            return lambda buckets, op: self.log.append((name, [b.index for b in buckets], op))
+        if name in StepObserver.__dict__ and not name.startswith("_") and callable(StepObserver.__dict__[name]):
             return lambda *args: self.log.append((name, *args))
         return object.__getattribute__(self, name)
 
@@ -50,6 +52,9 @@ def test_events_in_step_order():
         names = [e[0] for e in step]
         assert names[:3] == ["forward_start", "forward_end", "backward_start"] and names[-1] == "backward_end"
         assert step[-1][1] == i + 1
+        # the end of backward says once what it waits for (the hang watchdog's progress reads which from the works)
+        assert [e for e in step if e[0] == "waiting"] == [("waiting", list(range(nbuckets)), "all-reduce")]
+        assert names.index("waiting") < names.index("wait_start")
         launches = [e for e in step if e[0] == "bucket_launch"]
         assert len(launches) == nbuckets and sorted(e[1] for e in launches) == list(range(nbuckets))
         for e in launches:

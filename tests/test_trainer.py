@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from levels import full_only
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -464,6 +465,7 @@ def _elastic_worker(directory, marker):
         lockstep.shutdown()
 
 
+@full_only("~45 s: a launch with a restart; tests/test_faults.py's kill runs resume under the agent by default")
 def test_killed_rank_restarted_by_the_elastic_agent_resumes_exactly(results, tmp_path):
     """The production path: a worker dies, `lockstep launch --max-restarts` restarts the group, resume=True."""
     _, out = results

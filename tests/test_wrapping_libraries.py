@@ -116,7 +116,7 @@ def _loads_without_lockstep(directory: Path) -> None:
 
 
 @pytest.mark.parametrize("env_hook, comm_hook, dynamo", [
-    (False, "no", "no"),
+    pytest.param(False, "no", "no", marks=full_only("~15 s: accelerate with use_as_torch_ddp(); env_var is the same run")),
     (True, "no", "no"),
     pytest.param(False, "fp16", "no", marks=full_only("~10 s, a comm hook through accelerate")),
     pytest.param(False, "no", "aot_eager", marks=_COMPILED),
@@ -168,7 +168,8 @@ def test_hf_trainer_bit_identical(tmp_path, grad_ckpt):
     _loads_without_lockstep(tmp_path / "lockstep" / "final")
 
 
-@pytest.mark.parametrize("compile_", ["0", pytest.param("1", marks=_COMPILED)], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compile_", [pytest.param("0", marks=full_only("~30 s: Fabric; Lightning's Trainer runs by default")),
+                                      pytest.param("1", marks=_COMPILED)], ids=["eager", "compiled"])
 def test_fabric_bit_identical(tmp_path, compile_):
     _require("lightning")
     # COMPILE=1: a compiled model given to setup, which wraps it and compiles the wrapper (lockstep.ddp.compiled)
