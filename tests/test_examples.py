@@ -107,6 +107,7 @@ def test_wine_under_lockstep_launch_then_resumed_under_torchrun(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@full_only("~30 s: the example across world sizes; its restart path stays at the default (run again, test_launch's restarts)")
 def test_elastic_loop_goes_on_at_another_world_size(tmp_path):
     # 20 steps of global batch 64 on 2 ranks (4 micro-batches each), then the rest on 1 rank (8 each):
     # the epoch continues at sample 20 x 64 = 1280 of its 1792, with the same global batch

@@ -33,6 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from levels import FULL, full_only
 import torch
 from script_ranks import run_script
 
@@ -130,8 +131,9 @@ def runs(tmp_path_factory):
         jobs[f"kill{i}"] = (lambda i=i, point=point: launch(
             root / f"kill{i}", max_restarts=MAX_RESTARTS, env=clean_env(LOCKSTEP_TEST_KILL_AT=point)))
     jobs["preempt"] = lambda: _preemption_chain(str(root))
-    jobs["raise_forward"] = lambda: launch(root / "raise", "--raise-in-forward", "4", timeout_s=120)
-    jobs["exit_early"] = lambda: launch(root / "early", "--exit-early", "3", timeout_s=120)
+    if FULL:  # ~20 CPU-s: the launcher's side of both is tests/test_launch_reports.py's (raises.py, early_exit.py)
+        jobs["raise_forward"] = lambda: launch(root / "raise", "--raise-in-forward", "4", timeout_s=120)
+        jobs["exit_early"] = lambda: launch(root / "early", "--exit-early", "3", timeout_s=120)
     with ThreadPoolExecutor(max_workers=3) as pool:  # mostly start-up: worth overlapping even on 2 cores
         futures = {name: pool.submit(job) for name, job in jobs.items()}
         results = {name: f.result() for name, f in futures.items()}
@@ -251,6 +253,7 @@ def test_sigterm_preempts_checkpoints_and_exits_75_then_resumes_exactly(runs):
     assert attempts[1][0] + len(attempts[1][1]) == attempts[2][0]  # B's preemption checkpoint: nothing redone
 
 
+@full_only("~10 CPU-s: the Trainer's raise under launch; the launcher's side is test_launch_reports'")
 def test_rank_raising_in_forward_stops_every_rank_and_is_named(runs):
     run = runs["raise_forward"]
     assert run["rc"] == 1, run["err"][-3000:]
@@ -261,6 +264,7 @@ def test_rank_raising_in_forward_stops_every_rank_and_is_named(runs):
     assert "step 4 done" not in run["out"]  # nobody finished the step the failing rank could not
 
 
+@full_only("~10 CPU-s: the Trainer's early exit under launch; the launcher's side is test_launch_reports'")
 def test_worker_exiting_0_early_ends_the_others_with_the_cause(runs):
     run = runs["exit_early"]
     assert run["rc"] != 0, run["err"][-3000:]
