@@ -269,8 +269,7 @@ class Reducer:
         """A fresh backward; ``common_path``: the hook's common path may apply (not a joined rank's shadow). Its plan
         is made again only where what it depends on changed (the layout, the divisor, the hook, the checks, the
         strategy, the first backward's recording): a steady step reuses it (a tuple comparison)."""
-        # Not in the first backward (it records the order) nor where the strategy forbids it (ZeRO-2: a bucket's
-        # memory comes back at its first write, ``copy_in``)
+        # Not in the first backward (it records the order) nor where the strategy forbids it (``common_path``)
         fast_ok = (common_path and self.expect_hooks and self.grad_mode == COPY and not self.usage.active
                    and self._observed_order is None and self.events is None and self.strategy.common_path)
         key = (self.layout_version, self.divisor, self.comm_hook, self.fused, self.nonfinite, self.usage,
@@ -650,6 +649,8 @@ def finish_collectives(
         launched = usage.launch_status(missing, plan.flag_apart, buckets[-1], group, joined)
     if observer is not None:  # the watchdog's progress reads which one from the works
         observer.waiting(buckets, plan.strategy.waits_on)
+        if not observer.all_events:
+            observer = None  # the per-bucket waits: for observers that take every event (``observe``)
     waited = plan.strategy.wait(buckets, step, observer, copy_each)  # the reduction's (``strategy``)
     if futures:
         start = time.perf_counter()

@@ -150,16 +150,14 @@ class AllReduce:
         return False
 
     def wait(self, buckets: Sequence[Bucket], step: Backward, observer: Observer | None, copy_each: bool) -> float:
-        """Wait for every bucket in order (``observer``: told of each wait, where it takes every event); return the
-        seconds spent waiting. ``copy_each`` (the caller allows it:
+        """Wait for every bucket in order (``observer``: told of each wait, or None; ``finish_collectives`` passes one
+        only where it takes every event); return the seconds spent waiting. ``copy_each`` (the caller allows it:
         not a joined rank's shadow): where ``copy_back_path`` says so, each bucket's averages go into its gradients
         right after its wait, as torch's reducer finalizes a bucket, so the copy runs while later buckets are still
         in flight instead of after the last one. If another rank then reports a missing gradient, the error comes
         with these gradients already averaged."""
         plan = step.plan
         early = copy_each and copy_back_path(step)[1]
-        if observer is not None and not observer.all_events:
-            observer = None  # ``waiting`` was all it takes
         waited = 0.0
         for bucket in buckets:
             waited += wait_bucket(bucket, bucket is buckets[-1], plan.hooked, observer, early, plan.fused)

@@ -213,9 +213,6 @@ class ZeroShards(AllReduce):
         """End of backward: wait for every bucket's reduce-scatter (the hang report names it); seconds waited. The
         averages land in the shards and each bucket's memory is freed."""
         waited = 0.0
-        if observer is not None:
-            if not observer.all_events:
-                observer = None  # the reducer told it which buckets it waits for (``waiting``)
         for bucket in buckets:
             if self._reaped[bucket.index]:
                 continue
