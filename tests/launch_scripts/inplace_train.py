@@ -23,6 +23,8 @@ Every rank appends "time step world_size pid" to OUT_DIR/progress-<pid>.txt afte
 step, world size, generation, threads, sockets, descriptors and RSS (MiB) to OUT_DIR/resources-<pid>.txt
 after each generation's first step.
 The checkpoint at the end (OUT_DIR/ckpt-*.pt) holds the final parameters; with --max-steps it is a clean stop.
+``--diloco H``: DiLoCo, every node on its own between outer syncs every H steps (``--diloco-fragments K``:
+streaming, which in-place recovery refuses).
 """
 
 import argparse
@@ -81,6 +83,8 @@ def main():
     p.add_argument("--save-every", type=int, default=None)
     p.add_argument("--hold-until", default=None, help="every rank waits after step 2 until this file exists")
     p.add_argument("--pause-in-final-save", action="store_true", help="pause rank --pause-rank in the last save")
+    p.add_argument("--diloco", type=int, default=None, help="TrainerConfig.diloco_sync_every")
+    p.add_argument("--diloco-fragments", type=int, default=1)
     args = p.parse_args()
     env = lockstep.init()
     launch_rank, pid = env.rank, os.getpid()
@@ -91,7 +95,8 @@ def main():
         cfg = TrainerConfig(epochs=args.epochs, batch_size=BATCH, global_batch=GLOBAL_BATCH, warmup_steps=3, seed=5,
                             checkpoint_dir=args.directory, save_every_steps=args.save_every, keep_last=100,
                             progress=False,
-                            resume=True, max_steps=args.max_steps,
+                            resume=True, max_steps=args.max_steps, diloco_sync_every=args.diloco,
+                            diloco_fragments=args.diloco_fragments,
                             sample_log_path=os.path.join(args.directory, f"samples-{pid}.jsonl"))
         sizes, held = [], []
 

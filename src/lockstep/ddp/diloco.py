@@ -181,6 +181,7 @@ class _InFlight:
     works: list[dist.Work | None]
     seconds: float = 0.0
     averaged: list[torch.Tensor] | None = field(default=None)
+    buffers: list[torch.Tensor] | None = field(default=None)  # fragment 0's: rank 0's floating buffers
 
 
 class DiLoCo:
@@ -247,6 +248,8 @@ class DiLoCo:
         self.outer_optimizer = factory(self.anchors)
         self.inner_step = 0
         self.in_flight: list[_InFlight] = []
+        self._due: list[_InFlight] = []  # completed by ``exchange``, landed by ``apply``
+        self.synced_at: int | None = 0  # the inner step at which the parameters were last all their anchors
         self.last_sync: SyncRecord | None = None
         self.wire_nbytes = 0  # bytes all-reduced by this rank so far (this rank's buckets only, with node groups)
 
@@ -257,16 +260,44 @@ class DiLoCo:
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> list[SyncRecord]:
         """After one inner optimizer step: launch the fragments due, land those whose overlap is over; returns the
-        syncs landed here (usually none). Every rank of ``group`` must call it after every inner step."""
+        syncs landed here (usually none). Every rank of ``group`` must call it after every inner step.
+        ``exchange()`` then ``apply()``: a loop that commits its steps (in-place recovery) calls the two apart."""
+        self.exchange()
+        return self.apply()
+
+    def exchange(self) -> None:
+        """The communicating half of ``step``: launch the fragments due, wait for those due to land (and the
+        buffers' broadcast with fragment 0). Changes no parameter and no anchor: a loop that fails here, or in a
+        commit between the halves, is still at its last sync (``at_sync_point``)."""
         self.inner_step += 1
         if self.config.averages_at(self.inner_step):  # the warm-up: DDP's bytes, every step, blocking
-            return [self._land(self._launch(k), average=True) for k in range(len(self.fragments))]
+            self._due = [self._launch(k) for k in range(len(self.fragments))]
+            for flight in self._due:
+                self._complete(flight)
+            return
         for k in self.config.launches_at(self.inner_step):
             self.in_flight.append(self._launch(k))
-        landed = []
         while self.in_flight and self.in_flight[0].launched_at + self.config.overlap <= self.inner_step:
-            landed.append(self._land(self.in_flight.pop(0)))
+            flight = self.in_flight.pop(0)
+            self._complete(flight)
+            self._due.append(flight)
+
+    def apply(self) -> list[SyncRecord]:
+        """The local half of ``step``: the outer steps of the fragments ``exchange`` completed, copied into the
+        parameters (no communication)."""
+        average = self.config.averages_at(self.inner_step)
+        landed = [self._land(flight, average) for flight in self._due]
+        self._due = []
+        if (len(self.fragments) == 1 and landed) or average:  # every parameter is its anchor again
+            self.synced_at = self.inner_step
         return landed
+
+    @property
+    def at_sync_point(self) -> bool:
+        """Every parameter equals its anchor and nothing is in flight: the state every replica agrees on (after a
+        sync of the whole model, the warm-up's averages, the start, ``reset_to_global``). Never between two
+        fragments' syncs of a streaming DiLoCo."""
+        return self.synced_at == self.inner_step and not self.in_flight and not self._due
 
     def sync(self) -> list[SyncRecord]:
         """Every fragment now, landed now (an end of training, or an evaluation of the agreed model); in flight ones
@@ -274,6 +305,7 @@ class DiLoCo:
         landed = [self._land(self.in_flight.pop(0)) for _ in range(len(self.in_flight))]
         for k in range(len(self.fragments)):
             landed.append(self._land(self._launch(k)))
+        self.synced_at = self.inner_step
         return landed
 
     def _launch(self, k: int) -> _InFlight:
@@ -327,6 +359,8 @@ class DiLoCo:
                     f"{time.perf_counter() - t0:.1f} s: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 ) from e
         flight.averaged = [w if w.dtype == torch.float32 else w.float() for w in flight.wires]
+        if flight.fragment == 0:
+            flight.buffers = self._broadcast_buffers()
         flight.seconds += time.perf_counter() - t0
 
     def _land(self, flight: _InFlight, average: bool = False) -> SyncRecord:
@@ -348,8 +382,8 @@ class DiLoCo:
             for b in buckets:
                 self.anchors[b].grad = None
                 self._scatter_params(b, self.anchors[b])
-        if flight.fragment == 0:
-            self._broadcast_buffers()
+        for buf, value in zip(self._float_buffers(), flight.buffers or []):
+            buf.copy_(value)
         nbytes = sum(w.numel() * w.element_size() for w, work in zip(flight.wires, flight.works) if work is not None)
         record = SyncRecord(flight.fragment, flight.launched_at, self.inner_step,
                             flight.seconds + time.perf_counter() - t0, nbytes)
@@ -371,15 +405,20 @@ class DiLoCo:
         with torch.no_grad():
             for p in self.params:
                 dist.broadcast(p.detach(), src=self._root(), group=self.group)
-        self._broadcast_buffers()
+            for buf, value in zip(self._float_buffers(), self._broadcast_buffers()):
+                buf.copy_(value)
 
-    def _broadcast_buffers(self) -> None:
-        """Floating buffers (BatchNorm's statistics) from the group's rank 0 at each full cycle (fragment 0's sync),
-        as DDP broadcasts them each forward: one small blocking collective a buffer."""
-        with torch.no_grad():
-            for buf in self.model.buffers():
-                if buf.is_floating_point():
-                    dist.broadcast(buf, src=self._root(), group=self.group)
+    def _float_buffers(self) -> list[torch.Tensor]:
+        return [buf for buf in self.model.buffers() if buf.is_floating_point()]
+
+    def _broadcast_buffers(self) -> list[torch.Tensor]:
+        """Floating buffers (BatchNorm's statistics) of the group's rank 0, at each full cycle (fragment 0's sync,
+        as DDP broadcasts them each forward): one small blocking collective a buffer, into copies that the landing
+        puts in the model (the exchange changes nothing of it)."""
+        copies = [buf.detach().clone() for buf in self._float_buffers()]
+        for copy in copies:
+            dist.broadcast(copy, src=self._root(), group=self.group)
+        return copies
 
     # -- the agreed model ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -401,6 +440,8 @@ class DiLoCo:
         with torch.no_grad():
             for b, anchor in enumerate(self.anchors):
                 self._scatter_params(b, anchor)
+        if not self.in_flight and not self._due:
+            self.synced_at = self.inner_step
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -415,7 +456,8 @@ class DiLoCo:
                 "anchors": [a.detach().clone() for a in self.anchors],
                 "outer_optimizer": self.outer_optimizer.state_dict(),
                 "in_flight": [{"fragment": f.fragment, "launched_at": f.launched_at,
-                               "averaged": [a.clone() for a in f.averaged or []]} for f in self.in_flight],
+                               "averaged": [a.clone() for a in f.averaged or []],
+                               "buffers": [b.clone() for b in f.buffers or []]} for f in self.in_flight],
                 "wire_nbytes": self.wire_nbytes}
 
     def load_state_dict(self, state: dict) -> None:
@@ -438,8 +480,40 @@ class DiLoCo:
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.inner_step, self.wire_nbytes = state["inner_step"], state.get("wire_nbytes", 0)
         self.in_flight = [_InFlight(f["fragment"], f["launched_at"], [a.to(self.device) for a in f["averaged"]],
-                                    [None] * len(f["averaged"]), averaged=[a.to(self.device) for a in f["averaged"]])
+                                    [None] * len(f["averaged"]), averaged=[a.to(self.device) for a in f["averaged"]],
+                                    buffers=f.get("buffers"))
                           for f in state["in_flight"]]
+        self.synced_at = None  # the model's parameters are the caller's to load (or ``reset_to_global``)
+
+    # -- in-place recovery (train/diloco.py: the Trainer's side) -----------------------------------------
+    def position(self) -> dict:
+        """At a sync point, what ``rewind`` needs besides the anchors and the outer optimizer (which change only
+        when a sync lands, so a loop that snapshots at each sync point holds them already): a few numbers."""
+        if not self.at_sync_point:
+            raise RuntimeError("DiLoCo.position: only at a sync point (at_sync_point), where every parameter is "
+                               "its anchor")
+        return {"inner_step": self.inner_step, "wire_nbytes": self.wire_nbytes, "last_sync": self.last_sync}
+
+    def rewind(self, saved: dict) -> None:
+        """Back to where ``saved`` was taken, what is in flight dropped (its all-reduce failed, or belongs to a group
+        that is gone); no communication. ``saved``: a ``position()`` (the parameters set to the anchors), or a
+        ``state_dict()`` taken off a sync point (the caller puts back the parameters it saved with it)."""
+        self.in_flight, self._due = [], []
+        if "anchors" in saved:
+            self.load_state_dict(saved)
+            return
+        self.inner_step, self.wire_nbytes = saved["inner_step"], saved["wire_nbytes"]
+        self.last_sync = saved["last_sync"]
+        self.reset_to_global()
+
+    def regroup(self, group: dist.ProcessGroup | None, node_group: dist.ProcessGroup | None) -> None:
+        """Sync over new groups (the world re-formed in place: a node lost or admitted); nothing in flight."""
+        if self.in_flight or self._due:
+            raise RuntimeError("DiLoCo.regroup: fragments are in flight on the old group; rewind first")
+        self.group, self.node_group = group, node_group
+        self.world_size = dist.get_world_size(group)
+        self.local_rank = dist.get_rank(node_group) if node_group is not None else 0
+        self.local_size = dist.get_world_size(node_group) if node_group is not None else 1
 
 
 def node_groups(group_world: dist.ProcessGroup | None = None, node_ids: list[int] | None = None

@@ -11,7 +11,9 @@ the inner steps since the last sync are lost, as when a node is lost.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,19 @@ class DiLoCoGroups:
     cross: dist.ProcessGroup | None
 
 
+def check_config(config: Any, group: dist.ProcessGroup | None, in_place: bool) -> None:
+    """What of a TrainerConfig's DiLoCo the Trainer cannot run (its own fields are DiLoCoConfig's to check)."""
+    if config.diloco_sync_every is None:
+        return
+    if group is not None:
+        raise ValueError("TrainerConfig.diloco_sync_every: the default group only (group= is given)")
+    if in_place and config.diloco_fragments > 1:
+        raise ValueError(f"TrainerConfig.diloco_fragments={config.diloco_fragments} with in-place recovery: "
+                         "streaming syncs its fragments at different steps, so no step holds a state every replica "
+                         "agrees on to go back to; use diloco_fragments=1 or launch with --recovery restart (a "
+                         "resume starts from the checkpoint)")
+
+
 def make_groups() -> DiLoCoGroups:
     """The groups over the world, from the launcher's node ids (``ddp.diloco.node_groups``); every rank calls it,
     in the same order with its other ``new_group`` calls. One rank a node: the DDP on a group of its own rank."""
@@ -38,8 +53,35 @@ def make_groups() -> DiLoCoGroups:
     return DiLoCoGroups(singles[dist.get_rank()], None, None)
 
 
-def build(model: torch.nn.Module, config: DiLoCoConfig, groups: DiLoCoGroups) -> DiLoCo:
-    return DiLoCo(model, config, group=groups.cross, node_group=groups.node)
+def build(model: torch.nn.Module, config: DiLoCoConfig, groups: DiLoCoGroups, init_sync: bool = True) -> DiLoCo:
+    return DiLoCo(model, config, group=groups.cross, node_group=groups.node, init_sync=init_sync)
+
+
+def snapshot(diloco: DiLoCo, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+             precision: Any) -> dict:
+    """What in-place recovery rolls a rank back to (``rewind``): the last sync point, where every replica holds
+    the anchors, so only this rank's inner optimizer (a copy: 2 x the parameters for Adam, every H steps),
+    scheduler and scaler are kept, with DiLoCo's position. Off a sync point (the start of a run resumed mid-cycle,
+    until its first sync) the parameters and DiLoCo's whole state too."""
+    saved = {"optimizer": copy.deepcopy(optimizer.state_dict()),
+             "scheduler": scheduler.state_dict() if scheduler is not None else None,
+             "scaler": precision.state_dict()}
+    if diloco.at_sync_point:
+        return {**saved, "diloco": diloco.position(), "params": None}
+    return {**saved, "diloco": diloco.state_dict(), "params": [p.detach().clone() for p in diloco.params]}
+
+
+def rewind(diloco: DiLoCo, optimizer: torch.optim.Optimizer, scheduler: Any, precision: Any, saved: dict) -> None:
+    """This rank back at ``snapshot``'s point: the inner steps since are lost, as the issue allows a lost node."""
+    diloco.rewind(saved["diloco"])
+    if saved["params"] is not None:
+        with torch.no_grad():
+            for p, value in zip(diloco.params, saved["params"]):
+                p.copy_(value)
+    optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))  # kept intact for a second rollback to it
+    if scheduler is not None:
+        scheduler.load_state_dict(saved["scheduler"])
+    precision.load_state_dict(saved["scaler"], "(in-place recovery: this rank's last sync)")
 
 
 def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -39,7 +39,7 @@ from lockstep.train.epoch_meter import EpochMeter
 from lockstep.train.evaluate import evaluate
 from lockstep.train.faults import install_kill_hooks, kill_point_from_env
 from lockstep.train.fence import JobFence
-from lockstep.train.inplace import InPlaceGroup, Recovery, Regrouped
+from lockstep.train.inplace import InPlaceGroup, PeerLost, Recovery, Regrouped
 from lockstep.train.inplace import wanted as inplace_wanted
 from lockstep.train.loggers import open_run_loggers
 from lockstep.train.metrics import MetricsLog, comm_report
@@ -119,12 +119,13 @@ class Trainer:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # In-place recovery (lockstep launch --nnodes MIN:MAX, docs/preemptible.md): the default group only, and the
         # plain step: the overlapped one would apply the update before the step's commit.
+        outer.check_config(cfg, group, in_place=group is None and inplace_wanted())  # before anything starts
         self._recovery = Recovery(InPlaceGroup(), self) if group is None and inplace_wanted() else None
         # A process of a node that came back (train/inplace/, "growing"): the running ranks are between two steps,
         # not building a DDP: it makes none of the construction's collectives and takes the state in fit()
         newcomer = self._joining()
         sockets_before = socket_fds()  # DDP's subgroups (the hierarchical all-reduce): in-place recovery shuts them
-        groups = self._diloco_groups(group)  # DiLoCo: the DDP runs inside the node (train/diloco.py)
+        groups = self._diloco_groups(group, newcomer)  # DiLoCo: the DDP runs inside the node (train/diloco.py)
         self.ddp = DistributedDataParallel(
             model, device_ids=device_ids, process_group=group if groups is None else groups.ddp,
             check_replicas_every=cfg.check_replicas_every,
@@ -133,7 +134,8 @@ class Trainer:
             hang_timeout_s=FROM_ENV if cfg.hang_timeout_s is None else cfg.hang_timeout_s, init_sync=not newcomer,
             hierarchical_all_reduce=False if newcomer else None)
         diloco_config = cfg.diloco()
-        self.diloco = None if groups is None or diloco_config is None else outer.build(model, diloco_config, groups)
+        self.diloco = None if groups is None or diloco_config is None else outer.build(
+            model, diloco_config, groups, init_sync=not newcomer)
         if cfg.zero:  # the optimizer's class, groups and settings, sharded (train/zero.py); before any scheduler
             if scheduler is not None:
                 raise ValueError("Trainer: scheduler= was built on the optimizer that TrainerConfig.zero replaces; "
@@ -384,12 +386,15 @@ class Trainer:
                 continue
             set_phase("optimizer")
             self._last_step_at = f"(epoch {self.epoch + 1}, batch {i + 1} of {n_batches})"
-            # every rank's averages completed (else PeerLost: the step is discarded everywhere)
-            regrouped = self._recovery.commit(self.step + 1) if self._recovery is not None else None
+            # every rank's averages completed (else PeerLost: the step is discarded everywhere); DiLoCo commits
+            # after its exchange instead (below)
+            regrouped = self._commit() if self.diloco is None else None
             self.precision.step(self.optimizer, self._clip)  # fp16: unscaled, then skipped on an Inf/NaN
             self.optimizer.zero_grad(set_to_none=True)
-            if self.diloco is not None:
-                self.diloco.step()  # every H steps: the outer sync (its cost is in this step's time)
+            if self.diloco is not None:  # every H steps the outer sync (its cost is in this step's time): its
+                self.diloco.exchange()  # all-reduce, then the commit, which proves every rank's complete, then
+                regrouped = self._commit()  # the outer step; a failure before it leaves each rank at its last
+                self.diloco.apply()  # sync point, the inner steps since lost (``_snapshot``)
             if self.scheduler is not None:
                 self.scheduler.step()
             if tracer is not None:
@@ -408,8 +413,7 @@ class Trainer:
             if self._recovery is not None:
                 self._after_commit(regrouped)
             self._after_step(loss_value, bar, step_s)
-            if regrouped is not None or (self._recovery is not None and self._recovery.grow_due
-                                         and self._recovery.grow() is not None):
+            if regrouped is not None or self._grow_if_due() is not None:
                 bar.close()
                 raise _Resized  # the rest of the epoch is dealt again at the new size
             t_group = t_data = time.perf_counter()  # logging and checkpoints are not step time
@@ -424,15 +428,26 @@ class Trainer:
         return True  # the bar stays open: _end_epoch shows the epoch's all-rank loss on its last line
 
     # -- in-place recovery (train/inplace/: Recovery does what a script's loop and the Trainer share) ------
+    def _commit(self) -> Regrouped | None:
+        return self._recovery.commit(self.step + 1) if self._recovery is not None else None
+
     def _snapshot(self) -> None:
         """What the last committed step left: the state a lost peer rolls every survivor back to. No tensors: the
-        parameters and the optimizer change only after a commit."""
+        parameters and the optimizer change only after a commit. DiLoCo: the last sync point instead, where
+        the replicas agree (``outer.snapshot``: this rank's inner optimizer copied), kept until the next one."""
+        outer_state = None
+        if self.diloco is not None and self._recovery is not None:
+            if not self.diloco.at_sync_point and self._committed is not None:
+                return  # between two syncs: a loss goes back to the last one
+            outer_state = outer.snapshot(self.diloco, self.model, self.optimizer, self.scheduler, self.precision)
         self._committed = {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,
                            "sampler": self.sampler.state_dict(), "loss": (self._loss_sum, self._loss_count),
-                           "seen": (self._samples_seen, self._train_time_s)}
+                           "seen": (self._samples_seen, self._train_time_s), "outer": outer_state}
 
     def _after_commit(self, regrouped: Regrouped | None) -> None:
         assert self._recovery is not None
+        if regrouped is not None and self.diloco is not None and not self.diloco.at_sync_point:
+            raise PeerLost(regrouped)  # applied, but DiLoCo goes back to its last sync point (``_recover``)
         self._snapshot()
         if regrouped is not None:  # this rank's commit failed after the others': it applied the step, now resize
             self._recovery.regroup(regrouped)
@@ -447,14 +462,22 @@ class Trainer:
             self.load_latest()
         return joined
 
-    def _diloco_groups(self, group: dist.ProcessGroup | None) -> outer.DiLoCoGroups | None:
-        """DiLoCo's groups where the config asks for it (before the DDP, which runs on the node's group)."""
+    def _diloco_groups(self, group: dist.ProcessGroup | None, newcomer: bool) -> outer.DiLoCoGroups | None:
+        """DiLoCo's groups where the config asks for it (before the DDP, which runs on the node's group). A
+        newcomer's are made with the others' at its admission (``ddp_group``)."""
         if self.config.diloco_sync_every is None:
             return None
-        if group is not None or self._recovery is not None:
-            raise ValueError("TrainerConfig.diloco_sync_every: the default group only, and no in-place recovery "
-                             "(launch with --recovery restart: a resume starts from the last synced parameters)")
-        return outer.make_groups()
+        return outer.DiLoCoGroups(None, None, None) if newcomer else outer.make_groups()
+
+    def _grow_if_due(self) -> Regrouped | None:
+        """Admit the nodes waiting to join where the last commit said so and this is a boundary they may join at
+        (DiLoCo: a sync point, where a newcomer takes the anchors every replica holds; the commits until then say
+        it again). None where nobody joined."""
+        if self._recovery is None or not self._recovery.grow_due:
+            return None
+        if self.diloco is not None and not self.diloco.at_sync_point:
+            return None
+        return self._recovery.grow()
 
     def _joining(self) -> bool:
         """This process joins a running in-place job (a node come back) and has not taken its state yet."""
@@ -469,6 +492,11 @@ class Trainer:
         saved = self._committed
         self.step, self.epoch = saved["step"], saved["epoch"]
         (self._loss_sum, self._loss_count), (self._samples_seen, self._train_time_s) = saved["loss"], saved["seen"]
+        if self.diloco is not None:  # back to the last sync point: its epochs' records come again
+            outer.rewind(self.diloco, self.optimizer, self.scheduler, self.precision, saved["outer"])
+            self.history = [record for record in self.history if record["epoch"] <= self.epoch]
+            if self._sample_log is not None:  # the steps logged since are undone: a reader drops them
+                self._sample_log.write(json.dumps({"event": "rewind", "step": self.step}) + "\n")
         if self._bar is not None:
             self._bar.close()
         self._recovery.regroup(outcome)
@@ -476,10 +504,14 @@ class Trainer:
     # RecoveringLoop (train/inplace/recovery.py): what in-place recovery asks of the Trainer
     def live_state(self) -> dict:
         """What a newcomer needs to take the next step as if it had trained all along (rank 0's): parameters and
-        buffers, optimizer, scheduler, scaler, step and data position, the run's and the folder's identity."""
+        buffers, optimizer, scheduler, scaler, step and data position, the run's and the folder's identity; with
+        DiLoCo (a sync point) the anchors, the outer optimizer and the schedule's position."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "diloco": self.diloco.state_dict() if self.diloco is not None else None,
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "scaler": self.precision.state_dict(), "committed": self._committed, "global_batch": self.global_batch,
+                "scaler": self.precision.state_dict(), "global_batch": self.global_batch,
+                # without this rank's own rollback point (DiLoCo's optimizer copy): the newcomer takes its own
+                "committed": None if self._committed is None else {**self._committed, "outer": None},
                 "run_id": self.run_id, "saved_at": self._saved_at,
                 "job": self.fence.job if self.fence is not None else None,
                 "last_checkpoint": None if self.last_checkpoint is None else str(self.last_checkpoint)}
@@ -488,6 +520,9 @@ class Trainer:
         """A newcomer takes rank 0's ``live_state()``."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.diloco is not None:
+            self.diloco.load_state_dict(state["diloco"])
+            self.diloco.reset_to_global()  # the model's parameters are its anchors already: a sync point
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.precision.load_state_dict(state["scaler"], "(in-place join: rank 0's state)")
@@ -508,6 +543,18 @@ class Trainer:
 
     def committed_step(self) -> int:
         return self.step
+
+    def ddp_group(self) -> dist.ProcessGroup | None:
+        """The DDP's group at the new size: the default one, or with DiLoCo the node's, DiLoCo's groups made anew
+        over the new world (their sockets shut with the group's on the next loss)."""
+        if self.diloco is None:
+            return None
+        assert self._recovery is not None
+        sockets_before = socket_fds()
+        groups = outer.make_groups()
+        self._recovery.group.adopt_sockets(socket_fds() - sockets_before)
+        self.diloco.regroup(groups.cross, groups.node)
+        return groups.ddp
 
     def resized(self, outcome: Regrouped) -> None:
         """After the DDP was re-bound and the sampler re-dealt at the new size: this rank's place, the folder's

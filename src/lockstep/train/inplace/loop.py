@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from lockstep.train.inplace.group import InPlaceGroup
 from lockstep.train.inplace.outcome import PeerLost, PeersJoined, Regrouped
@@ -121,6 +122,9 @@ class InPlaceRecovery:
 
     def resized(self, outcome: Regrouped) -> None:
         pass  # nothing else of a script's loop depends on the world size: the script reads the sampler's
+
+    def ddp_group(self) -> dist.ProcessGroup | None:
+        return None  # the script's DDP runs on the default group
 
 
 def _epoch_done(sampler, epoch: int) -> dict:

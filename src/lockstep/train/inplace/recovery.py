@@ -50,6 +50,11 @@ class RecoveringLoop(Protocol):
         """What else the loop changes at the new size, once its DDP was re-bound and its sampler re-dealt."""
         ...
 
+    def ddp_group(self) -> dist.ProcessGroup | None:
+        """The group its DDP is re-bound to at the new size (None: the new default group), after making any group
+        the loop's parts need there: every rank calls it at the same point, so it may make groups."""
+        ...
+
 
 class Recovery:
     """One loop's side of in-place recovery over ``group``; ``loop`` is read only through ``RecoveringLoop``."""
@@ -95,11 +100,11 @@ class Recovery:
         return error.outcome if isinstance(error, PeerLost) else self.group.rejoin(error)
 
     def regroup(self, outcome: Regrouped) -> None:
-        """The loop at the new size: its DDP re-bound to the new group, the sampler re-dealt from the last committed
-        position (the global batch kept), the loop's own fields (``resized``); the launcher's line after the first
-        step at this size (``report``)."""
+        """The loop at the new size: its DDP re-bound to the new group (``ddp_group``), the sampler re-dealt from
+        the last committed position (the global batch kept), the loop's own fields (``resized``); the launcher's
+        line after the first step at this size (``report``)."""
         self.loop.optimizer.zero_grad(set_to_none=True)  # a discarded step's gradients (none after an applied one)
-        self.loop.ddp.rebind(None)
+        self.loop.ddp.rebind(self.loop.ddp_group())
         self.loop.sampler.num_replicas, self.loop.sampler.rank = outcome.world_size, outcome.rank
         self.loop.sampler.load_state_dict(self.loop.committed_sampler_state())
         self.loop.resized(outcome)

@@ -36,12 +36,15 @@ def timed_out(error: BaseException) -> bool:
 
 
 def is_peer_loss(error: BaseException) -> bool:
-    """A collective that failed because of the group (a peer gone, an alarm), not a bug in the step."""
+    """A collective that failed because of the group (a peer gone, an alarm), not a bug in the step; an error
+    raised from one (DiLoCo's ``OuterSyncError`` names the outer all-reduce) is read by its cause."""
     if isinstance(error, (dist.DistError, PeerLost)):
         return True
     text = str(error)
-    return isinstance(error, RuntimeError) and ("gloo" in text or "Connection closed" in text
-                                                or "Timed out" in text or "Connection reset" in text)
+    if isinstance(error, RuntimeError) and ("gloo" in text or "Connection closed" in text
+                                            or "Timed out" in text or "Connection reset" in text):
+        return True
+    return error.__cause__ is not None and is_peer_loss(error.__cause__)
 
 
 def peers_beat(seen: dict[int, tuple[int, float]], members: list[int], me: int) -> bool:

@@ -9,6 +9,7 @@ stood still for ``ALARM_SILENT_S`` (a frozen rank, a cut link: no socket closes 
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import threading
@@ -75,9 +76,13 @@ class Watcher:
             self.stopped.clear()
             self.thread = threading.Thread(target=self._run, name="lockstep-inplace", daemon=True)
             self.thread.start()
+            # a process that leaves without stopping it (an error raised while the Trainer is built) must not exit
+            # with the thread in a store call: the interpreter's exit would abort the process (SIGABRT)
+            atexit.register(self.stop)
 
     def stop(self) -> None:
         self.stopped.set()
+        atexit.unregister(self.stop)
         if self.thread is not None:
             self.thread.join(timeout=2 * BEAT_S + 1)
 
