@@ -302,12 +302,14 @@ def _samples_once(directory: str, complete: bool) -> None:
 
 
 def _lose_node_in_place(directory: str, nproc: int, kill_step: int | None = None, pause_at: int | None = None,
-                        in_final_save: bool = False) -> dict:
+                        in_final_save: bool = False, extra: tuple[str, ...] = (), left_line: str = LEFT_LINE) -> dict:
     """Both nodes train; node 1 is killed (every process) while paused after ``pause_at`` (the others wait in the
     next step), or in the save after the last epoch (``in_final_save``: the others wait in its collectives), or as
-    soon as some rank finished ``kill_step``. Node 0 must go on in place and finish."""
+    soon as some rank finished ``kill_step``. Node 0 must go on in place and finish. ``extra``: the script's
+    arguments; ``left_line``: the launcher's line to wait for."""
     port = 29600 + random.randrange(300)
     pause = ["--pause-at", str(pause_at), "--pause-rank", str(nproc)] if pause_at is not None else []
+    pause += extra
     if in_final_save:
         pause, pause_at = ["--pause-in-final-save", "--pause-rank", str(nproc)], STEPS
     with netns.two_nodes() as (a, b):
@@ -320,14 +322,14 @@ def _lose_node_in_place(directory: str, nproc: int, kill_step: int | None = None
                 _wait_step(directory, kill_step or 1, 240, [node_a, node_b])
             before = _rows(directory)
             killed_at = _kill_node(node_b)
-            node_a.wait_for(LEFT_LINE, INPLACE_BOUND_S + 30)
+            node_a.wait_for(left_line, INPLACE_BOUND_S + 30)
             after_kill = [r for r in _rows(directory) if r[0] > killed_at and r[2] == nproc]
             assert node_a.finish(240) == 0, node_a.text()[-4000:]
         finally:
             for launch in (node_a, node_b):
                 if launch.proc.poll() is None:
                     _kill_node(launch)
-    line = next(m for m in (re.search(LEFT_LINE, x) for x in node_a.err) if m)
+    line = next(m for m in (re.search(left_line, x) for x in node_a.err) if m)
     rows = _rows(directory)
     return {"text": node_a.text(), "line": line.group(0), "step": int(line.group(1)),
             "worlds": (int(line.group(2)), int(line.group(3))), "reported_s": float(line.group(4)),
@@ -339,21 +341,21 @@ def _lose_node_in_place(directory: str, nproc: int, kill_step: int | None = None
 
 # A reference's folder after each sequence of clean stops run so far, by that sequence: a test whose reference
 # begins as an earlier one's (the 2 x 2 stop at K of the mid-step kill and of the grow-back) starts from a copy.
-_CLEAN_SO_FAR: dict[tuple[tuple[int, int, int | None], ...], str] = {}
+_CLEAN_SO_FAR: dict[tuple, str] = {}  # (the script's extra arguments, *stops) -> folder
 
 
-def _clean_stops(directory: str, stops: list[tuple[int, int, int | None]]) -> dict:
+def _clean_stops(directory: str, stops: list[tuple[int, int, int | None]], extra: tuple[str, ...] = ()) -> dict:
     """The reference: (nodes, ranks per node, --max-steps) one after another in one folder, each resuming the last
     one's checkpoint; forked ranks laid out as those nodes (test_multinode.run_forked: 2 x 2 sums hierarchically
     as when launched in two namespaces with a fixed --nnodes 2), bit for bit with the launched runs."""
-    done = next((n for n in range(len(stops), 0, -1) if tuple(stops[:n]) in _CLEAN_SO_FAR), 0)
+    done = next((n for n in range(len(stops), 0, -1) if (extra, *stops[:n]) in _CLEAN_SO_FAR), 0)
     if done:
-        shutil.copytree(_CLEAN_SO_FAR[tuple(stops[:done])], directory, dirs_exist_ok=True)
+        shutil.copytree(_CLEAN_SO_FAR[(extra, *stops[:done])], directory, dirs_exist_ok=True)
     for n in range(done, len(stops)):
         nodes, nproc, steps = stops[n]
         limit = ["--max-steps", str(steps)] if steps is not None else []
-        run_forked(INPLACE, nodes, nproc, directory, *limit, log_dir=directory)
-        _CLEAN_SO_FAR[tuple(stops[: n + 1])] = shutil.copytree(directory, f"{directory}.after-{n + 1}-stops")
+        run_forked(INPLACE, nodes, nproc, directory, *limit, *extra, log_dir=directory)
+        _CLEAN_SO_FAR[(extra, *stops[: n + 1])] = shutil.copytree(directory, f"{directory}.after-{n + 1}-stops")
     return _final(directory)
 
 
@@ -388,6 +390,28 @@ def test_in_place_a_node_killed_mid_step_loses_no_step_and_equals_a_clean_resume
     assert measured["step"] == K  # step K + 1 was in flight: discarded on every survivor, done again at 2
     _samples_once(killed, complete=True)
     _assert_bit_for_bit(_final(killed), _clean_stops(clean, [(2, 2, K), (1, 2, None)]))
+
+
+@needs_netns
+@heavy  # ~40 s; test_diloco_inplace.py's loopback runs are the default level's
+def test_in_place_diloco_a_node_lost_between_syncs_costs_the_steps_since_the_last(tmp_path):
+    """DiLoCo (a sync every 4 steps), 2 x 1 under lockstep launch: node 1 killed while paused after step 7 and
+    node 0 waits for it in step 8's outer all-reduce. Node 0's launcher says the node left at step 7 and that 3
+    steps were lost (node 0 went back to the sync of step 4), it finishes in its process, and the final model equals
+    clean stops bit for bit (2 x 1 to step 4, 1 x 1 to the end)."""
+    killed, clean = str(tmp_path / "killed"), str(tmp_path / "clean")
+    os.makedirs(killed)
+    os.makedirs(clean)
+    left = LEFT_LINE.replace("0 steps lost", "3 steps lost")
+    measured = _lose_node_in_place(killed, 1, pause_at=7, extra=("--diloco", "4"), left_line=left)
+    assert measured["step"] == 7 and measured["worlds"] == (2, 1), measured["line"]
+    assert measured["pids_after"] <= measured["pids_before"] and "restarted" not in measured["text"]
+    rows = _rows(killed)
+    assert [s for _, s, w, _ in rows if w == 1][:4] == [5, 6, 7, 8]  # from the sync of step 4, in the same process
+    want = _clean_stops(clean, [(2, 1, 4), (1, 1, None)], extra=("--diloco", "4"))
+    got = _final(killed)
+    for key, tensor in want["model"].items():
+        assert torch.equal(got["model"][key], tensor), key
 
 
 @needs_netns
@@ -487,7 +511,7 @@ def _lose_node_1_and_start_it_again(directory: str, nproc: int, node_0_extra: li
         try:
             _wait_file(os.path.join(directory, "paused"), 240, launches)
             _kill_node(node_b)
-            node_a.wait_for(LEFT_LINE, INPLACE_BOUND_S + 30)
+            node_a.wait_for(left_line, INPLACE_BOUND_S + 30)
             os.remove(os.path.join(directory, "paused"))
             survivors = {p for _, _, w, p in _rows(directory) if w == nproc}
             started = time.time()

@@ -271,14 +271,16 @@ class InPlaceGroup:
             except Exception:  # a notice only: the store's node may be going with the job
                 pass
 
-    def report(self, outcome: Regrouped, step: int) -> None:
+    def report(self, outcome: Regrouped, step: int, resumed_at: int) -> None:
         """Rank 0 of the new group, after its first step at the new size: the launcher's line
-        (``node 1 (10.201.0.2) left at step 812: world 4 -> 2 in 1.8 s, 0 steps lost``)."""
+        (``node 1 (10.201.0.2) left at step 812: world 4 -> 2 in 1.8 s, 0 steps lost``). ``resumed_at``: the step the
+        loop went on from; below the committed one where it went back further (DiLoCo: to its last sync)."""
         if self.rank != 0:
             return
         now = time.time()
         record = {"left": outcome.left, "old_world": outcome.old_world_size, "world": outcome.world_size,
-                  "step": outcome.committed, "seconds": now - outcome.alarm_at, "lost": 0,
+                  "step": outcome.committed, "seconds": now - outcome.alarm_at,
+                  "lost": max(0, outcome.committed - resumed_at),
                   "first_step": step, "joined": list(outcome.joined),
                   "where": {str(k): v for k, v in self.where.items()}}
         if outcome.joined:  # from the newcomers' launcher start; and what the grow cost the others

@@ -62,6 +62,7 @@ class Recovery:
     def __init__(self, group: InPlaceGroup, loop: RecoveringLoop):
         self.group, self.loop = group, loop
         self._report: Regrouped | None = None  # the last re-formation, said after the first step at its size
+        self._resumed_at = 0  # the step the loop went on from after it (DiLoCo's: its last sync, before the commit)
 
     @property
     def joining(self) -> bool:
@@ -109,13 +110,13 @@ class Recovery:
         self.loop.sampler.load_state_dict(self.loop.committed_sampler_state())
         self.loop.resized(outcome)
         self.group.settle()
-        self._report = outcome
+        self._report, self._resumed_at = outcome, self.loop.committed_step()
 
     def report(self, step: int) -> None:
         """After a step at the new size (or the last checkpoint where no step follows): the launcher's line for the
         last re-formation, once."""
         if self._report is not None:
-            self.group.report(self._report, step)
+            self.group.report(self._report, step, self._resumed_at)
             self._report = None
 
     def _take_over(self, outcome: Regrouped) -> None:
