@@ -11,6 +11,9 @@ every iteration times one step of each entry in a rotating order, each after a b
     allreduce          one blocking all-reduce of a flat fp32 buffer of the gradients' bytes (checks the shaping)
     allreduce_fp16     the same numel in fp16: the fp16 rows' all-reduce (gloo sums fp16 on the CPU, so it takes
                        more than half the fp32 one)
+    compute_wire       compute, timed while an all-reduce of the gradients' bytes runs beside it (started with the
+                       forward, on a second gloo group: gloo's own thread): what the wire's CPU work (gloo's copies
+                       and sums, the kernel's TCP, veth and shaper, on the same cores) leaves of the compute
     floor              compute, then that all-reduce, then the step: compute-then-send, nothing overlapped
     torch, torch_fp16  torch's DDP (25 MB buckets), and with its fp16_compress_hook
     torch_powersgd     torch's PowerSGD hook (rank 1) in one bucket: it issues collectives from future callbacks,
@@ -26,7 +29,8 @@ every iteration times one step of each entry in a rotating order, each after a b
                        gloo (its reduce-scatter sends what a whole all-reduce sends); timed as lockstep_overlap
 
 A DDP step can start sending only after its forward, so its limit is max(compute, forward + all-reduce)
-(the *DDP limit*); a step that also overlapped the next forward with the wire could reach max(compute,
+(the *DDP limit*); where the wire's CPU work slows the compute (2 cores shared by both nodes, their gloo threads
+and the kernel's network path), max(compute_wire, forward + all-reduce) (the *CPU limit*) is what a DDP can reach; a step that also overlapped the next forward with the wire could reach max(compute,
 all-reduce) (the *wire limit*). Each contender is reported as a ratio to both and to torch's DDP with the
 same hook; fp16 rows use limits with the measured fp16 all-reduce. PowerSGD rows use the fp32 limits (their wire
 is a few hundred KB). Figures: median of per-block medians; ratios: median of per-block ratios [min-max],
@@ -75,7 +79,7 @@ from torch import nn
 from wire_account import WireSampler
 
 REPO = Path(__file__).resolve().parents[1]
-MEASURES = ("forward", "compute", "allreduce", "allreduce_fp16")
+MEASURES = ("forward", "compute", "compute_wire", "allreduce", "allreduce_fp16")
 CONTENDERS = ("floor", "torch", "torch_fp16", "torch_powersgd", "lockstep", "lockstep_flat", "lockstep_auto",
               "lockstep_fp16", "lockstep_powersgd", "lockstep_overlap", "lockstep_zero2", "lockstep_zero2_flat")
 # ZeRO-2 (issue #36): its parameters' all-gathers are waited for in the next forward, so it is timed as the
@@ -160,6 +164,8 @@ def link_table(block_ms: dict[str, list[float]], nbytes: float | None = None, wo
         "ddp_fp16": [max(c, f + a) for f, c, a in zip(fwd, comp, ar16)],
         "wire_fp16": [max(c, a) for c, a in zip(comp, ar16)],
     }
+    if "compute_wire" in block_ms:  # the compute as the wire's CPU work leaves it
+        limits["cpu"] = [max(c, f + a) for f, c, a in zip(fwd, block_ms["compute_wire"], ar)]
     out: dict = {"measured_ms": {k: statistics.median(block_ms[k]) for k in MEASURES if k in block_ms},
                  "limits_ms": {k: statistics.median(v) for k, v in limits.items()}, "contenders": {}}
     for name in [n for n in CONTENDERS if n in block_ms] + sorted((n for n in block_ms if cap_of(n)), key=cap_of):
@@ -168,6 +174,8 @@ def link_table(block_ms: dict[str, list[float]], nbytes: float | None = None, wo
         row = {"ms": statistics.median(blocks), "limits": "fp16" if suffix else "fp32",
                "ddp_limit": _spread([t / lim for t, lim in zip(blocks, limits["ddp" + suffix])]),
                "wire_limit": _spread([t / lim for t, lim in zip(blocks, limits["wire" + suffix])])}
+        if "cpu" in limits and not suffix:
+            row["cpu_limit"] = _spread([t / lim for t, lim in zip(blocks, limits["cpu"])])
         ref = torch_reference(name)
         if ref in block_ms:
             row["torch"] = _spread([t / r for t, r in zip(blocks, block_ms[ref])])
@@ -216,14 +224,19 @@ def markdown_section(title: str, table: dict) -> list[str]:
              f"forward {m['forward']:.1f} ms, compute {m['compute']:.1f} ms, all-reduce {m['allreduce']:.1f} ms; "
              f"DDP limit max(compute, forward + all-reduce) {lim['ddp']:.1f} ms, wire limit max(compute, all-reduce) "
              f"{lim['wire']:.1f} ms (fp16, {fp16}: {lim['ddp_fp16']:.1f} / {lim['wire_fp16']:.1f} ms)", "",
-             "| contender | ms | x DDP limit | x wire limit | x torch (same hook) | limits | plan ms (measured/plan) |",
-             "|---|---|---|---|---|---|---|"]
+             *([f"compute beside an all-reduce of the gradients' bytes {m['compute_wire']:.1f} ms "
+                f"({m['compute_wire'] / m['compute']:.2f} x alone): CPU limit max(that, forward + all-reduce) "
+                f"{lim['cpu']:.1f} ms", ""] if "cpu" in lim else []),
+             "| contender | ms | x DDP limit | x wire limit | x CPU limit | x torch (same hook) | limits | "
+             "plan ms (measured/plan) |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, row in table["contenders"].items():
         ref = f" ({row['torch_ref']})" if row.get("torch_ref", "torch") != "torch" else ""
         plan = row.get("plan_ms")
         plan_cell = "-" if plan is None else f"{plan:.1f} ({row['ms'] / plan:.3f})"
         lines.append(f"| {name} | {row['ms']:.1f} | {_ratio_cell(row['ddp_limit'])} | "
-                     f"{_ratio_cell(row['wire_limit'])} | {_ratio_cell(row.get('torch'))}{ref} | {row['limits']} | "
+                     f"{_ratio_cell(row['wire_limit'])} | {_ratio_cell(row.get('cpu_limit'))} | "
+                     f"{_ratio_cell(row.get('torch'))}{ref} | {row['limits']} | "
                      f"{plan_cell} |")
     sweep = {n: row["ms"] for n, row in table["contenders"].items() if cap_of(n) or n == "lockstep"}
     if "lockstep_auto" in table["contenders"] and len(sweep) > 1:
@@ -289,10 +302,13 @@ def _build(name: str, build: Callable[[], nn.Module], hook_wrap=None):
     return model, opt
 
 
-def _runner(name: str, model, opt, x, y, flat: torch.Tensor) -> Callable[[], float | None]:
+def _runner(name: str, model, opt, x, y, flat: torch.Tensor, side_group=None) -> Callable[[], float | None]:
     """One timed slot of an entry: None (the caller times the call) or the seconds it measured itself."""
     def forward() -> None:
         model(x)
+
+    if name == "compute_wire":
+        return lambda: _compute_beside_wire(model, opt, x, y, flat, side_group)
 
     flat16 = flat.to(torch.float16) if name == "allreduce_fp16" else None
     if name == "forward":
@@ -302,6 +318,17 @@ def _runner(name: str, model, opt, x, y, flat: torch.Tensor) -> Callable[[], flo
     if name == "lockstep_overlap" or name in ZERO2:
         return lambda: _overlapped_steps(model, opt, x, y)
     return lambda: _step(model, opt, x, y)
+
+
+def _compute_beside_wire(model, opt, x, y, flat: torch.Tensor, side_group) -> float:
+    """Seconds of one compute step (no DDP) while an all-reduce of ``flat`` runs on ``side_group`` (gloo's thread),
+    launched just before it; waited for after the timing."""
+    work = dist.all_reduce(flat, group=side_group, async_op=True)
+    start = time.perf_counter()
+    _step(model, opt, x, y)
+    elapsed = time.perf_counter() - start
+    work.wait()
+    return elapsed
 
 
 def _overlapped_steps(model, opt, x, y) -> float:
@@ -377,7 +404,8 @@ def _measure_model(kind: str, cfg: dict, rank: int) -> dict:
     flat = torch.zeros(numel)
     entries = (*MEASURES, *cfg["contenders"])
     built = {name: _build(name, build) for name in entries if not name.startswith("allreduce")}
-    runs = {name: _runner(name, *built.get(name, (None, None)), x, y, flat) for name in entries}
+    side_group = dist.new_group(backend="gloo")  # compute_wire's all-reduce, apart from the timed entries' group
+    runs = {name: _runner(name, *built.get(name, (None, None)), x, y, flat, side_group) for name in entries}
     for name, run in runs.items():
         _warm_up(name, built.get(name, (None, None))[0], run, cfg["warmup"])
     times = _time_rotation(runs, cfg["blocks"] * cfg["block_steps"])
