@@ -367,19 +367,29 @@ class DiLoCo:
     def _root(self) -> int:
         return dist.get_global_rank(self.group, 0) if self.group is not None else 0
 
-    def _broadcast_start(self) -> None:
+    def _broadcast_from_root(self, tensors: list[torch.Tensor]) -> None:
+        """Global rank 0's ``tensors`` on every rank: across nodes from the ranks of local index 0 (their cross
+        group holds global rank 0), then inside each node from that rank. Not each cross group from node 0's rank of
+        its own index: that rank may hold other values (a DiLoCo built before the node's DDP broadcast; BatchNorm's
+        running statistics, each from its rank's own batch), and a node's ranks would then disagree. Each byte
+        crosses the link once; the node's broadcast is one more on the fast link."""
         with torch.no_grad():
-            for p in self.params:
-                dist.broadcast(p.detach(), src=self._root(), group=self.group)
+            if self.local_rank == 0:
+                for t in tensors:
+                    dist.broadcast(t, src=self._root(), group=self.group)
+            if self.node_group is not None and self.local_size > 1:
+                src = dist.get_global_rank(self.node_group, 0)
+                for t in tensors:
+                    dist.broadcast(t, src=src, group=self.node_group)
+
+    def _broadcast_start(self) -> None:
+        self._broadcast_from_root([p.detach() for p in self.params])
         self._broadcast_buffers()
 
     def _broadcast_buffers(self) -> None:
-        """Floating buffers (BatchNorm's statistics) from the group's rank 0 at each full cycle (fragment 0's sync),
-        as DDP broadcasts them each forward: one small blocking collective a buffer."""
-        with torch.no_grad():
-            for buf in self.model.buffers():
-                if buf.is_floating_point():
-                    dist.broadcast(buf, src=self._root(), group=self.group)
+        """Floating buffers (BatchNorm's statistics) from global rank 0 at each full cycle (fragment 0's sync),
+        as DDP broadcasts them each forward: one small blocking collective a buffer (two with node groups)."""
+        self._broadcast_from_root([buf for buf in self.model.buffers() if buf.is_floating_point()])
 
     # -- the agreed model ------------------------------------------------------------------------------
     @contextlib.contextmanager
