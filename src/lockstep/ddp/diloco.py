@@ -23,15 +23,27 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.diagnostics.progress import ProgressObserver
+
 MIB = 1024 * 1024
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+class OuterObserver(Protocol):
+    """What DiLoCo says of its waits (``diagnostics.progress.ProgressObserver`` takes it): the hang watchdog's report
+    then names the outer all-reduce, or the node's broadcast, that a rank is stuck in."""
+
+    def outer_wait(self, fragment: int, bucket: int, buckets: int, launched_at: int, inner_step: int,
+                   op: str) -> None: ...
+    def outer_end(self) -> None: ...
 
 
 class OuterSyncError(RuntimeError):
@@ -249,6 +261,10 @@ class DiLoCo:
         self.in_flight: list[_InFlight] = []
         self.last_sync: SyncRecord | None = None
         self.wire_nbytes = 0  # bytes all-reduced by this rank so far (this rank's buckets only, with node groups)
+        # The process's progress record, which the hang watchdog (started by a DDP: the Trainer's, the node's) reads:
+        # a rank stuck in the outer all-reduce is reported as such within hang_timeout_s, not only by OuterSyncError
+        # when timeout_s is set. A few attribute writes a bucket, every H steps; nobody reads them without a watchdog.
+        self.observer: OuterObserver = ProgressObserver(lambda: None)
 
     def _default_outer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         c = self.config
@@ -314,18 +330,22 @@ class DiLoCo:
         timeout = None if self.config.timeout_s is None else datetime.timedelta(seconds=self.config.timeout_s)
         buckets = self.fragments[flight.fragment]
         for j, (b, wire, work) in enumerate(zip(buckets, flight.wires, flight.works)):
+            said = (flight.fragment, j + 1, len(buckets), flight.launched_at, self.inner_step)
             try:
                 if work is not None:
+                    self.observer.outer_wait(*said, "all-reduce")
                     work.wait() if timeout is None else work.wait(timeout)
                 if self.node_group is not None and self.local_size > 1:  # shared inside the node, the fast link
                     src = dist.get_global_rank(self.node_group, b % self.local_size)
+                    self.observer.outer_wait(*said, "broadcast")
                     dist.broadcast(wire, src=src, group=self.node_group)
             except RuntimeError as e:  # gloo's timeout, a peer gone (DistBackendError is a RuntimeError)
                 raise OuterSyncError(
                     f"DiLoCo: the outer all-reduce of fragment {flight.fragment} (bucket {j + 1} of {len(buckets)}, "
                     f"launched after inner step {flight.launched_at}) failed after "
                     f"{time.perf_counter() - t0:.1f} s: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                ) from e
+                ) from e  # the phase stays "outer": a report at exit names this wait
+        self.observer.outer_end()
         flight.averaged = [w if w.dtype == torch.float32 else w.float() for w in flight.wires]
         flight.seconds += time.perf_counter() - t0
 
