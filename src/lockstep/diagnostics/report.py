@@ -56,7 +56,8 @@ def _doing(rec: dict[str, Any]) -> str:
         return f"in torch.distributed.{rec['collective']} at {where}"
     what = {"data": "data loading", "loss": "the loss, before backward",
             "wait": "the next forward" if rec.get("op") == "all-gather" else "the end of backward",
-            "backward": "backward", "forward": "forward", "outer": "DiLoCo's outer sync"}.get(rec["phase"], rec["phase"])
+            "backward": "backward", "forward": "forward",
+            "outer": "DiLoCo's outer sync"}.get(rec["phase"], rec["phase"])
     return f"in {what} at {where}"
 
 
