@@ -71,7 +71,22 @@ def test_without_torch_there_is_no_torch_ratio_and_the_table_says_so(link):
     assert lines[0] == "### 1gbit, mlp"
     assert "DDP limit max(compute, forward + all-reduce) 406.4 ms" in lines[2]
     row = next(line for line in lines if line.startswith("| lockstep |"))
-    assert row == "| lockstep | 446.5 | 1.100 [1.081-1.119] | 1.234 [1.212-1.255] | - | fp32 | - |"
+    assert row == "| lockstep | 446.5 | 1.100 [1.081-1.119] | 1.234 [1.212-1.255] | - | - | fp32 | - |"
+
+
+def test_the_cpu_limit_is_the_compute_beside_the_wire_where_it_exceeds_forward_and_all_reduce(link):
+    """A compute-bound model (the CNN at 1 Gbit/s): the wire's CPU work slows the compute beside it, and the CPU
+    limit max(compute_wire, forward + all-reduce) is taken per block; the fp16 rows get none."""
+    blocks = {"forward": [28.0, 30.0], "compute": [76.0, 80.0], "compute_wire": [100.0, 110.0],
+              "allreduce": [40.0, 42.0], "lockstep": [108.0, 115.5], "lockstep_fp16": [90.0, 95.0]}
+    table = link.link_table(blocks)
+    assert table["limits_ms"]["cpu"] == 105.0 and table["limits_ms"]["ddp"] == 78.0
+    assert table["contenders"]["lockstep"]["cpu_limit"] == {"median": 1.065, "min": 1.05, "max": 1.08}
+    assert "cpu_limit" not in table["contenders"]["lockstep_fp16"]
+    lines = link.markdown_section("1gbit, cnn", table)
+    assert "compute beside an all-reduce of the gradients' bytes 105.0 ms (1.35 x alone): CPU limit" in "\n".join(lines)
+    row = next(line for line in lines if line.startswith("| lockstep |"))
+    assert "| 1.065 [1.050-1.080] |" in row
 
 
 def test_the_plan_column_is_lockstep_plans_step_on_the_measured_link(link):

@@ -23,15 +23,27 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.diagnostics.progress import ProgressObserver
+
 MIB = 1024 * 1024
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+class OuterObserver(Protocol):
+    """What DiLoCo says of its waits (``diagnostics.progress.ProgressObserver`` takes it): the hang watchdog's report
+    then names the outer all-reduce, or the node's broadcast, that a rank is stuck in."""
+
+    def outer_wait(self, fragment: int, bucket: int, buckets: int, launched_at: int, inner_step: int,
+                   op: str) -> None: ...
+    def outer_end(self) -> None: ...
 
 
 class OuterSyncError(RuntimeError):
@@ -252,6 +264,10 @@ class DiLoCo:
         self.synced_at: int | None = 0  # the inner step at which the parameters were last all their anchors
         self.last_sync: SyncRecord | None = None
         self.wire_nbytes = 0  # bytes all-reduced by this rank so far (this rank's buckets only, with node groups)
+        # The process's progress record, which the hang watchdog (started by a DDP: the Trainer's, the node's) reads:
+        # a rank stuck in the outer all-reduce is reported as such within hang_timeout_s, not only by OuterSyncError
+        # when timeout_s is set. A few attribute writes a bucket, every H steps; nobody reads them without a watchdog.
+        self.observer: OuterObserver = ProgressObserver(lambda: None)
 
     def _default_outer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         c = self.config
@@ -346,18 +362,22 @@ class DiLoCo:
         timeout = None if self.config.timeout_s is None else datetime.timedelta(seconds=self.config.timeout_s)
         buckets = self.fragments[flight.fragment]
         for j, (b, wire, work) in enumerate(zip(buckets, flight.wires, flight.works)):
+            said = (flight.fragment, j + 1, len(buckets), flight.launched_at, self.inner_step)
             try:
                 if work is not None:
+                    self.observer.outer_wait(*said, "all-reduce")
                     work.wait() if timeout is None else work.wait(timeout)
                 if self.node_group is not None and self.local_size > 1:  # shared inside the node, the fast link
                     src = dist.get_global_rank(self.node_group, b % self.local_size)
+                    self.observer.outer_wait(*said, "broadcast")
                     dist.broadcast(wire, src=src, group=self.node_group)
             except RuntimeError as e:  # gloo's timeout, a peer gone (DistBackendError is a RuntimeError)
                 raise OuterSyncError(
                     f"DiLoCo: the outer all-reduce of fragment {flight.fragment} (bucket {j + 1} of {len(buckets)}, "
                     f"launched after inner step {flight.launched_at}) failed after "
                     f"{time.perf_counter() - t0:.1f} s: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                ) from e
+                ) from e  # the phase stays "outer": a report at exit names this wait
+        self.observer.outer_end()
         flight.averaged = [w if w.dtype == torch.float32 else w.float() for w in flight.wires]
         if flight.fragment == 0:
             flight.buffers = self._broadcast_buffers()
@@ -401,10 +421,24 @@ class DiLoCo:
     def _root(self) -> int:
         return dist.get_global_rank(self.group, 0) if self.group is not None else 0
 
-    def _broadcast_start(self) -> None:
+    def _broadcast_from_root(self, tensors: list[torch.Tensor]) -> None:
+        """Global rank 0's ``tensors`` on every rank: across nodes from the ranks of local index 0 (their cross
+        group holds global rank 0), then inside each node from that rank. Not each cross group from node 0's rank of
+        its own index: that rank may hold other values (a DiLoCo built before the node's DDP broadcast; BatchNorm's
+        running statistics, each from its rank's own batch), and a node's ranks would then disagree. Each byte
+        crosses the link once; the node's broadcast is one more on the fast link."""
         with torch.no_grad():
-            for p in self.params:
-                dist.broadcast(p.detach(), src=self._root(), group=self.group)
+            if self.local_rank == 0:
+                for t in tensors:
+                    dist.broadcast(t, src=self._root(), group=self.group)
+            if self.node_group is not None and self.local_size > 1:
+                src = dist.get_global_rank(self.node_group, 0)
+                for t in tensors:
+                    dist.broadcast(t, src=src, group=self.node_group)
+
+    def _broadcast_start(self) -> None:
+        self._broadcast_from_root([p.detach() for p in self.params])
+        with torch.no_grad():
             for buf, value in zip(self._float_buffers(), self._broadcast_buffers()):
                 buf.copy_(value)
 
@@ -412,12 +446,11 @@ class DiLoCo:
         return [buf for buf in self.model.buffers() if buf.is_floating_point()]
 
     def _broadcast_buffers(self) -> list[torch.Tensor]:
-        """Floating buffers (BatchNorm's statistics) of the group's rank 0, at each full cycle (fragment 0's sync,
-        as DDP broadcasts them each forward): one small blocking collective a buffer, into copies that the landing
-        puts in the model (the exchange changes nothing of it)."""
+        """Floating buffers (BatchNorm's statistics) of global rank 0, at each full cycle (fragment 0's sync, as
+        DDP broadcasts them each forward): one small blocking collective a buffer (two with node groups), into
+        copies that the landing puts in the model (the exchange changes nothing of it)."""
         copies = [buf.detach().clone() for buf in self._float_buffers()]
-        for copy in copies:
-            dist.broadcast(copy, src=self._root(), group=self.group)
+        self._broadcast_from_root(copies)
         return copies
 
     # -- the agreed model ------------------------------------------------------------------------------

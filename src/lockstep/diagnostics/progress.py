@@ -14,9 +14,11 @@ whose work has not completed. A steady step's own cost is a few attribute writes
   loss       the forward returned, backward has not started
   backward   backward runs; buckets are launched as their gradients land
   wait       the end of backward waits for bucket ``bucket``'s all-reduce (collective ``seq``)
+  outer      DiLoCo (``ddp.diloco``) waits for a bucket of its outer all-reduce across nodes, or for its broadcast
+             inside the node (``outer``: the fragment, the bucket, the inner step it was launched after)
   optimizer, eval, checkpoint ...   set by the Trainer (``set_phase``)
 
-Only forward / backward / wait are DDP's own: a rank stalled in one of them for longer than the
+Only forward / backward / wait / outer are DDP's own: a rank stalled in one of them for longer than the
 hang timeout is hung in DDP. The watchdog also notices a training thread stuck in any
 ``torch.distributed`` collective of the user's own (see ``current_collective``).
 """
@@ -34,7 +36,7 @@ from typing import Any
 
 from lockstep.code_paths import is_framework_code, is_library_code
 
-DDP_PHASES = ("forward", "backward", "wait")
+DDP_PHASES = ("forward", "backward", "wait", "outer")
 
 
 class Progress:
@@ -56,6 +58,9 @@ class Progress:
         # forward (a weak reference), and the buckets the end of backward waits for, in order.
         self.reducer: Callable[[], Any] | None = None
         self.waits: Sequence[Any] | None = None
+        # DiLoCo's outer wait (phase "outer"): what it waits for, and the phase it interrupted, restored at its end
+        self.outer: dict[str, Any] | None = None
+        self.before_outer = "data"
 
     def set_phase(self, phase: str) -> None:
         self.phase, self.since = phase, time.monotonic()
@@ -71,7 +76,8 @@ class Progress:
         bucket, seq, numel = self._bucket_now()
         return {"step_done": self.step_done, "phase": self.phase_now(), "bucket": bucket, "seq": seq,
                 "numel": numel, "stalled_s": round(time.monotonic() - self.since, 3),
-                "skipped_backward": self.skipped_backward, "op": self.op}
+                "skipped_backward": self.skipped_backward, "op": self.op,
+                "outer": self.outer if self.phase == "outer" else None}
 
     def _bucket_now(self) -> tuple[int, int, int]:
         """(bucket, seq, numel): the bucket waited on (the first of ``waits`` not complete), or in backward the one
@@ -162,6 +168,23 @@ class ProgressObserver:
     def backward_end(self, step: int) -> None:
         p = self.progress
         p.step_done, p.phase, p.since, p.waits = step, "data", time.monotonic(), None
+
+    def outer_wait(self, fragment: int, bucket: int, buckets: int, launched_at: int, inner_step: int, op: str) -> None:
+        """DiLoCo blocks on ``bucket`` (1-based) of ``buckets`` of ``fragment``'s outer sync, launched after inner step
+        ``launched_at``, waited for after ``inner_step``; ``op``: "all-reduce" (across nodes) or "broadcast" (inside
+        the node). Said before each bucket's wait: a few attribute writes a bucket, every H inner steps."""
+        p = self.progress
+        if p.phase != "outer":
+            p.before_outer = p.phase
+        p.outer = {"fragment": fragment, "bucket": bucket, "buckets": buckets, "launched_at": launched_at,
+                   "inner_step": inner_step, "op": op}
+        p.thread_id = threading.get_ident()  # a DiLoCo around a plain module: no forward said it
+        p.phase, p.since = "outer", time.monotonic()
+
+    def outer_end(self) -> None:
+        p = self.progress
+        if p.phase == "outer":
+            p.phase, p.outer, p.since = p.before_outer, None, time.monotonic()
 
     def __getattr__(self, name: str) -> Callable[..., None]:
         return _ignore  # an event added to the seam later: not needed here

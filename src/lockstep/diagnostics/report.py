@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 _RULE = "=" * 100
+DDP_STEP = ("forward", "loss", "backward", "wait", "outer")
 HANG_EXIT_CODE = 86  # every rank leaves with it once the hang report is written
 
 
@@ -23,6 +24,8 @@ def _step(rec: dict[str, Any]) -> int:
 def describe(rec: dict[str, Any]) -> str:
     """``all-reduce of bucket 3 (collective #41) of step 12``, ``data loading before step 12``..."""
     n, phase = _step(rec), rec["phase"]
+    if phase == "outer" and rec.get("outer"):
+        return _outer(rec["outer"])
     if phase == "wait":  # ZeRO-2's all-gathers are of the last step's update, waited for in this step's forward
         op = rec.get("op", "all-reduce")
         step = f"the update of step {n - 1}" if op == "all-gather" else f"step {n}"
@@ -39,6 +42,13 @@ def describe(rec: dict[str, Any]) -> str:
     return f"{phase} after step {n - 1}"
 
 
+def _outer(o: dict[str, Any]) -> str:
+    """``DiLoCo's outer all-reduce of fragment 0, bucket 2 of 4 (launched after inner step 8, waited for after 9)``."""
+    what = "outer all-reduce" if o["op"] == "all-reduce" else "broadcast inside the node of the outer all-reduce"
+    return (f"DiLoCo's {what} of fragment {o['fragment']}, bucket {o['bucket']} of {o['buckets']} "
+            f"(launched after inner step {o['launched_at']}, waited for after inner step {o['inner_step']})")
+
+
 def _doing(rec: dict[str, Any]) -> str:
     """``in data loading at train.py:57 in main`` / ``in torch.distributed.barrier at train.py:80 in main``."""
     where = rec.get("where", "?")
@@ -46,7 +56,8 @@ def _doing(rec: dict[str, Any]) -> str:
         return f"in torch.distributed.{rec['collective']} at {where}"
     what = {"data": "data loading", "loss": "the loss, before backward",
             "wait": "the next forward" if rec.get("op") == "all-gather" else "the end of backward",
-            "backward": "backward", "forward": "forward"}.get(rec["phase"], rec["phase"])
+            "backward": "backward", "forward": "forward",
+            "outer": "DiLoCo's outer sync"}.get(rec["phase"], rec["phase"])
     return f"in {what} at {where}"
 
 
@@ -55,7 +66,7 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _is_waiting(rec: dict[str, Any]) -> bool:
-    return rec["phase"] in ("wait", "backward", "forward")
+    return rec["phase"] in ("wait", "outer", "backward", "forward")
 
 
 def diagnose(infos: dict[int, Any], records: dict[int, Any], world_size: int) -> str:
@@ -65,7 +76,7 @@ def diagnose(infos: dict[int, Any], records: dict[int, Any], world_size: int) ->
     progress (a rank missing from ``infos`` did not answer: it is dead or frozen).
     """
     silent = [r for r in range(world_size) if r not in infos]
-    waiting = {r: i for r, i in infos.items() if i["phase"] == "wait"} or {
+    waiting = {r: i for r, i in infos.items() if i["phase"] in ("wait", "outer")} or {
         r: i for r, i in infos.items() if _is_waiting(i)
     }
     if not waiting:
@@ -73,7 +84,9 @@ def diagnose(infos: dict[int, Any], records: dict[int, Any], world_size: int) ->
             f"rank {r} is {_doing(i)}" for r, i in sorted(infos.items())
         )
     # The collective the furthest waiters are stuck in: every rank behind it is one they wait for.
-    front = max(waiting.values(), key=lambda i: (_step(i), i["seq"] if i["phase"] == "wait" else -1))
+    # DiLoCo: a node's rank that waits for its own bucket's all-reduce before the one waiting for its broadcast
+    front = max(waiting.values(), key=lambda i: (_step(i), i["seq"] if i["phase"] == "wait" else -1,
+                                                 (i.get("outer") or {}).get("op") == "all-reduce"))
     at_front = sorted(r for r, i in waiting.items() if describe(i) == describe(front))
     parts = []
     for r in silent:
@@ -87,7 +100,12 @@ def diagnose(infos: dict[int, Any], records: dict[int, Any], world_size: int) ->
         if r in at_front:
             continue
         n = _step(front)
-        if _step(i) < n:
+        if front["phase"] == "outer" and _step(i) == n and i["phase"] not in DDP_STEP:
+            # DiLoCo syncs between steps: a peer at the same step count has not reached the sync yet
+            parts.append(f"rank {r} has not reached DiLoCo's outer sync after inner step {n - 1} ({_doing(i)})")
+        elif front["phase"] == "outer" and i["phase"] == "outer":  # a node's rank waits for its sender's bucket
+            parts.append(f"rank {r} waits in {describe(i)}")
+        elif _step(i) < n:
             parts.append(f"rank {r} is {n - _step(i)} step(s) behind, in {describe(i)} ({_doing(i)})")
         elif _step(i) == n and i["phase"] not in ("forward", "loss", "backward", "wait"):
             parts.append(f"rank {r} has not started forward of step {n} ({_doing(i)})")

@@ -291,7 +291,7 @@ class Watchdog(threading.Thread):
             # rank's own (a ValueError in forward) is its own report, where waiting to watch the peers' beats
             # would only keep them waiting for this rank's sockets to close.
             phase = self.progress.phase_now()
-            failed = error is not None and (phase == "wait" or isinstance(error, dist.DistError))
+            failed = error is not None and (phase in ("wait", "outer") or isinstance(error, dist.DistError))
             if failed and self.is_alive() and not self.stopped.is_set() and phase in DDP_PHASES:
                 self._report_failure()
         finally:
