@@ -141,18 +141,27 @@ def test_a_node_lost_in_the_outer_all_reduce_costs_the_steps_since_the_last_sync
 def test_re_formations_between_syncs_go_back_to_the_last_and_change_nothing(tmp_path):
     """Rank 0 raises the in-place alarm after a step until the group re-formed 3 times (same size, same processes):
     each time every rank goes back to the last sync and does the steps since again, and the result equals, bit for
-    bit, a run without alarms. Streaming DiLoCo with in-place recovery is refused in one line naming the field."""
-    alarmed, quiet, streaming = (str(tmp_path / name) for name in ("alarmed", "quiet", "streaming"))
-    for d in (alarmed, quiet, streaming):
+    bit, a run without alarms. A run resumed from a checkpoint between two syncs (step 6) and re-formed after its
+    first step goes back to where it resumed (each rank's own parameters, not the synced copy): bit for bit too.
+    Streaming DiLoCo with in-place recovery is refused in one line naming the field."""
+    alarmed, quiet, streaming, resumed = (str(tmp_path / name) for name in ("alarmed", "quiet", "streaming",
+                                                                            "resumed"))
+    for d in (alarmed, quiet, streaming, resumed):
         os.makedirs(d)
     diloco = ("--diloco", str(H))
     procs = _start_ranks(INPLACE, 2, alarmed, *diloco, "--alarms", "3", "--step-sleep", "0.5")
     refused = _start_ranks(INPLACE, 1, streaming, *diloco, "--diloco-fragments", "2")
     with ThreadPoolExecutor(1) as pool:
         reference = pool.submit(_reference, INPLACE, 2, quiet, *diloco)
+        _reference(INPLACE, 2, resumed, *diloco, "--max-steps", "6")
+        again = _start_ranks(INPLACE, 2, resumed, *diloco, "--alarms", "1", "--step-sleep", "0.5")
         _finish(procs)
         out, _ = refused[0].communicate(timeout=300)
+        _finish(again)
         reference.result()
+    _, rewinds = _samples_kept(resumed)
+    assert rewinds == [6, 6], rewinds  # both ranks, to where the run resumed
+    _assert_same_final(resumed, quiet)
     assert refused[0].returncode == 1, out
     [line] = [line for line in out.splitlines() if "Error: TrainerConfig.diloco_fragments" in line]
     assert line.split(": ", 1)[1].startswith("ValueError: TrainerConfig.diloco_fragments=2 with in-place recovery: "

@@ -68,7 +68,8 @@ def snapshot(diloco: DiLoCo, model: torch.nn.Module, optimizer: torch.optim.Opti
              "scaler": precision.state_dict()}
     if diloco.at_sync_point:
         return {**saved, "diloco": diloco.position(), "params": None}
-    return {**saved, "diloco": diloco.state_dict(), "params": [p.detach().clone() for p in diloco.params]}
+    return {**saved, "diloco": copy.deepcopy(diloco.state_dict()),  # its outer optimizer's state is referenced
+            "params": [p.detach().clone() for p in diloco.params]}
 
 
 def rewind(diloco: DiLoCo, optimizer: torch.optim.Optimizer, scheduler: Any, precision: Any, saved: dict) -> None:
