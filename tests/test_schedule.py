@@ -112,10 +112,10 @@ MODES: dict[str, dict] = {
     "sparse_find_unused": {"sparse": True, "find_unused_parameters": True, "use_all": False},
     # ZeRO-2 (``zero2``): reduce-scatters, the flag's all-reduce, and the step's all-gathers (a joined rank steps
     # its shards in its shadow round)
-    "zero2": {"zero": True},  # on gloo: the all-reduce pair (``zero2.choose_collectives``)
+    "zero2": {"zero": True},  # on gloo: the ring's halves, recorded at launch (``zero2_wire.choose_collectives``)
     "zero2_fp16": {"zero": True, "hook": "fp16"},
     "zero2_flat": {"zero": "flat"},  # reduce_scatter_tensor and all_gather_into_tensor
-    "zero2_ring": {"zero": "ring"},  # the ring's halves on a thread and group of their own (recorded at launch)
+    "zero2_all_reduce": {"zero": "all_reduce"},  # gloo's all-reduce pair (slice kept, -0.0 elsewhere)
 }
 
 
@@ -126,7 +126,7 @@ def _sequences(rank: int, recorder: Recorder, mode: dict, steps_both: int) -> li
     mode = dict(mode)
     hook, use_all, sparse = mode.pop("hook", None), mode.pop("use_all", True), mode.pop("sparse", False)
     zero = mode.pop("zero", False)
-    if zero in ("flat", "ring"):
+    if zero in ("flat", "all_reduce"):
         os.environ["LOCKSTEP_ZERO_COLLECTIVES"] = zero
     torch.manual_seed(0)
     model = lockstep.DistributedDataParallel(_Net(sparse), bucket_cap_mb=0.001, **mode)  # several buckets
@@ -168,9 +168,9 @@ def test_joined_rank_issues_the_training_ranks_collectives(results, mode):
     training, joined = results[0][mode], results[1][mode]
     reduces = [c for c in training if c[0] in ("all_reduce", "reduce_scatter_tensor", "ring_reduce_scatter")]
     assert len(reduces) >= 6, training  # the join round, the buckets, the status: the sequence is not empty
-    if mode in ("zero2_flat", "zero2_ring"):  # the step's all-gathers, one per bucket, after the reduce-scatters
-        gather, scatter = ("ring_all_gather", "ring_reduce_scatter") if mode == "zero2_ring" else (
-            "all_gather_into_tensor", "reduce_scatter_tensor")
+    if mode in ("zero2_flat", "zero2", "zero2_fp16"):  # the step's all-gathers, one a bucket, after the reduces
+        gather, scatter = ("all_gather_into_tensor", "reduce_scatter_tensor") if mode == "zero2_flat" else (
+            "ring_all_gather", "ring_reduce_scatter")
         assert sum(c[0] == gather for c in training) == sum(c[0] == scatter for c in training) >= 2, training
     assert training == joined, "\n".join(
         f"{i}: training {t}   joined {j}{'   <--' if t != j else ''}"

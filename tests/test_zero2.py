@@ -2,8 +2,8 @@
 
 At 2 gloo ranks the parameters after 50 steps equal, bit for bit, lockstep's plain DDP with the same optimizer (SGD
 with momentum, Adam, AdamW; foreach on and off), with and without ``no_sync`` accumulation, through the flat
-collectives, through gloo's default pair (all-reduce, slice kept / -0.0 elsewhere) and through the ring's halves
-over send/recv (``LOCKSTEP_ZERO_COLLECTIVES=ring``); also with torch's LR schedulers over the
+collectives, through gloo's default, the ring's halves over send/recv, and through the all-reduce pair (slice kept,
+-0.0 elsewhere: ``LOCKSTEP_ZERO_COLLECTIVES=all_reduce``); also with torch's LR schedulers over the
 returned optimizer, ``zero_grad(set_to_none=False)``, ``static_graph``, ``find_unused_parameters`` (a layer no rank
 uses), the fp16 compress hook and ``join`` with uneven inputs. It really shards: each rank's optimizer state is its
 half, ``.grad`` is None after backward and the buckets' memory is freed. Its collectives are reduce-scatters in
@@ -137,12 +137,12 @@ def _semantics(rank: int) -> dict:
         del os.environ["LOCKSTEP_ZERO_COLLECTIVES"]
     out["flat"] = _diff(_train(rank, False, steps=20), flat)
     out["flat_collectives"] = flat["opt"].collectives
-    with _collectives_env("ring"):  # the ring's halves over send/recv, with find_unused_parameters too
-        ring = _train(rank, True, steps=20)
-        ring_unused = _train(rank, True, **cases["find_unused_adam"])
-    out["ring"] = _diff(_train(rank, False, steps=20), ring)
-    out["ring_collectives"] = ring["opt"].collectives
-    out["find_unused_ring"] = _diff(_train(rank, False, **cases["find_unused_adam"]), ring_unused)
+    with _collectives_env("all_reduce"):  # gloo's all-reduce pair, with find_unused_parameters too
+        pair = _train(rank, True, steps=20)
+        pair_unused = _train(rank, True, **cases["find_unused_adam"])
+    out["all_reduce"] = _diff(_train(rank, False, steps=20), pair)
+    out["all_reduce_collectives"] = pair["opt"].collectives
+    out["find_unused_all_reduce"] = _diff(_train(rank, False, **cases["find_unused_adam"]), pair_unused)
     out["default_collectives"] = _train(rank, True, steps=1)["opt"].collectives
     return out
 
@@ -192,8 +192,8 @@ class _Kinds(StepObserver):
 
 
 def _collectives(rank: int) -> dict:
-    return {"all_reduce": _collectives_of(rank, ""), "flat": _collectives_of(rank, "flat"),
-            "ring": _collectives_of(rank, "ring")}
+    return {"all_reduce": _collectives_of(rank, "all_reduce"), "flat": _collectives_of(rank, "flat"),
+            "ring": _collectives_of(rank, "")}
 
 
 def _collectives_of(rank: int, env: str) -> dict:
@@ -448,9 +448,9 @@ def _case3(rank: int, world_size: int) -> dict:
             plain = _train(rank, False, opt_name, accumulate=accumulate)
             zero = _train(rank, True, opt_name, accumulate=accumulate)
             out[(opt_name, accumulate)] = _diff(plain, zero)
-            with _collectives_env("ring"):
-                ring = _train(rank, True, opt_name, accumulate=accumulate)
-            out[(opt_name, accumulate, "ring")] = _diff(plain, ring)
+            with _collectives_env("all_reduce"):
+                pair = _train(rank, True, opt_name, accumulate=accumulate)
+            out[(opt_name, accumulate, "all_reduce")] = _diff(plain, pair)
     out["ring_shapes"] = _ring_shapes(rank, world_size)
     return out
 
@@ -474,8 +474,8 @@ def test_bit_identical_to_plain_ddp_at_2_ranks(results, opt_name, foreach, accum
 
 
 @pytest.mark.parametrize("case", ["lambda_lr", "step_lr", "set_to_none_false", "static_graph", "find_unused_sgd",
-                                  "find_unused_adam", "fp16_hook", "fp16_hook_lockstep", "flat", "ring",
-                                  "find_unused_ring"])
+                                  "find_unused_adam", "fp16_hook", "fp16_hook_lockstep", "flat", "all_reduce",
+                                  "find_unused_all_reduce"])
 def test_ddp_semantics_bit_for_bit(results, case):
     assert results[0]["semantics"][case] == 0.0
     assert results[1]["semantics"][case] == 0.0
@@ -493,9 +493,10 @@ def test_clip_grad_norm_is_the_global_norm(results):
 def test_the_optimizer_says_which_collectives_ran(results):
     sem = results[0]["semantics"]
     assert sem["flat_collectives"] == ("reduce_scatter_tensor", "all_gather_into_tensor")
-    assert sem["ring_collectives"] == ("ring reduce-scatter (send/recv)", "ring all-gather (send/recv)")
-    # gloo's default: the all-reduce pair (zero2.choose_collectives: cheaper than gloo's flat pair)
-    assert sem["default_collectives"] == ("all_reduce, slice kept", "all_reduce, -0.0 elsewhere")
+    assert sem["all_reduce_collectives"] == ("all_reduce, slice kept", "all_reduce, -0.0 elsewhere")
+    # gloo's default: the ring's halves (zero2_wire.choose_collectives: a DDP step's bytes, not slower than the
+    # all-reduce pair on loopback, which is cheaper than gloo's flat pair)
+    assert sem["default_collectives"] == ("ring reduce-scatter (send/recv)", "ring all-gather (send/recv)")
 
 
 def test_each_rank_holds_its_shard(results):
@@ -584,9 +585,9 @@ ROUNDING_3_RANKS = 1e-6
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("accumulate", [1, 3])
-@pytest.mark.parametrize("collectives", ["default", "ring"])
+@pytest.mark.parametrize("collectives", ["ring", "all_reduce"])
 def test_within_rounding_at_3_ranks(results3, opt_name, accumulate, collectives):
-    key = (opt_name, accumulate) if collectives == "default" else (opt_name, accumulate, "ring")
+    key = (opt_name, accumulate) if collectives == "ring" else (opt_name, accumulate, "all_reduce")  # ring: default
     for rank in range(3):
         assert results3[rank][key] <= ROUNDING_3_RANKS
 

@@ -34,14 +34,21 @@ _STOP = object()  # the sentinel that ends a lane's thread, queued behind the op
 class RingWork:
     """One queued ring op: complete once the thread has finished it or failed it; ``wait`` re-raises a failure."""
 
-    __slots__ = ("_cause", "_done", "_future", "_message", "describe")
+    __slots__ = ("_cause", "_done", "_future", "_message", "dtype", "label", "numel", "op")
 
-    def __init__(self, describe: str):
-        self.describe = describe  # "ring reduce-scatter of bucket 3 (1,200 x torch.float32)": for errors
+    def __init__(self, op: str, flat: torch.Tensor, label: str):
+        # for ``describe``, put into words only for an error; not the tensor: a work outlives its buffer's storage
+        self.op, self.label, self.numel, self.dtype = op, label, flat.numel(), flat.dtype
         self._done = threading.Event()
         self._message: str | None = None
         self._cause: BaseException | None = None
         self._future: torch.futures.Future = torch.futures.Future()  # for a tracer's done-callback (get_future)
+
+    @property
+    def describe(self) -> str:
+        """What the op carries: "ring reduce-scatter of bucket 3 (1,200 x torch.float32)"."""
+        of = f" of {self.label}" if self.label else ""
+        return f"{self.op}{of} ({self.numel:,} x {self.dtype})"
 
     def is_completed(self) -> bool:
         return self._done.is_set()
@@ -147,9 +154,12 @@ class RingQueue:
     def __init__(self, group: dist.ProcessGroup, segment_nbytes: int = DEFAULT_SEGMENT_NBYTES):
         ranks = dist.get_process_group_ranks(group)
         # Only the members call new_group where ``group`` is not the world (local synchronisation); a new gloo
-        # group is a rendezvous through the store and a connection to each peer, once.
-        ring_group = dist.new_group(ranks, timeout=group_timeout(group), backend=dist.get_backend(group),
-                                    use_local_synchronization=len(ranks) != dist.get_world_size())
+        # group is a rendezvous through the store, a connection to each peer and 3 gloo threads, once (1.5 ms at 2
+        # ranks on loopback), kept for the life of the process (torch frees a group only with them all). A group of
+        # one sends nothing: no group made.
+        ring_group = group if len(ranks) == 1 else dist.new_group(
+            ranks, timeout=group_timeout(group), backend=dist.get_backend(group),
+            use_local_synchronization=len(ranks) != dist.get_world_size())
         assert ring_group is not None  # this rank is in ``ranks``
         self._lane = _Lane(Peers.of(ring_group), segment_nbytes)
         weakref.finalize(self, self._lane.close)
@@ -165,22 +175,17 @@ class RingQueue:
     def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor | None = None, label: str = "") -> RingWork:
         """Start ``ring_reduce_scatter(flat, out=out)``: this rank's chunk summed into ``out`` (else in place);
         ``flat`` and ``out`` are the thread's until the work completes."""
-        work = RingWork(_describe("ring reduce-scatter", flat, label))
+        work = RingWork("ring reduce-scatter", flat, label)
         lane = self._lane
         return lane.submit(work, lambda: ring_reduce_scatter(flat, lane.peers, out, lane.segment_nbytes))
 
     def all_gather(self, flat: torch.Tensor, label: str = "") -> RingWork:
         """Start ``ring_all_gather(flat)``: every rank's chunk into ``flat``, this rank's own read from it."""
-        work = RingWork(_describe("ring all-gather", flat, label))
+        work = RingWork("ring all-gather", flat, label)
         lane = self._lane
         return lane.submit(work, lambda: ring_all_gather(flat, lane.peers, lane.segment_nbytes))
 
     def close(self) -> None:
         """Stop the thread once the ops submitted so far are done (or after a second)."""
         self._lane.close()
-
-
-def _describe(op: str, flat: torch.Tensor, label: str) -> str:
-    of = f" of {label}" if label else ""
-    return f"{op}{of} ({flat.numel():,} x {flat.dtype})"
 

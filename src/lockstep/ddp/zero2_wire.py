@@ -10,13 +10,16 @@ its ``all_gather`` for each after the shard's step, and waits for the works they
 * ``RingPair``: the ring's two halves over send/recv (``collectives.ring``), queued to a thread of their own on a
   group made at binding (``collectives.ring_queue``): each rank sends (N-1)/N of a bucket in each half, what a DDP
   step's ring all-reduce sends, and rank r's chunk is its shard, so the reduce's last add lands in the shard's
-  gradient with no copy.
+  gradient with no copy. The default on gloo with CPU tensors.
 
 On gloo (torch 2.13, CPU) the flat pair costs 1.5-7 x an all-reduce of the same buffer and allocates 0.6-2 x its size
 besides (a 33 MB bucket on loopback: reduce-scatter 57-331 ms and +20-51 MB, all-gather 69-331 ms and +32-64 MB,
-all-reduce 40-141 ms and +2 MB; a 200 MB buffer: 881-1321 ms against 166-204), so gloo's default is the all-reduce
-pair; the ring pair halves its bytes (docs/ddp.md#zero-2-sharded-gradients-and-optimizer-state has the step times).
-A backend without the flat pair (an older torch's gloo) takes the all-reduce pair too. ``LOCKSTEP_ZERO_COLLECTIVES=
+all-reduce 40-141 ms and +2 MB; a 200 MB buffer: 881-1321 ms against 166-204). The all-reduce pair avoids that at
+twice the bytes; the ring pair sends half as many and measured no slower on loopback at 2 ranks (ZeRO-2's step
+0.94-1.01 x the all-reduce pair's, 0.81-0.98 x with the all-gathers under the next forward: benchmarks/ddp_step.py,
+docs/ddp.md#zero-2-sharded-gradients-and-optimizer-state), so it is gloo's default; its cost is a group and a thread
+per binding, and the thread's Python between messages. gloo with CUDA tensors (no send/recv there) and a backend
+without the flat pair (an older torch's gloo) take the all-reduce pair. ``LOCKSTEP_ZERO_COLLECTIVES=
 flat|all_reduce|ring`` chooses; ``opt.collectives`` says which ran.
 """
 
@@ -34,7 +37,7 @@ from lockstep.collectives.ring_queue import RingQueue
 # torch >= 2.12 names them *_single (the *_tensor names warn, FutureWarning); older torch has the *_tensor ones.
 _REDUCE_SCATTER: Any = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
 _ALL_GATHER: Any = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
-COLLECTIVES_ENV = "LOCKSTEP_ZERO_COLLECTIVES"  # flat, all_reduce or ring; unset: all_reduce on gloo, else flat
+COLLECTIVES_ENV = "LOCKSTEP_ZERO_COLLECTIVES"  # flat, all_reduce or ring; unset: ring on gloo (CPU), else flat
 CHOICES = ("flat", "all_reduce", "ring")
 
 
@@ -120,15 +123,17 @@ class RingPair:
 
 
 def choose_collectives(group: dist.ProcessGroup, device: torch.device) -> ShardCollectives:
-    """``LOCKSTEP_ZERO_COLLECTIVES``'s pair, else the all-reduce pair on gloo and the flat one elsewhere (the module
-    docstring says why). Where the flat pair is wanted, one tiny collective of each at binding: a backend without
-    them raises at the call, on every rank alike, before any exchange, and the all-reduce pair is taken."""
+    """``LOCKSTEP_ZERO_COLLECTIVES``'s pair, else on gloo the ring pair (the all-reduce pair with CUDA tensors) and
+    the flat one elsewhere (the module docstring says why). Where the flat pair is wanted, one tiny collective of each
+    at binding: a backend without them raises at the call, on every rank alike, before any exchange, and the
+    all-reduce pair is taken."""
     wanted = os.environ.get(COLLECTIVES_ENV, "")
     if wanted not in ("", *CHOICES):
         raise ValueError(f"{COLLECTIVES_ENV}={wanted!r}: choose {', '.join(CHOICES[:-1])} or {CHOICES[-1]}")
-    if wanted == "ring":
+    gloo = dist.get_backend(group) == "gloo"
+    if wanted == "ring" or (not wanted and gloo and device.type == "cpu"):
         return RingPair(group)
-    if wanted == "all_reduce" or (not wanted and dist.get_backend(group) == "gloo"):
+    if wanted == "all_reduce" or (not wanted and gloo):
         return AllReducePair(group)
     if _REDUCE_SCATTER is None or _ALL_GATHER is None:
         return AllReducePair(group)
