@@ -27,6 +27,9 @@ Ranks on gloo, ``--threads`` intra-op threads each. Contenders (``--contenders``
     lockstep_zero2_pair  the same, timed over two steps back to back (the second forward waits per module for the
                    first step's all-gathers, as in a training loop), then the wait for the second's: per step, off by
                    default
+    lockstep_zero2_ar, lockstep_zero2_ring (and their _pair)  lockstep_zero2 with LOCKSTEP_ZERO_COLLECTIVES=
+                   all_reduce (gloo's all-reduce pair: twice DDP's bytes) or =ring (the ring's halves over send/recv
+                   on a thread of their own: DDP's bytes), whatever the default is; off by default
 
 Every iteration runs one training step of each contender, in a rotating order (none always
 goes first), each after a barrier; rank 0's wall time per step is recorded. Timed iterations
@@ -100,14 +103,20 @@ MODELS = {
 }
 CONTENDERS = ("compute", "torch", "torch_fp16", "lockstep_25", "lockstep_auto", "lockstep_fp16", "naive", "lockstep_alias",
               "lockstep_nonfinite", "lockstep_nodirect", "lockstep_fp16_called", "lockstep_zero2",
-              "lockstep_zero2_pair", "floor")
+              "lockstep_zero2_pair", "lockstep_zero2_ar", "lockstep_zero2_ring", "lockstep_zero2_ar_pair",
+              "lockstep_zero2_ring_pair", "floor")
 DEFAULT_CONTENDERS = CONTENDERS[:6] + ("floor",)
 # (numerator, denominator) pairs reported; the issue's targets are auto and 25 MB vs torch, fp16 vs torch's fp16.
 RATIOS = (("lockstep_25", "torch"), ("lockstep_auto", "torch"), ("lockstep_fp16", "torch_fp16"), ("torch", "compute"),
           ("lockstep_alias", "torch"), ("lockstep_alias", "lockstep_25"), ("lockstep_nonfinite", "lockstep_25"),
           ("lockstep_nodirect", "torch"), ("lockstep_25", "lockstep_nodirect"), ("floor", "torch"), ("lockstep_auto", "floor"),
           ("lockstep_25", "floor"), ("lockstep_fp16_called", "torch_fp16"), ("lockstep_fp16", "lockstep_fp16_called"),
-          ("lockstep_zero2", "lockstep_25"), ("lockstep_zero2", "torch"), ("lockstep_zero2_pair", "lockstep_25"))
+          ("lockstep_zero2", "lockstep_25"), ("lockstep_zero2", "torch"), ("lockstep_zero2_pair", "lockstep_25"),
+          ("lockstep_zero2_ring", "lockstep_zero2_ar"), ("lockstep_zero2_ring_pair", "lockstep_zero2_ar_pair"),
+          ("lockstep_zero2_ring", "lockstep_25"), ("lockstep_zero2_ar", "lockstep_25"))
+# The ZeRO-2 contenders that choose their collectives (read at zero_optimizer's binding); the rest take the default.
+ZERO2_COLLECTIVES = {"lockstep_zero2_ar": "all_reduce", "lockstep_zero2_ring": "ring",
+                     "lockstep_zero2_ar_pair": "all_reduce", "lockstep_zero2_ring_pair": "ring"}
 
 
 def _build(name: str, build, compile_backend: str = ""):
@@ -155,6 +164,18 @@ class _Floor(nn.Module):
 
     def forward(self, *args):
         return self.module(*args)
+
+
+def _optimizer(name: str, model):
+    """SGD with momentum; ZeRO-2's over the shards for a zero2 contender, with its collectives where it names them."""
+    if "zero2" not in name:
+        return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    if name in ZERO2_COLLECTIVES:
+        os.environ["LOCKSTEP_ZERO_COLLECTIVES"] = ZERO2_COLLECTIVES[name]
+    try:
+        return model.zero_optimizer(torch.optim.SGD, stage=2, lr=1e-3, momentum=0.9)
+    finally:
+        os.environ.pop("LOCKSTEP_ZERO_COLLECTIVES", None)
 
 
 def _step(model, opt, x, y, finish: bool = True) -> None:
@@ -217,8 +238,7 @@ def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
         for kind in args.models:
             build, batch = MODELS[kind]
             models = {name: _build(name, build, args.compile) for name in args.contenders}
-            optims = {name: m.zero_optimizer(torch.optim.SGD, stage=2, lr=1e-3, momentum=0.9) if "zero2" in name
-                      else torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for name, m in models.items()}
+            optims = {name: _optimizer(name, m) for name, m in models.items()}
             x, y = batch(torch.Generator().manual_seed(rank))
             auto = models.get("lockstep_auto")
             if auto is not None:  # its trials, alone; the schedule counts steps, so every rank runs as many
@@ -233,7 +253,7 @@ def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
                 for name in names[shift:] + names[:shift]:
                     dist.barrier()
                     start, cpu_start = time.perf_counter(), time.process_time()
-                    pair = name == "lockstep_zero2_pair"  # two steps, the first's all-gathers under the second's forward
+                    pair = "zero2" in name and name.endswith("_pair")  # two steps, the first's all-gathers under the second's forward
                     if pair:
                         _step(models[name], optims[name], x, y, finish=False)
                     _step(models[name], optims[name], x, y)

@@ -24,9 +24,11 @@ every iteration times one step of each entry in a rotating order, each after a b
                        as torchrun sets them)
     lockstep_flat      lockstep's DDP with hierarchical_all_reduce=False: the flat ring over every rank
     lockstep_overlap   lockstep's DDP with model.overlap_optimizer_step(opt) (skipped, saying so, where it is missing)
-    lockstep_zero2     lockstep's DDP with model.zero_optimizer(SGD, stage=2): gloo's default pair (two all-reduces,
-                       2 x DDP's bytes); lockstep_zero2_flat with reduce_scatter / all_gather, 1.5 x DDP's bytes on
-                       gloo (its reduce-scatter sends what a whole all-reduce sends); timed as lockstep_overlap
+    lockstep_zero2     lockstep's DDP with model.zero_optimizer(SGD, stage=2) through the all-reduce pair (two
+                       all-reduces, 2 x DDP's bytes; gloo's default before the ring); lockstep_zero2_flat with
+                       reduce_scatter / all_gather, 1.5 x DDP's bytes on gloo (its reduce-scatter sends what a whole
+                       all-reduce sends); lockstep_zero2_ring with the ring's halves over send/recv (gloo's default
+                       now: DDP's bytes); timed as lockstep_overlap
 
 A DDP step can start sending only after its forward, so its limit is max(compute, forward + all-reduce)
 (the *DDP limit*); where the wire's CPU work slows the compute (2 cores shared by both nodes, their gloo threads
@@ -81,14 +83,16 @@ from wire_account import WireSampler
 REPO = Path(__file__).resolve().parents[1]
 MEASURES = ("forward", "compute", "compute_wire", "allreduce", "allreduce_fp16")
 CONTENDERS = ("floor", "torch", "torch_fp16", "torch_powersgd", "lockstep", "lockstep_flat", "lockstep_auto",
-              "lockstep_fp16", "lockstep_powersgd", "lockstep_overlap", "lockstep_zero2", "lockstep_zero2_flat")
+              "lockstep_fp16", "lockstep_powersgd", "lockstep_overlap", "lockstep_zero2", "lockstep_zero2_flat",
+              "lockstep_zero2_ring")
 # ZeRO-2 (issue #36): its parameters' all-gathers are waited for in the next forward, so it is timed as the
-# overlapped step is (steady-state steps back to back); _flat forces gloo's reduce_scatter / all_gather pair, the
-# default on gloo being two all-reduces (ddp/zero2.py says why). Bytes a step, as a multiple of DDP's: the default 2;
+# overlapped step is (steady-state steps back to back); _flat forces gloo's reduce_scatter / all_gather pair, _ring
+# the ring's halves over send/recv (gloo's default), the plain name the all-reduce pair (ddp/zero2_wire.py says
+# why). Bytes a step, as a multiple of DDP's: the ring 1 (its halves are an all-reduce's); the all-reduce pair 2;
 # the flat pair 1.5, not DDP's 1: gloo's reduce_scatter_tensor sends what a whole all-reduce sends, its all-gather
 # half that (2 gloo ranks on loopback, torch 2.13: 2.00 and 1.00 x the buffer against the all-reduce's 2.01;
 # benchmarks/results/link-2026-11-26-125333.md: 6.01 and 4.51 x over a three-step call)
-ZERO2 = ("lockstep_zero2", "lockstep_zero2_flat")
+ZERO2 = ("lockstep_zero2", "lockstep_zero2_flat", "lockstep_zero2_ring")
 # Steps one call of an entry runs (_overlapped_steps: three); the others' call is one step
 STEPS_PER_CALL = {"lockstep_overlap": 3, **dict.fromkeys(ZERO2, 3)}
 POWERSGD_START = 2  # start_powerSGD_iter: torch's needs > 1 with error feedback; warm-up adds these steps
@@ -294,7 +298,7 @@ def _build(name: str, build: Callable[[], nn.Module], hook_wrap=None):
             state = hooks.PowerSGDState(None, 1, start_powerSGD_iter=POWERSGD_START)
             model.register_comm_hook(state, hooks.powersgd_hook)
     if name in ZERO2:
-        os.environ["LOCKSTEP_ZERO_COLLECTIVES"] = "flat" if name.endswith("_flat") else "all_reduce"
+        os.environ["LOCKSTEP_ZERO_COLLECTIVES"] = name.rsplit("_", 1)[1] if name != "lockstep_zero2" else "all_reduce"
         return model, model.zero_optimizer(torch.optim.SGD, stage=2, lr=0.01)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     if name == "lockstep_overlap":

@@ -30,7 +30,8 @@ _GROUP_METHODS = ("allreduce", "broadcast", "allgather", "_allgather_base", "all
 
 class Recorder:
     """Every collective this process issues while ``on``, as (op, numel, dtype); nested calls (``dist.all_reduce``
-    reaching the group's ``allreduce``) count once, as the outermost."""
+    reaching the group's ``allreduce``) count once, as the outermost. A ``RingQueue``'s ops (ZeRO-2's ring pair)
+    count where they are launched, in the caller's thread, not where its thread sends them."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any, Any]] = []
@@ -43,6 +44,10 @@ class Recorder:
         for name in _GROUP_METHODS:
             if hasattr(dist.ProcessGroup, name):
                 setattr(dist.ProcessGroup, name, self._wrap("pg." + name, getattr(dist.ProcessGroup, name), 1))
+        from lockstep.collectives.ring_queue import RingQueue
+
+        for name in ("reduce_scatter", "all_gather"):
+            setattr(RingQueue, name, self._wrap("ring_" + name, getattr(RingQueue, name), 1))
 
     def _wrap(self, name: str, fn: Any, tensor_arg: int) -> Any:
         recorder = self
@@ -107,9 +112,10 @@ MODES: dict[str, dict] = {
     "sparse_find_unused": {"sparse": True, "find_unused_parameters": True, "use_all": False},
     # ZeRO-2 (``zero2``): reduce-scatters, the flag's all-reduce, and the step's all-gathers (a joined rank steps
     # its shards in its shadow round)
-    "zero2": {"zero": True},  # on gloo: the all-reduce pair (``zero2.choose_collectives``)
+    "zero2": {"zero": True},  # on gloo: the ring's halves, recorded at launch (``zero2_wire.choose_collectives``)
     "zero2_fp16": {"zero": True, "hook": "fp16"},
     "zero2_flat": {"zero": "flat"},  # reduce_scatter_tensor and all_gather_into_tensor
+    "zero2_all_reduce": {"zero": "all_reduce"},  # gloo's all-reduce pair (slice kept, -0.0 elsewhere)
 }
 
 
@@ -120,8 +126,8 @@ def _sequences(rank: int, recorder: Recorder, mode: dict, steps_both: int) -> li
     mode = dict(mode)
     hook, use_all, sparse = mode.pop("hook", None), mode.pop("use_all", True), mode.pop("sparse", False)
     zero = mode.pop("zero", False)
-    if zero == "flat":
-        os.environ["LOCKSTEP_ZERO_COLLECTIVES"] = "flat"
+    if zero in ("flat", "all_reduce"):
+        os.environ["LOCKSTEP_ZERO_COLLECTIVES"] = zero
     torch.manual_seed(0)
     model = lockstep.DistributedDataParallel(_Net(sparse), bucket_cap_mb=0.001, **mode)  # several buckets
     if hook is not None:
@@ -160,11 +166,12 @@ def results():
 @pytest.mark.parametrize("mode", [*MODES, "join_at_once"])
 def test_joined_rank_issues_the_training_ranks_collectives(results, mode):
     training, joined = results[0][mode], results[1][mode]
-    reduces = [c for c in training if c[0] in ("all_reduce", "reduce_scatter_tensor")]
+    reduces = [c for c in training if c[0] in ("all_reduce", "reduce_scatter_tensor", "ring_reduce_scatter")]
     assert len(reduces) >= 6, training  # the join round, the buckets, the status: the sequence is not empty
-    if mode == "zero2_flat":  # the step's all-gathers, one per bucket, after the bucket's reduce-scatters
-        assert sum(c[0] == "all_gather_into_tensor" for c in training) == sum(
-            c[0] == "reduce_scatter_tensor" for c in training) >= 2, training
+    if mode in ("zero2_flat", "zero2", "zero2_fp16"):  # the step's all-gathers, one a bucket, after the reduces
+        gather, scatter = ("all_gather_into_tensor", "reduce_scatter_tensor") if mode == "zero2_flat" else (
+            "ring_all_gather", "ring_reduce_scatter")
+        assert sum(c[0] == gather for c in training) == sum(c[0] == scatter for c in training) >= 2, training
     assert training == joined, "\n".join(
         f"{i}: training {t}   joined {j}{'   <--' if t != j else ''}"
         for i, (t, j) in enumerate(zip(training + [None] * len(joined), joined + [None] * len(training)))

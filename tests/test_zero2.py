@@ -2,14 +2,18 @@
 
 At 2 gloo ranks the parameters after 50 steps equal, bit for bit, lockstep's plain DDP with the same optimizer (SGD
 with momentum, Adam, AdamW; foreach on and off), with and without ``no_sync`` accumulation, through the flat
-collectives and through the fallback (all-reduce, list all-gather); also with torch's LR schedulers over the
+collectives, through gloo's default, the ring's halves over send/recv, and through the all-reduce pair (slice kept,
+-0.0 elsewhere: ``LOCKSTEP_ZERO_COLLECTIVES=all_reduce``); also with torch's LR schedulers over the
 returned optimizer, ``zero_grad(set_to_none=False)``, ``static_graph``, ``find_unused_parameters`` (a layer no rank
 uses), the fp16 compress hook and ``join`` with uneven inputs. It really shards: each rank's optimizer state is its
 half, ``.grad`` is None after backward and the buckets' memory is freed. Its collectives are reduce-scatters in
 bucket order, the status all-reduce, then all-gathers in bucket order from ``opt.step()``, waited for in the next
 forward. ``clip_grad_norm_`` takes the global norm with torch's bits; a NaN raises on both ranks before the update; the
 sharded state dict resumes bit for bit and the consolidated one is a plain torch optimizer's (equal to plain DDP's own
-state dict). One spawned 2-rank group and one 3-rank group (within rounding there: the figure is asserted).
+state dict). The ring pair also with buckets shorter than the world size and not divisible by it, sending (N-1)/N
+of each bucket in each half (counted), and a peer that leaves mid-step ending in an error naming the ring op and
+the bucket. One spawned 2-rank group and one 3-rank group (within rounding there: the figure is asserted), and a
+2-rank group whose rank 1 leaves.
 """
 
 from __future__ import annotations
@@ -133,8 +137,27 @@ def _semantics(rank: int) -> dict:
         del os.environ["LOCKSTEP_ZERO_COLLECTIVES"]
     out["flat"] = _diff(_train(rank, False, steps=20), flat)
     out["flat_collectives"] = flat["opt"].collectives
+    with _collectives_env("all_reduce"):  # gloo's all-reduce pair, with find_unused_parameters too
+        pair = _train(rank, True, steps=20)
+        pair_unused = _train(rank, True, **cases["find_unused_adam"])
+    out["all_reduce"] = _diff(_train(rank, False, steps=20), pair)
+    out["all_reduce_collectives"] = pair["opt"].collectives
+    out["find_unused_all_reduce"] = _diff(_train(rank, False, **cases["find_unused_adam"]), pair_unused)
     out["default_collectives"] = _train(rank, True, steps=1)["opt"].collectives
     return out
+
+
+class _collectives_env:
+    """``LOCKSTEP_ZERO_COLLECTIVES`` set while binding (read there), and unset after."""
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    def __enter__(self) -> None:
+        os.environ["LOCKSTEP_ZERO_COLLECTIVES"] = self.value
+
+    def __exit__(self, *exc: object) -> None:
+        os.environ.pop("LOCKSTEP_ZERO_COLLECTIVES", None)
 
 
 def _sharding(rank: int) -> dict:
@@ -169,7 +192,8 @@ class _Kinds(StepObserver):
 
 
 def _collectives(rank: int) -> dict:
-    return {"all_reduce": _collectives_of(rank, ""), "flat": _collectives_of(rank, "flat")}
+    return {"all_reduce": _collectives_of(rank, "all_reduce"), "flat": _collectives_of(rank, "flat"),
+            "ring": _collectives_of(rank, "")}
 
 
 def _collectives_of(rank: int, env: str) -> dict:
@@ -340,10 +364,81 @@ def _errors(rank: int) -> dict:
     return out
 
 
+class _Tiny(nn.Module):
+    """Buckets of one parameter each (``bucket_cap_mb=1e-6``): 1 element (shorter than the world size) and 5, 7,
+    35, 91 (divisible by neither 2 nor 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+        self.fc1 = nn.Linear(13, 7)
+        self.fc2 = nn.Linear(7, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x))) * self.scale
+
+
+def _train_tiny(rank: int, collectives: str | None, steps: int = 10) -> tuple[Any, list[torch.Tensor]]:
+    """AdamW on ``_Tiny``: ZeRO-2 through ``collectives`` (None: plain DDP); the DDP and the parameters after."""
+    torch.manual_seed(0)
+    ddp = lockstep.DistributedDataParallel(_Tiny(), bucket_cap_mb=1e-6)
+    with _collectives_env(collectives or ""):
+        opt = (torch.optim.AdamW(ddp.parameters(), lr=1e-2) if collectives is None
+               else ddp.zero_optimizer(torch.optim.AdamW, lr=1e-2))
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        ddp(torch.randn(8, 13, generator=g)).pow(2).mean().backward()
+        opt.step()
+    ddp.finish_step()
+    return ddp, [p.detach().clone() for p in ddp.module.parameters()]
+
+
+def _ring_shapes(rank: int, world_size: int) -> dict:
+    """The ring pair on buckets shorter than the world size and not divisible by it, against plain DDP and the
+    all-reduce pair; and the bytes the ring sent in 10 steps against (N-1)/N of each padded bucket in each half."""
+    plain = _train_tiny(rank, None)[1]
+    ddp, ring = _train_tiny(rank, "ring")
+    pair = _train_tiny(rank, "all_reduce")[1]
+    plans = [b.plan for b in ddp.reducer.buckets]
+    padded_nbytes = sum(p.padded_numel * 4 for p in plans)
+    return {
+        "vs_plain": max((a - b).abs().max().item() for a, b in zip(ring, plain)),
+        "vs_pair": max((a - b).abs().max().item() for a, b in zip(ring, pair)),
+        "numels": [p.numel for p in plans],
+        "sent": ddp.reducer.strategy.wire.sent_nbytes,
+        "expected_sent": 10 * 2 * (world_size - 1) * padded_nbytes // world_size,
+    }
+
+
+def _peer_leaves(rank: int, world_size: int) -> dict:
+    """Two ring steps on both ranks; then rank 1 leaves after its backward (its process ends) and rank 0's step's
+    all-gathers must fail, named, within the group timeout (5 s here), not hang."""
+    import time
+
+    with _collectives_env("ring"):
+        ddp = lockstep.DistributedDataParallel(_net(), bucket_cap_mb=0.001)
+        opt = ddp.zero_optimizer(torch.optim.SGD, lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        opt.zero_grad()
+        ddp(torch.randn(8, 13, generator=g)).pow(2).mean().backward()
+        if step == 2 and rank == 1:
+            return {}
+        opt.step()
+    start = time.monotonic()
+    try:
+        ddp.finish_step()
+        message = "no error"
+    except RuntimeError as e:
+        message = str(e)
+    return {"message": message, "elapsed_s": time.monotonic() - start, "buckets": len(ddp.reducer.buckets)}
+
+
 def _case2(rank: int, world_size: int) -> dict:
     return {"exactness": _exactness(rank), "semantics": _semantics(rank), "sharding": _sharding(rank),
             "collectives": _collectives(rank), "nonfinite": _nonfinite(rank), "checkpoints": _checkpoints(rank),
-            "join": _join(rank), "errors": _errors(rank)}
+            "join": _join(rank), "errors": _errors(rank), "ring_shapes": _ring_shapes(rank, world_size)}
 
 
 def _case3(rank: int, world_size: int) -> dict:
@@ -353,6 +448,10 @@ def _case3(rank: int, world_size: int) -> dict:
             plain = _train(rank, False, opt_name, accumulate=accumulate)
             zero = _train(rank, True, opt_name, accumulate=accumulate)
             out[(opt_name, accumulate)] = _diff(plain, zero)
+            with _collectives_env("all_reduce"):
+                pair = _train(rank, True, opt_name, accumulate=accumulate)
+            out[(opt_name, accumulate, "all_reduce")] = _diff(plain, pair)
+    out["ring_shapes"] = _ring_shapes(rank, world_size)
     return out
 
 
@@ -375,7 +474,8 @@ def test_bit_identical_to_plain_ddp_at_2_ranks(results, opt_name, foreach, accum
 
 
 @pytest.mark.parametrize("case", ["lambda_lr", "step_lr", "set_to_none_false", "static_graph", "find_unused_sgd",
-                                  "find_unused_adam", "fp16_hook", "fp16_hook_lockstep", "flat"])
+                                  "find_unused_adam", "fp16_hook", "fp16_hook_lockstep", "flat", "all_reduce",
+                                  "find_unused_all_reduce"])
 def test_ddp_semantics_bit_for_bit(results, case):
     assert results[0]["semantics"][case] == 0.0
     assert results[1]["semantics"][case] == 0.0
@@ -393,8 +493,10 @@ def test_clip_grad_norm_is_the_global_norm(results):
 def test_the_optimizer_says_which_collectives_ran(results):
     sem = results[0]["semantics"]
     assert sem["flat_collectives"] == ("reduce_scatter_tensor", "all_gather_into_tensor")
-    # gloo's default: the all-reduce pair (zero2.choose_collectives: cheaper than gloo's flat pair)
-    assert sem["default_collectives"] == ("all_reduce, slice kept", "all_reduce, -0.0 elsewhere")
+    assert sem["all_reduce_collectives"] == ("all_reduce, slice kept", "all_reduce, -0.0 elsewhere")
+    # gloo's default: the ring's halves (zero2_wire.choose_collectives: a DDP step's bytes, not slower than the
+    # all-reduce pair on loopback, which is cheaper than gloo's flat pair)
+    assert sem["default_collectives"] == ("ring reduce-scatter (send/recv)", "ring all-gather (send/recv)")
 
 
 def test_each_rank_holds_its_shard(results):
@@ -407,7 +509,7 @@ def test_each_rank_holds_its_shard(results):
         assert s["gathers_in_flight"] and not s["gathers_after_forward"]
 
 
-@pytest.mark.parametrize("kind", ["all_reduce", "flat"])
+@pytest.mark.parametrize("kind", ["all_reduce", "flat", "ring"])
 def test_collectives_kind_and_order(results, kind):
     for rank in (0, 1):
         c = results[rank]["collectives"][kind]
@@ -420,6 +522,9 @@ def test_collectives_kind_and_order(results, kind):
         if kind == "flat":
             expected = ([("reduce_scatter_tensor", s) for s in c["shards"]] + [("all_reduce", 1)]
                         + [("all_gather_into_tensor", p) for p in reversed(padded)])
+        elif kind == "ring":  # launched on the ring's queue (recorded there), the flag on the DDP's group
+            expected = ([("ring_reduce_scatter", p) for p in padded] + [("all_reduce", 1)]
+                        + [("ring_all_gather", p) for p in reversed(padded)])
         else:
             expected = ([("all_reduce", p) for p in padded] + [("all_reduce", 1)]
                         + [("all_reduce", p) for p in reversed(padded)])
@@ -480,6 +585,30 @@ ROUNDING_3_RANKS = 1e-6
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("accumulate", [1, 3])
-def test_within_rounding_at_3_ranks(results3, opt_name, accumulate):
+@pytest.mark.parametrize("collectives", ["ring", "all_reduce"])
+def test_within_rounding_at_3_ranks(results3, opt_name, accumulate, collectives):
+    key = (opt_name, accumulate) if collectives == "ring" else (opt_name, accumulate, "all_reduce")  # ring: default
     for rank in range(3):
-        assert results3[rank][(opt_name, accumulate)] <= ROUNDING_3_RANKS
+        assert results3[rank][key] <= ROUNDING_3_RANKS
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_on_short_and_uneven_buckets_sends_a_ddp_steps_bytes(results, results3, world_size):
+    for rank in range(world_size):
+        got = (results if world_size == 2 else results3)[rank]["ring_shapes"]
+        assert min(got["numels"]) < world_size and any(n % world_size for n in got["numels"]), got
+        if world_size == 2:  # one addition of two values: the bits of plain DDP and of the all-reduce pair
+            assert got["vs_plain"] == 0.0 and got["vs_pair"] == 0.0, got
+        else:
+            assert got["vs_plain"] <= ROUNDING_3_RANKS and got["vs_pair"] <= ROUNDING_3_RANKS, got
+        # (N-1)/N of each padded bucket in each half: what a ring all-reduce of the buckets sends
+        assert got["sent"] == got["expected_sent"], got
+
+
+def test_a_peer_that_leaves_is_a_named_error_not_a_hang():
+    got = run_ranks(_peer_leaves, world_size=2, timeout_s=120, pg_timeout_s=5)[0]
+    message = got["message"]
+    # the first bucket waited for is bucket 0, launched last: not run, after the first launched (the last) failed
+    assert message.startswith("lockstep ring all-gather of bucket 0 ("), message
+    assert f"ring all-gather of bucket {got['buckets'] - 1} (" in message and "failed on global rank 0" in message
+    assert got["elapsed_s"] < 15, got

@@ -6,7 +6,8 @@ lockstep's ``ddp.zero_optimizer(cls, stage=2)`` with ``opt.clip_grad_norm_`` run
 the same seeds and data, 2 ranks on gloo. The matrix: every pair and the triple of the three features (ZeRO-2 +
 clipping, ZeRO-2 + ``no_sync``, ZeRO-2 + both) x SGD with momentum and AdamW x foreach on and off x a bucket cap
 that puts about one parameter in a bucket (each split between the two ranks' shards) and torch's 25 MB (one bucket,
-one parameter split at its middle) x gloo's default pair of collectives and the flat one. Beside it, the triple with
+one parameter split at its middle) x the collectives: the ring's halves over send/recv (gloo's default), the flat
+pair and the all-reduce pair. Beside it, the triple with
 what else meets the clip: gradients changed between backward and the clip (as a GradScaler's ``unscale_``), the
 fp16 compress hook, ``find_unused_parameters``, ``zero_grad(set_to_none=False)``, the inf and 1 norms, the clip's
 ``foreach``. Asserted: the norm ``clip_grad_norm_`` returns at every step, and the parameters after the run, bit
@@ -38,14 +39,16 @@ OPTIMIZERS: dict[str, tuple[type, dict]] = {
 # (accumulate, clip): the triple, then each pair with ZeRO-2
 FEATURES = {"no_sync+clip": (3, True), "clip": (1, True), "no_sync": (3, False)}
 BUCKET_CAPS = {"small": 0.001, "large": 25.0}  # ~one parameter a bucket (250 floats); torch's default, one bucket
-COLLECTIVES = ("all_reduce", "flat")  # gloo's default pair; LOCKSTEP_ZERO_COLLECTIVES=flat
+COLLECTIVES = ("ring", "flat", "all_reduce")  # LOCKSTEP_ZERO_COLLECTIVES (ring: gloo's default)
 # The triple (AdamW, accumulate 3, small buckets) with one more thing meeting the clip
 BESIDE: dict[str, dict] = {
     "grads_changed": {"scale_grads": 0.5},  # every step's split norms exchanged at the clip
     "grads_changed_flat": {"scale_grads": 0.5, "collectives": "flat"},
     "fp16_hook": {"hook": True},
     "fp16_hook_flat": {"hook": True, "collectives": "flat"},
+    "fp16_hook_all_reduce": {"hook": True, "collectives": "all_reduce"},  # the ring adds in fp16 as gloo does
     "find_unused": {"unused": True},
+    "find_unused_all_reduce": {"unused": True, "collectives": "all_reduce"},
     "set_to_none_false": {"set_to_none": False},
     "norm_inf": {"norm_type": math.inf},
     "norm_1": {"norm_type": 1.0},
@@ -155,8 +158,8 @@ def _cases(rank: int, world_size: int) -> dict:
                 torch_run = _train(rank, "torch", opt_name, foreach, accumulate, clip)
                 for cap_name, cap in BUCKET_CAPS.items():
                     for collectives in COLLECTIVES:
-                        zero = _train(rank, "zero2", opt_name, foreach, accumulate, clip, cap,
-                                      "" if collectives == "all_reduce" else collectives, recorder=recorder)
+                        zero = _train(rank, "zero2", opt_name, foreach, accumulate, clip, cap, collectives,
+                                      recorder=recorder)
                         out[(feature, opt_name, foreach, cap_name, collectives)] = _diff(zero, torch_run)
     for name, kwargs in BESIDE.items():
         torch_kwargs = {k: v for k, v in kwargs.items() if k not in ("cap", "collectives")}
@@ -166,7 +169,7 @@ def _cases(rank: int, world_size: int) -> dict:
 
 def _three(rank: int, world_size: int) -> dict:
     torch_run = _train(rank, "torch")
-    return {coll: _diff(_train(rank, "zero2", collectives=coll), torch_run) for coll in ("", "flat")}
+    return {coll: _diff(_train(rank, "zero2", collectives=coll), torch_run) for coll in ("ring", "flat", "all_reduce")}
 
 
 @pytest.fixture(scope="module")
@@ -227,23 +230,25 @@ def test_gradients_changed_after_backward_are_exchanged_at_the_clip(results, cas
 
 
 def test_with_clipping_the_flat_path_all_reduces_the_buckets_that_split_a_parameter(results):
-    # the flat reduce-scatter leaves no whole average to norm a split parameter from: such a bucket is reduced as
-    # gloo's default does (all-reduce, slice kept); the others still reduce-scatter. The recorded step is the second,
-    # after the first clip
-    for case in ("large_flat_sgd", ("clip", "adamw", False, "small", "flat")):
+    # the flat reduce-scatter (and the ring's) leaves no whole average to norm a split parameter from: such a bucket
+    # is reduced as gloo's default does (all-reduce, slice kept); the others still reduce-scatter. The recorded step
+    # is the second, after the first clip
+    for case in ("large_flat_sgd", ("clip", "adamw", False, "small", "flat"), ("clip", "adamw", False, "small", "ring")):
         got = results[0][case]
         kinds = [kind for kind, _, _ in got["backward_calls"]]
-        assert kinds.count("reduce_scatter_tensor") == got["buckets"] - got["split_buckets"], kinds
+        scatter = "ring_reduce_scatter" if "ring" in case else "reduce_scatter_tensor"
+        assert kinds.count(scatter) == got["buckets"] - got["split_buckets"], kinds
         assert kinds.count("all_reduce") == got["split_buckets"] + 1, kinds  # + the status flag's
-    nothing_clipped = results[0][("no_sync", "adamw", False, "small", "flat")]
-    kinds = [kind for kind, _, _ in nothing_clipped["backward_calls"]]
-    assert kinds.count("reduce_scatter_tensor") == nothing_clipped["buckets"]
+    for coll, scatter in (("flat", "reduce_scatter_tensor"), ("ring", "ring_reduce_scatter")):
+        nothing_clipped = results[0][("no_sync", "adamw", False, "small", coll)]
+        kinds = [kind for kind, _, _ in nothing_clipped["backward_calls"]]
+        assert kinds.count(scatter) == nothing_clipped["buckets"]
 
 
 def test_at_3_ranks_within_rounding(results3):
     # three values add in the ring's order, which the padded buckets' chunks move (as without clipping): 7.5e-8 in
     # the parameters and 6e-8 in the norms after 30 steps of the triple here; the clip adds no difference of its own
-    for coll in ("", "flat"):
+    for coll in ("ring", "flat", "all_reduce"):
         assert results3[0][coll]["params"] < 1e-6 and results3[0][coll]["norms"] < 1e-6
         assert all(r[coll]["params"] == results3[0][coll]["params"] for r in results3)
 

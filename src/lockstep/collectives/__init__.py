@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 
 from lockstep.collectives.peers import Peers, chunk_bounds
-from lockstep.collectives.ring import DEFAULT_SEGMENT_NBYTES, ring_all_reduce
+from lockstep.collectives.ring import DEFAULT_SEGMENT_NBYTES, ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from lockstep.collectives.tree import tree_all_reduce
 
 ALGORITHMS = ("native", "ring", "tree")
 
 __all__ = [
     "ALGORITHMS", "DEFAULT_SEGMENT_NBYTES", "Peers", "all_reduce", "chunk_bounds", "ring_all_reduce", "tree_all_reduce",
+    "ring_reduce_scatter", "ring_all_gather",
 ]
 
 

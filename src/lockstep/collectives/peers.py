@@ -28,6 +28,8 @@ class Peers:
     rank: int
     world_size: int
     global_ranks: list[int]
+    # Bytes this object has sent (``isend``): the wire bytes a test or a benchmark counts; one add a message.
+    sent_nbytes: int = 0
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | None = None) -> Peers:
@@ -50,6 +52,7 @@ class Peers:
         return cls(group, rank, world_size, global_ranks)
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        self.sent_nbytes += tensor.numel() * tensor.element_size()
         return _posted(dist.isend(tensor, dst=self.global_ranks[peer], group=self.group, tag=tag))
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:

@@ -16,20 +16,17 @@ reducer and returns a ``ZeroOptimizer``. The one idea: a bucket's flat layout is
   after it and the next forward; a module's forward pre-hook waits for the buckets holding its own parameters
   (``strategy.register_waits``, shared with the overlapped step).
 
-Which collectives carry them (``choose_collectives``): on NCCL and other backends ``reduce_scatter_tensor`` and
-``all_gather_into_tensor``. On gloo (torch 2.13, CPU) those two cost 1.5-7 x an all-reduce of the same buffer and
-allocate 0.6-2 x its size besides (a 33 MB bucket on loopback: reduce-scatter 57-331 ms and +20-51 MB, all-gather
-69-331 ms and +32-64 MB, all-reduce 40-141 ms and +2 MB; a 200 MB buffer: 881-1321 ms against 166-204), so there the
-reduce-scatter is an all-reduce of the bucket in place with this rank's slice kept, and the all-gather an all-reduce
-of the flat parameters in place with every slice but this rank's set to -0.0 (x + -0.0 is x, bit for bit, -0.0 and
-NaN included): twice the bytes on the wire, no extra memory, and faster there. The same where a backend lacks the
-flat pair (an older torch's gloo). ``LOCKSTEP_ZERO_COLLECTIVES=flat|all_reduce`` chooses; ``opt.collectives`` says.
+Which collectives carry them is one object (``zero2_wire.choose_collectives``): on NCCL and other backends
+``reduce_scatter_tensor`` and ``all_gather_into_tensor``; on gloo, whose own pair is slow on CPU, an all-reduce of the
+bucket with this rank's slice kept and one of the flat parameters with -0.0 elsewhere (twice the bytes), or the ring's
+halves over send/recv on a thread and group of their own (a DDP step's bytes). ``LOCKSTEP_ZERO_COLLECTIVES=flat|
+all_reduce|ring`` chooses; ``opt.collectives`` says.
 
-At 2 ranks a reduce-scatter's sum is the all-reduce's (one addition of two values), and an element-wise optimizer
-computes the same bits on a flat slice as per parameter, so the parameters are plain DDP's bit for bit; at 3 or
-more the sums may round differently (the padded buckets split into the ring's chunks elsewhere). ``clip_grad_norm_``
-takes torch's per-parameter norms (``zero2_norm``): once it is in use, a bucket whose shards split a parameter is
-all-reduced on every path, and its split parameters normed from that whole average in backward. Docs:
+At 2 ranks a reduce-scatter's sum is the all-reduce's (one addition of two values, whichever pair adds it), and an
+element-wise optimizer computes the same bits on a flat slice as per parameter, so the parameters are plain DDP's bit
+for bit; at 3 or more the sums may round differently (the padded buckets split into the ring's chunks elsewhere).
+``clip_grad_norm_`` takes torch's per-parameter norms (``zero2_norm``): once it is in use, a bucket whose shards split
+a parameter is all-reduced on every path, and its split parameters normed from that whole average in backward. Docs:
 docs/ddp.md#zero-2-sharded-gradients-and-optimizer-state, docs/zero.md#clipping-the-gradient-norm.
 """
 
@@ -38,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,7 +43,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.collectives.clean import launch_clean
 from lockstep.ddp.fused_compress import FusedCompression, narrow_in_place, wire_view
 from lockstep.ddp.observe import Observer
 from lockstep.ddp.reducer_state import Bucket, Status, slot_view
@@ -66,12 +61,9 @@ from lockstep.ddp.zero2_norm import (
     split_norms,
     total_norm,
 )
+from lockstep.ddp.zero2_wire import AllReducePair, ShardCollectives, choose_collectives
 from lockstep.optim.state_parts import RANGE, SHAPE, STRIDE
 
-# torch >= 2.12 names them *_single (the *_tensor names warn, FutureWarning); older torch has the *_tensor ones.
-_REDUCE_SCATTER: Any = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
-_ALL_GATHER: Any = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
-COLLECTIVES_ENV = "LOCKSTEP_ZERO_COLLECTIVES"  # "flat" or "all_reduce"; unset: all_reduce on gloo, else flat
 # Buckets whose reduce-scatter may be in flight at once (their memory is held until it is done): a backward faster
 # than the wire otherwise holds every bucket at its end, a model's worth of gradients ZeRO-2 means not to hold.
 MAX_IN_FLIGHT = 2
@@ -80,27 +72,6 @@ MAX_IN_FLIGHT = 2
 def padded(numel: int, world_size: int) -> int:
     """``numel`` rounded up to a multiple of ``world_size`` (equal shards)."""
     return -(-numel // world_size) * world_size
-
-
-def choose_collectives(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """True: the flat reduce-scatter and all-gather; False: the all-reduce pair (the module docstring says why gloo
-    takes it). Where the flat pair is wanted, one tiny collective of each at binding: a backend without them
-    raises at the call, on every rank alike, before any exchange."""
-    wanted = os.environ.get(COLLECTIVES_ENV, "")
-    if wanted not in ("", "flat", "all_reduce"):
-        raise ValueError(f"{COLLECTIVES_ENV}={wanted!r}: choose flat or all_reduce")
-    if wanted == "all_reduce" or (not wanted and dist.get_backend(group) == "gloo"):
-        return False
-    if _REDUCE_SCATTER is None or _ALL_GATHER is None:
-        return False
-    world_size = dist.get_world_size(group)
-    try:
-        out = torch.zeros(1, device=device)
-        _REDUCE_SCATTER(out, torch.zeros(world_size, device=device), group=group)
-        _ALL_GATHER(torch.zeros(world_size, device=device), out, group=group)
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
 
 
 class ZeroShards(AllReduce):
@@ -119,7 +90,8 @@ class ZeroShards(AllReduce):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.flat_collectives = choose_collectives(group, device)
+        self.wire: ShardCollectives = choose_collectives(group, device)  # the reduce-scatter and all-gather
+        self.whole = AllReducePair(group)  # a bucket whose average the clip needs whole (``issue``)
         self.owner = owner  # weakref.ref(reducer): its ``observer`` (a C call and an attribute read)
         self.compress: FusedCompression | None = None  # an fp16/bf16 compress hook's arithmetic on the wire
         self.joining = False  # inside DistributedDataParallel.join() (``set_joining``): the clip is refused there
@@ -151,10 +123,8 @@ class ZeroShards(AllReduce):
 
     @property
     def kinds(self) -> tuple[str, str]:
-        """The collectives that run (``choose_collectives``): the flat pair, or the all-reduce pair."""
-        if self.flat_collectives:
-            return "reduce_scatter_tensor", "all_gather_into_tensor"
-        return "all_reduce, slice kept", "all_reduce, -0.0 elsewhere"
+        """The collectives that run (``zero2_wire.choose_collectives``): the reduce's and the gather's."""
+        return self.wire.kinds
 
     # ----------------------------------------------------------------- the reducer's points (``strategy``)
     def take_hook(self, hook: Any, fused: FusedCompression | None) -> None:
@@ -200,12 +170,9 @@ class ZeroShards(AllReduce):
         self._reaped[b] = False
         # With clipping in use, a bucket whose shards split a parameter is all-reduced on every path: its whole
         # average is where the split parameters' norms are taken (``zero2_norm``); twice a reduce-scatter's bytes.
-        if self.flat_collectives and not (self.norm_request is not None and self.norm_plan.split[b]):
-            self._received[b] = (target, accumulate, None)
-            work = launch_clean(_REDUCE_SCATTER, target, wire, group=self.group, async_op=True)
-        else:  # the reduce-scatter as an all-reduce of the whole bucket, this rank's slice kept (``_finish_reduce``)
-            self._received[b] = (target, accumulate, wire)
-            work = launch_clean(dist.all_reduce, wire, group=self.group, async_op=True)
+        pair = self.whole if self.norm_request is not None and self.norm_plan.split[b] else self.wire
+        work, whole = pair.reduce_scatter(wire, target, f"bucket {b}")  # whole: this rank's slice copied at the end
+        self._received[b] = (target, accumulate, whole)
         self._reap(step.order.next_index)  # this bucket's position: the ones before it are issued
         return work
 
@@ -360,14 +327,7 @@ class ZeroShards(AllReduce):
                 step_bucket(shard)
             self.gather_seq += 1
             self.gather_seqs[b] = self.gather_seq
-            flat = self.param_flats[b]
-            if self.flat_collectives:
-                self.gathers[b] = launch_clean(_ALL_GATHER, flat, shard.detach(), group=self.group, async_op=True)
-            else:  # every other rank's slice -0.0, the identity of +: the sum is each slice's owner's value
-                size = shard.numel()
-                flat[: self.rank * size].fill_(-0.0)
-                flat[(self.rank + 1) * size:].fill_(-0.0)
-                self.gathers[b] = launch_clean(dist.all_reduce, flat, group=self.group, async_op=True)
+            self.gathers[b] = self.wire.all_gather(self.param_flats[b], shard, f"bucket {b}")
 
     def check_hook(self, hook: Any, fused: FusedCompression | None) -> None:
         """ZeRO-2 runs a comm hook's arithmetic itself, which it can for the fp16/bf16 compress hooks only."""
@@ -545,7 +505,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def collectives(self) -> tuple[str, str]:
-        """Which reduce and gather run: ("reduce_scatter_tensor", "all_gather_into_tensor"), or the fallback's."""
+        """Which reduce and gather run (``zero2_wire``): ("reduce_scatter_tensor", "all_gather_into_tensor"), the
+        all-reduce pair's ("all_reduce, slice kept", "all_reduce, -0.0 elsewhere") or the ring's ("ring
+        reduce-scatter (send/recv)", "ring all-gather (send/recv)")."""
         return self._shards.kinds
 
     def _step_bucket(self, shard: nn.Parameter) -> None:
@@ -635,10 +597,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for key, value in sorted(self._inner.state.get(shard, {}).items()):
                 if isinstance(value, torch.Tensor) and value.shape == shard.shape and shard.dim() == 1:
                     full = torch.empty(shards.param_flats[b].numel(), dtype=value.dtype, device=value.device)
-                    if shards.flat_collectives:
-                        _ALL_GATHER(full, value.contiguous(), group=shards.group)
-                    else:
-                        dist.all_gather(list(full.chunk(shards.world_size)), value.contiguous(), group=shards.group)
+                    shards.wire.gather_state(full, value)
                     per_param = [slot_view(full, o, p).clone() for o, p in zip(bucket.plan.offsets, bucket.params)]
                 else:  # a scalar (Adam's step) or a Python value: the same for every parameter of the shard
                     per_param = [value.clone() if isinstance(value, torch.Tensor) else value for _ in bucket.params]

@@ -11,7 +11,7 @@ So each parameter's norm here is torch's, over its whole averaged gradient, wher
 * a parameter whole in one rank's shard (most of them): that rank norms it at the clip, from its shard;
 * a parameter the shard boundaries split (at most world size - 1 a bucket, or a large one spanning several shards,
   which on GPT-2's layout is 54% of the model at 2 ranks and 99% at 8): its whole average exists only in backward,
-  where the bucket is reduced by an all-reduce whose slice is kept (gloo's default, ``zero2.choose_collectives``;
+  where the bucket is reduced by an all-reduce whose slice is kept (gloo's default, ``zero2_wire.choose_collectives``;
   with clipping in use the flat path reduces such buckets so too). Every rank norms it there, before the bucket's
   memory goes (``split_norms``), and keeps the norms while its shard's gradient stays as backward left it;
 * otherwise (the first clip, before backward knew to norm them; gradients changed after backward, as a GradScaler's
