@@ -9,7 +9,6 @@ alone ends the job. The stopped rank never answers and is killed by the test onc
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_hang import _env as hang_env
 
 from lockstep.diagnostics import report
 from lockstep.diagnostics.progress import Progress, ProgressObserver
@@ -45,12 +45,9 @@ def _start(case: str, logs: Path) -> list[tuple[subprocess.Popen, Path]]:
     port = free_port()
     procs = []
     for rank, node in enumerate(node_ids):
-        env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   RANK=str(rank), WORLD_SIZE=str(len(node_ids)), LOCAL_RANK=str(rank % 2),
-                   LOCAL_WORLD_SIZE=str(node_ids.count(node)), GROUP_RANK=str(node),
-                   LOCKSTEP_LOG_DIR=str(logs / case))
-        env.pop("LOCKSTEP_HANG_TIMEOUT_S", None)
+        env = dict(hang_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(len(node_ids)), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE=str(node_ids.count(node)),
+                   GROUP_RANK=str(node), LOCKSTEP_LOG_DIR=str(logs / case))
         out = logs / f"{case}.rank{rank}.log"
         with open(out, "w") as f:
             procs.append((subprocess.Popen([sys.executable, str(SCRIPT), case, str(HANG_TIMEOUT_S)], env=env,

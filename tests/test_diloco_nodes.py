@@ -27,10 +27,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
+from test_diloco_trainer import _train
 from torch import nn
-from torch.utils.data import TensorDataset
 
-from lockstep import DiLoCo, DiLoCoConfig, DistributedDataParallel, Trainer, TrainerConfig
+from lockstep import DiLoCo, DiLoCoConfig, DistributedDataParallel
 from lockstep.ddp.diloco import node_groups
 
 NODE_IDS = [0, 0, 1, 1]
@@ -257,40 +257,7 @@ def test_each_rank_sends_only_its_buckets(ranks, name, wire_bytes):
 
 
 # -- the Trainer at 2 x 2 -------------------------------------------------------------------------------------------
-N_TRAIN, N_EVAL = 240, 37
-DILOCO = dict(diloco_sync_every=4, diloco_fragments=2, diloco_wire_dtype="bf16", diloco_warmup_steps=2)
-
-
-def _data(n: int, seed: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 6, generator=g)
-    return TensorDataset(x, (x[:, 0] + 0.5 * x[:, 1] > 0).long())
-
-
-class Crash(Exception):
-    pass
-
-
-def _train(directory: str, max_steps: int, resume: bool = False, crash_at: int | None = None, seed: int = 1):
-    torch.manual_seed(seed + 1000 * int(os.environ.get("RANK", "0")))  # different starts: the broadcasts align them
-    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 16), nn.ReLU(),
-                          nn.Linear(16, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    config = TrainerConfig(epochs=2, batch_size=8, seed=3, checkpoint_dir=directory, save_every_steps=3,
-                           keep_last=5, progress=False, max_steps=max_steps, resume=resume, log_every_steps=1,
-                           **DILOCO)
-
-    def crash(trainer):
-        if trainer.step == crash_at:
-            raise Crash(f"after step {crash_at}")
-
-    trainer = Trainer(model, optimizer, nn.functional.cross_entropy, _data(N_TRAIN, 0), _data(N_EVAL, 1), config,
-                      on_step_end=crash if crash_at else None)
-    try:
-        trainer.fit()
-    except Crash:
-        pass
-    return trainer
+# the same run as tests/test_diloco_trainer.py's 2 ranks (2 warm-up steps, streaming in 2 fragments, bf16 wire)
 
 
 def _trainer_state(trainer) -> dict:
