@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from script_ranks import ForkedScript
 from test_hang import _env as hang_env
 
 from lockstep.diagnostics import report
@@ -40,7 +39,8 @@ def _line_of(marker: str) -> int:
     raise LookupError(marker)
 
 
-def _start(case: str, logs: Path) -> list[tuple[subprocess.Popen, Path]]:
+def _start(case: str, logs: Path) -> list[tuple[ForkedScript, Path]]:
+    """The case's ranks, forked from the forkserver, as test_hang's (script_ranks.ForkedScript)."""
     node_ids, _ = CASES[case]
     port = free_port()
     procs = []
@@ -49,9 +49,7 @@ def _start(case: str, logs: Path) -> list[tuple[subprocess.Popen, Path]]:
                    WORLD_SIZE=str(len(node_ids)), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE=str(node_ids.count(node)),
                    GROUP_RANK=str(node), LOCKSTEP_LOG_DIR=str(logs / case))
         out = logs / f"{case}.rank{rank}.log"
-        with open(out, "w") as f:
-            procs.append((subprocess.Popen([sys.executable, str(SCRIPT), case, str(HANG_TIMEOUT_S)], env=env,
-                                           stdout=f, stderr=subprocess.STDOUT, cwd=ROOT), out))
+        procs.append((ForkedScript(SCRIPT, [case, str(HANG_TIMEOUT_S)], env, out, ROOT), out))
     return procs
 
 
