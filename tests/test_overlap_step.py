@@ -327,7 +327,7 @@ def test_one_binding_the_users_optimizer_keeps_its_methods_and_refuses_a_direct_
                                   "optimizer it returned (its .grad may still be on the wire until then): opt = "
                                   "model.overlap_optimizer_step(opt)"), seen
         assert seen["untouched"] and seen["stepped"], seen
-        assert seen["twice"].startswith("overlap_optimizer_step: an optimizer is bound already"), seen
+        assert seen["twice"].startswith("overlap_optimizer_step: a strategy is bound already (overlapped step; "), seen
 
 
 def test_the_update_lands_in_the_next_forward(results):

@@ -208,8 +208,8 @@ class Reducer:
     def check_unbound(self, what: str) -> None:
         """``bind``'s refusals, each one line naming ``what``; the wrapper asks before it builds a strategy."""
         if type(self.strategy) is not AllReduce:
-            raise RuntimeError(f"{what}: an optimizer is bound already (zero_optimizer or overlap_optimizer_step: one "
-                               "per DistributedDataParallel)")
+            raise RuntimeError(f"{what}: a strategy is bound already ({self.strategy.name}; one of zero_optimizer, "
+                               "overlap_optimizer_step and reduce_in per DistributedDataParallel)")
         if self.step is not None:
             raise RuntimeError(f"{what}: called inside a backward; bind it between steps")
 
