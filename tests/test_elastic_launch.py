@@ -511,7 +511,7 @@ def _lose_node_1_and_start_it_again(directory: str, nproc: int, node_0_extra: li
         try:
             _wait_file(os.path.join(directory, "paused"), 240, launches)
             _kill_node(node_b)
-            node_a.wait_for(left_line, INPLACE_BOUND_S + 30)
+            node_a.wait_for(LEFT_LINE, INPLACE_BOUND_S + 30)
             os.remove(os.path.join(directory, "paused"))
             survivors = {p for _, _, w, p in _rows(directory) if w == nproc}
             started = time.time()
