@@ -369,14 +369,19 @@ def _assert_bit_for_bit(got: dict, want: dict) -> None:
 
 
 def _check_in_place(measured: dict, nproc: int) -> None:
-    print(f"{measured['line']}; kill to the next step at world size {nproc}: {measured['recover_s']:.2f} s")
+    # A kill drawn "once step K was done" can land after the last step when the job outran it (seen at load: run 4,
+    # K = 10, the kill after step 12): the survivors then re-form inside the final save and no step follows, so
+    # there is no step at the new size to time and no process to count by its steps
+    last = measured["last_step_before"] == STEPS
+    recover = "none (killed after the last step)" if last else f"{measured['recover_s']:.2f} s"
+    print(f"{measured['line']}; kill to the next step at world size {nproc}: {recover}")
     assert measured["worlds"] == (2 * nproc, nproc)
-    assert measured["pids_after"] <= measured["pids_before"] and len(measured["pids_after"]) == nproc  # same PIDs
+    assert measured["pids_after"] <= measured["pids_before"] and len(measured["pids_after"]) == (0 if last else nproc)
     assert "restarted" not in measured["text"] and "resumed from step" not in measured["text"]
     # no completed step lost: the survivors went on from the last step any rank finished before the kill, or
     # the one after it (a step in flight whose commit had completed somewhere)
     assert measured["step"] >= measured["last_step_before"]
-    assert measured["recover_s"] is not None and measured["recover_s"] < INPLACE_BOUND_S
+    assert last or (measured["recover_s"] is not None and measured["recover_s"] < INPLACE_BOUND_S)
 
 
 @needs_netns
