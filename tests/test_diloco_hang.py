@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from script_ranks import ForkedScript
 from test_hang import _env as hang_env
+from test_hang import collect, diagnosis, report_of
 
 from lockstep.diagnostics import report
 from lockstep.diagnostics.progress import Progress, ProgressObserver
@@ -66,27 +67,7 @@ def jobs(tmp_path_factory):
             if case not in ended and all(p.poll() is not None for r, (p, _) in enumerate(procs) if r != stopped):
                 ended[case] = time.time()
         time.sleep(0.1)
-    results = {}
-    for case, procs in running.items():
-        for p, _ in procs:  # the stopped rank (and any rank still running after the limit)
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
-        outs = [path.read_text(errors="replace") for _, path in procs]
-        marks = [float(m) for out in outs for m in re.findall(r"^MARK ([\d.]+)$", out, re.M)]
-        results[case] = {"rc": [p.returncode for p, _ in procs], "out": outs, "ended": ended.get(case),
-                         "mark": max(marks, default=None), "dir": logs / case}
-    return results
-
-
-def _report(job: dict) -> str:
-    reports = [out for out in job["out"] if "lockstep hang report:" in out]
-    assert len(reports) == 1, "expected the full report in exactly one rank's output:\n" + "\n".join(job["out"])
-    return reports[0]
-
-
-def _diagnosis(job: dict) -> str:
-    return re.search(r"^diagnosis: (.*)$", _report(job), re.M).group(1)
+    return collect(running, ended, logs)  # the stopped rank killed: the others have ended
 
 
 def _assert_hang_exit(job: dict, stopped: int) -> None:
@@ -104,9 +85,9 @@ def test_one_rank_a_node_names_the_outer_all_reduce(jobs):
     _assert_hang_exit(job, stopped=1)
     outer = ("DiLoCo's outer all-reduce of fragment 0, bucket 1 of 4 (launched after inner step 5, waited for after "
              "inner step 5)")
-    assert _diagnosis(job) == ("rank 1 does not respond (last seen in data loading before step 5): it died or is "
+    assert diagnosis(job) == ("rank 1 does not respond (last seen in data loading before step 5): it died or is "
                                f"frozen; rank 0 waits in {outer}")
-    text = _report(job)
+    text = report_of(job)
     assert re.search(rf"lockstep hang report: rank 0 waited [\d.]+ s \(hang_timeout_s=6\) in {re.escape(outer)}",
                      text), text
     # the table: rank 0's position and where in the script it waits
@@ -118,11 +99,11 @@ def test_two_ranks_a_node_name_the_all_reduce_and_the_node_broadcast(jobs):
     job = jobs["two_a_node"]
     _assert_hang_exit(job, stopped=3)
     launched = "of fragment 0, bucket 2 of 2 (launched after inner step 4, waited for after inner step 5)"
-    diagnosis = _diagnosis(job)
-    assert diagnosis.startswith("rank 3 does not respond (last seen in data loading before step 5): it died or is "
+    said = diagnosis(job)
+    assert said.startswith("rank 3 does not respond (last seen in data loading before step 5): it died or is "
                                 f"frozen; rank 0 waits in DiLoCo's broadcast inside the node of the outer all-reduce "
-                                f"{launched}; rank 2 is 1 step(s) behind, in all-reduce of bucket "), diagnosis
-    assert diagnosis.endswith(f"rank 1 waits in DiLoCo's outer all-reduce {launched}"), diagnosis
+                                f"{launched}; rank 2 is 1 step(s) behind, in all-reduce of bucket "), said
+    assert said.endswith(f"rank 1 waits in DiLoCo's outer all-reduce {launched}"), said
 
 
 def test_progress_says_the_outer_wait_and_restores_the_phase():

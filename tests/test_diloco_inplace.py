@@ -19,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from test_inplace_loopback import INPLACE, _finish, _reference, _start_ranks, _without_cxx_frames
+from test_inplace_loopback import INPLACE, _finish, _reference, _rows, _start_ranks, _without_cxx_frames
 from test_multinode import clean_env
 
 from lockstep.process_group import free_port
@@ -27,15 +27,6 @@ from lockstep.process_group import free_port
 HERE = os.path.dirname(os.path.abspath(__file__))
 H = 4  # the outer sync every 4 steps: after steps 4, 8 and 12 of the 12
 STEPS, N = 12, 96
-
-
-def _progress(directory: str) -> list[tuple[float, int, int, int]]:
-    """(time, step, world size, pid) of every step finished, every process's, in time order."""
-    rows = []
-    for name in (n for n in os.listdir(directory) if n.startswith("progress-")):
-        with open(os.path.join(directory, name)) as f:
-            rows += [(float(t), int(s), int(w), int(p)) for t, s, w, p in (line.split() for line in f)]
-    return sorted(rows)
 
 
 def _samples_kept(directory: str) -> tuple[dict[int, set[int]], list[int]]:
@@ -118,13 +109,13 @@ def test_a_node_lost_in_the_outer_all_reduce_costs_the_steps_since_the_last_sync
         time.sleep(1.0)  # rank 0 is in step 8's outer all-reduce by now (its steps take milliseconds)
         procs[1].send_signal(signal.SIGKILL)
         deadline = time.monotonic() + 120
-        while not any(w == 1 for _, _, w, _ in _progress(grown)):  # rank 0 holds its first step at world size 1
+        while not any(w == 1 for _, _, w, _ in _rows(grown)):  # rank 0 holds its first step at world size 1
             assert time.monotonic() < deadline and procs[0].poll() is None, _without_cxx_frames(procs[0].stdout.read())
             time.sleep(0.1)
         newcomer = _start_newcomer(grown, port, *diloco)
         assert _finish([*procs, newcomer], killed_ok=True) == [0, -signal.SIGKILL, 0]
         reference.result()
-    rows = _progress(grown)
+    rows = _rows(grown)
     survivor = procs[0].pid
     steps = [(s, w) for _, s, w, p in rows if p == survivor]
     # the lost steps: 5-7 (after the sync of step 4); at most H - 1 of them, however the loss falls

@@ -80,6 +80,14 @@ def jobs(tmp_path_factory):
             if case not in ended and all(p.poll() is not None for p, _ in procs):
                 ended[case] = time.time()
         time.sleep(0.1)
+    results = collect(running, ended, logs)
+    results["launch"]["dir"] = launch_dir
+    return results
+
+
+def collect(running: dict, ended: dict[str, float], logs: Path) -> dict:
+    """case -> {"rc", "out", "ended", "mark", "dir"} once the cases ended: a rank still running (a stopped one, or
+    any past the limit) is killed first; "mark" is the last MARK a rank printed (when it misbehaved)."""
     results = {}
     for case, procs in running.items():
         for p, _ in procs:
@@ -90,7 +98,6 @@ def jobs(tmp_path_factory):
         marks = [float(m) for out in outs for m in re.findall(r"^(?:\[rank\d\]:)?MARK ([\d.]+)$", out, re.M)]
         results[case] = {"rc": [p.returncode for p, _ in procs], "out": outs, "ended": ended.get(case),
                          "mark": max(marks, default=None), "dir": logs / case}
-    results["launch"]["dir"] = launch_dir
     return results
 
 

@@ -61,6 +61,11 @@ class ShardCollectives(Protocol):
         ...
 
 
+def gather_chunks(full: torch.Tensor, value: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Every rank's ``value`` into its chunk of ``full``, now, with torch's list all-gather (any backend)."""
+    dist.all_gather(list(full.chunk(dist.get_world_size(group))), value.contiguous(), group=group)
+
+
 class FlatPair:
     name = "flat"
     kinds = ("reduce_scatter_tensor", "all_gather_into_tensor")
@@ -95,7 +100,7 @@ class AllReducePair:
         return launch_clean(dist.all_reduce, flat, group=self.group, async_op=True)
 
     def gather_state(self, full: torch.Tensor, value: torch.Tensor) -> None:
-        dist.all_gather(list(full.chunk(dist.get_world_size(self.group))), value.contiguous(), group=self.group)
+        gather_chunks(full, value, self.group)
 
 
 class RingPair:
@@ -113,8 +118,7 @@ class RingPair:
         return self.queue.all_gather(flat, label=label)
 
     def gather_state(self, full: torch.Tensor, value: torch.Tensor) -> None:
-        # a checkpoint's few tensors, in the caller's thread on the caller's group: nothing to overlap here
-        dist.all_gather(list(full.chunk(dist.get_world_size(self.group))), value.contiguous(), group=self.group)
+        gather_chunks(full, value, self.group)  # a checkpoint's few tensors, on the caller's thread and group
 
     @property
     def sent_nbytes(self) -> int:

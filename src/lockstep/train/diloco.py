@@ -57,8 +57,7 @@ def build(model: torch.nn.Module, config: DiLoCoConfig, groups: DiLoCoGroups, in
     return DiLoCo(model, config, group=groups.cross, node_group=groups.node, init_sync=init_sync)
 
 
-def snapshot(diloco: DiLoCo, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-             precision: Any) -> dict:
+def snapshot(diloco: DiLoCo, optimizer: torch.optim.Optimizer, scheduler: Any, precision: Any) -> dict:
     """What in-place recovery rolls a rank back to (``rewind``): the last sync point, where every replica holds
     the anchors, so only this rank's inner optimizer (a copy: 2 x the parameters for Adam, every H steps),
     scheduler and scaler are kept, with DiLoCo's position. Off a sync point (the start of a run resumed mid-cycle,

@@ -439,7 +439,7 @@ class Trainer:
         if self.diloco is not None and self._recovery is not None:
             if not self.diloco.at_sync_point and self._committed is not None:
                 return  # between two syncs: a loss goes back to the last one
-            outer_state = outer.snapshot(self.diloco, self.model, self.optimizer, self.scheduler, self.precision)
+            outer_state = outer.snapshot(self.diloco, self.optimizer, self.scheduler, self.precision)
         self._committed = {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,
                            "sampler": self.sampler.state_dict(), "loss": (self._loss_sum, self._loss_count),
                            "seen": (self._samples_seen, self._train_time_s), "outer": outer_state}
