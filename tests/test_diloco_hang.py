@@ -16,17 +16,14 @@ from pathlib import Path
 
 import pytest
 from script_ranks import ForkedScript
-from test_hang import _env as hang_env
-from test_hang import collect, diagnosis, report_of
+from test_hang import HANG_TIMEOUT_S, collect, diagnosis, report_of, start_forked
 
 from lockstep.diagnostics import report
 from lockstep.diagnostics.progress import Progress, ProgressObserver
 from lockstep.diagnostics.watchdog import HANG_EXIT_CODE
-from lockstep.process_group import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "hang_scripts" / "diloco_hang.py"
-HANG_TIMEOUT_S = 6.0  # as test_hang.py: a few seconds, with margin for a loaded machine
 CASES = {"one_a_node": ([0, 1], 1), "two_a_node": ([0, 0, 1, 1], 3)}  # node ids by rank, the rank that stops
 JOB_LIMIT_S = 180
 
@@ -41,17 +38,10 @@ def _line_of(marker: str) -> int:
 
 
 def _start(case: str, logs: Path) -> list[tuple[ForkedScript, Path]]:
-    """The case's ranks, forked from the forkserver, as test_hang's (script_ranks.ForkedScript)."""
+    """The case's ranks laid out as its nodes, forked as test_hang's."""
     node_ids, _ = CASES[case]
-    port = free_port()
-    procs = []
-    for rank, node in enumerate(node_ids):
-        env = dict(hang_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(len(node_ids)), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE=str(node_ids.count(node)),
-                   GROUP_RANK=str(node), LOCKSTEP_LOG_DIR=str(logs / case))
-        out = logs / f"{case}.rank{rank}.log"
-        procs.append((ForkedScript(SCRIPT, [case, str(HANG_TIMEOUT_S)], env, out, ROOT), out))
-    return procs
+    return start_forked(SCRIPT, case, [{"LOCAL_RANK": str(r % 2), "LOCAL_WORLD_SIZE": str(node_ids.count(node)),
+                                        "GROUP_RANK": str(node)} for r, node in enumerate(node_ids)], logs)
 
 
 @pytest.fixture(scope="module")

@@ -47,19 +47,24 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _start_case(case: str, world: int, logs: Path) -> list[tuple[ForkedScript, Path]]:
-    """The case's ranks, forked from the forkserver (what a report says and the code the watchdog exits with
-    do not depend on a fresh interpreter; 20 ranks start in ~6 CPU-s instead of ~60); the launcher's case is a
-    real launch."""
+def start_forked(script: Path, case: str, ranks: list[dict[str, str]], logs: Path) -> list[tuple[ForkedScript, Path]]:
+    """A case's ranks, forked from the forkserver (what a report says and the code the watchdog exits with do not
+    depend on a fresh interpreter; 20 ranks start in ~6 CPU-s instead of ~60): ``ranks`` holds each rank's layout
+    variables beside RANK, WORLD_SIZE and the master's; the output of each in ``logs``/CASE.rankR.log."""
     port = free_port()
     procs = []
-    for rank in range(world):
-        env = _env()
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), LOCKSTEP_LOG_DIR=str(logs / case))
+    for rank, layout in enumerate(ranks):
+        env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(len(ranks)),
+                   LOCKSTEP_LOG_DIR=str(logs / case), **layout)
         out = logs / f"{case}.rank{rank}.log"
-        procs.append((ForkedScript(SCRIPT, [case, str(HANG_TIMEOUT_S)], env, out, ROOT), out))
+        procs.append((ForkedScript(script, [case, str(HANG_TIMEOUT_S)], env, out, ROOT), out))
     return procs
+
+
+def _start_case(case: str, world: int, logs: Path) -> list[tuple[ForkedScript, Path]]:
+    """One node of ``world`` ranks; the launcher's case is a real launch (``jobs``)."""
+    return start_forked(SCRIPT, case, [{"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world)} for r in range(world)],
+                        logs)
 
 
 @pytest.fixture(scope="module")
